@@ -1,0 +1,13 @@
+"""Site-wide choices for every box. Defaults live in tasks/settings.py (DEFAULTS); set here
+only what your site changes. Examples:
+
+    mirror_profile = "cn"                      # hf-mirror, TUNA PyPI, NJU PyTorch, nvidia.cn
+    mirror_urls = {"pypi": "http://pypi.internal/simple"}   # replace one source's base URL
+    artifact_mode = "direct"                   # each box downloads itself (default: relay)
+    env_backend = "venv"                       # use the box's Python >= 3.10 instead of Miniforge
+    train_unit_state = "started"               # start training at the end of deploy/full.py
+    hf_token_file = "~/.config/verl-lab/hf_token"   # never put the token itself here
+"""
+
+# SSH host keys are checked: a box must be in ~/.ssh/known_hosts (or set ssh_known_hosts_file).
+ssh_strict_host_key_checking = "yes"

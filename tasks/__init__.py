@@ -1,0 +1,1 @@
+"""verl-lab: provision NVIDIA GPU boxes to train verl PPO, with pyinfra."""

@@ -1,0 +1,50 @@
+"""Facts about files verl-lab placed on a box."""
+
+from __future__ import annotations
+
+import shlex
+
+from pyinfra.api import FactBase
+
+
+class VerifiedArtifact(FactBase):
+    """The verified-checksum stamp of an artifact file, if the file is still as stamped.
+
+    Returns ``{"sha256": str, "size": int}`` when ``path`` and ``path.sha256`` exist and the
+    file's size matches the stamp, else ``None``. Costs a ``stat``, not a re-hash.
+    """
+
+    def command(self, path: str) -> str:
+        p = shlex.quote(path)
+        s = shlex.quote(path + ".sha256")
+        return f"if [ -f {p} ] && [ -f {s} ]; then cat {s}; stat -c %s {p}; else echo none; fi"
+
+    def process(self, output):
+        lines = [line.strip() for line in output if line.strip()]
+        if not lines or lines[0] == "none" or len(lines) < 2:
+            return None
+        parts = lines[0].split()
+        if len(parts) != 2 or not parts[1].isdigit() or not lines[1].isdigit():
+            return None
+        if int(parts[1]) != int(lines[1]):
+            return None
+        return {"sha256": parts[0], "size": int(lines[1])}
+
+
+class Marker(FactBase):
+    """The contents of a stage marker file as a dict of ``key=value`` lines, or None."""
+
+    def command(self, path: str) -> str:
+        p = shlex.quote(path)
+        return f"if [ -f {p} ]; then cat {p}; else echo __none__; fi"
+
+    def process(self, output):
+        lines = list(output)
+        if lines and lines[0].strip() == "__none__":
+            return None
+        found = {}
+        for line in lines:
+            if "=" in line:
+                key, _, value = line.partition("=")
+                found[key.strip()] = value.strip()
+        return found

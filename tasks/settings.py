@@ -1,0 +1,194 @@
+"""Host settings: the inventory's data for one box, checked and given defaults.
+
+Pure: takes a plain mapping (pyinfra's ``host.data`` turned into a dict) and returns a
+frozen ``LabSettings`` or raises ``SettingsError`` naming the host, the key and the fix.
+Every default lives here, once; ``inventory/group_data/all.py`` only sets site choices.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from tasks.catalog import Catalog, CatalogError, MirrorSet, default_catalog
+
+ARTIFACT_MODES = ("relay", "direct")
+ENV_BACKENDS = ("conda", "venv")
+UNIT_STATES = ("installed", "enabled", "started")
+USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,30}$")
+
+DEFAULTS: dict[str, Any] = {
+    # where artifacts come from
+    "artifact_mode": "relay",          # relay: controller downloads once, pushes; direct: box downloads
+    "mirror_profile": "global",        # global | cn  (files/catalog.toml [sources])
+    "mirror_urls": {},                 # source name -> base URL, replacing the profile's
+    "catalog_overrides": {},           # artifact name -> {field: value}
+    "controller_cache": "~/.cache/verl-lab",
+    # where things go on the box
+    "lab_root": "/opt/verl-lab",       # markers, box-side artifact cache, launcher, data
+    "cuda_prefix": "/usr/local/cuda-11.8",
+    "install_tmpdir": "/var/tmp/verl-lab",
+    "allow_no_driver": False,          # install the toolkit on a box without an NVIDIA driver
+    "env_backend": "conda",            # conda | venv
+    "env_prefix": "/opt/verl-lab/envs/verl",
+    "conda_prefix": "/opt/verl-lab/miniforge3",
+    "venv_python": "python3",         # interpreter for the venv backend (>= 3.10)
+    # training
+    "train_user": "verl",
+    "train_unit_state": "enabled",     # installed | enabled | started
+    "hf_token_file": None,             # a file on the controller holding an HF token
+    "model_artifact": "qwen_model",
+    "dataset_artifact": "gsm8k",
+    "train_steps": 20,
+}
+
+KNOWN_KEYS = set(DEFAULTS)
+
+
+class SettingsError(ValueError):
+    """A bad inventory value. ``str()`` names the host, the key, the value and the fix."""
+
+    def __init__(self, host: str, key: str, problem: str, fix: str):
+        self.host, self.key, self.problem, self.fix = host, key, problem, fix
+        super().__init__(f"host {host}: {key}: {problem}. Fix: {fix}")
+
+
+@dataclass(frozen=True)
+class LabSettings:
+    host: str
+    artifact_mode: str
+    mirror_profile: str
+    mirrors: MirrorSet
+    catalog: Catalog
+    controller_cache: Path
+    lab_root: str
+    cuda_prefix: str
+    install_tmpdir: str
+    allow_no_driver: bool
+    env_backend: str
+    env_prefix: str
+    conda_prefix: str
+    venv_python: str
+    train_user: str
+    train_unit_state: str
+    hf_token_file: Path | None
+    model_artifact: str
+    dataset_artifact: str
+    train_steps: int
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def marker_dir(self) -> str:
+        return f"{self.lab_root}/markers"
+
+    @property
+    def box_cache(self) -> str:
+        return f"{self.lab_root}/cache"
+
+    def url(self, artifact_name: str) -> str:
+        return self.catalog.artifact(artifact_name).url(self.mirrors)
+
+
+def _abs_path(host: str, key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("/") or "\n" in value or " " in value:
+        raise SettingsError(host, key, f"{value!r} is not an absolute path without spaces",
+                            f"set {key} to an absolute path such as {DEFAULTS[key]!r}")
+    return value.rstrip("/") or "/"
+
+
+def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = None) -> LabSettings:
+    """Check one host's data and return its settings; raise SettingsError on the first problem."""
+    merged = {**DEFAULTS, **{k: v for k, v in data.items() if k in KNOWN_KEYS}}
+
+    def choice(key: str, allowed: tuple[str, ...]) -> str:
+        value = merged[key]
+        if value not in allowed:
+            raise SettingsError(host, key, f"{value!r} is not one of {', '.join(allowed)}",
+                                f"set {key} to one of {', '.join(allowed)} in the inventory or group_data")
+        return value
+
+    artifact_mode = choice("artifact_mode", ARTIFACT_MODES)
+    env_backend = choice("env_backend", ENV_BACKENDS)
+    unit_state = choice("train_unit_state", UNIT_STATES)
+
+    base = catalog or default_catalog()
+    overrides = merged["catalog_overrides"]
+    if not isinstance(overrides, Mapping):
+        raise SettingsError(host, "catalog_overrides", "must be a mapping", "use {artifact: {field: value}}")
+    try:
+        cat = base.with_overrides(overrides)
+    except CatalogError as exc:
+        raise SettingsError(host, "catalog_overrides", str(exc),
+                            "name a catalog artifact and one of its overridable fields") from None
+
+    profile = merged["mirror_profile"]
+    urls = merged["mirror_urls"]
+    if not isinstance(urls, Mapping):
+        raise SettingsError(host, "mirror_urls", "must be a mapping", "use {source: base URL}")
+    try:
+        mirrors = cat.mirrors(profile, urls)
+    except CatalogError as exc:
+        key = "mirror_profile" if "profile" in str(exc) else "mirror_urls"
+        fix = (f"set mirror_profile to one of {', '.join(cat.profiles)}" if key == "mirror_profile"
+               else "give an http(s) base URL for a source listed in files/catalog.toml [sources]")
+        raise SettingsError(host, key, str(exc), fix) from None
+
+    for key in ("model_artifact", "dataset_artifact"):
+        try:
+            cat.artifact(merged[key])
+        except CatalogError as exc:
+            raise SettingsError(host, key, str(exc), "name an artifact of files/catalog.toml") from None
+
+    # pyinfra's own SSH key setting: a missing key file would fail later, per connection.
+    key_file = data.get("ssh_key")
+    if key_file and not Path(os.path.expanduser(str(key_file))).is_file():
+        raise SettingsError(host, "ssh_key", f"file {key_file!r} does not exist",
+                            "point ssh_key at a private key file on the controller, or remove it to use ssh-agent")
+
+    user = merged["train_user"]
+    if not isinstance(user, str) or not USER_RE.match(user) or user == "root":
+        raise SettingsError(host, "train_user", f"{user!r} is not a valid unprivileged user name",
+                            "use a lowercase name such as 'verl' (training never runs as root)")
+
+    token_file = merged["hf_token_file"]
+    if token_file is not None:
+        token_path = Path(os.path.expanduser(str(token_file)))
+        if not token_path.is_file():
+            raise SettingsError(host, "hf_token_file", f"file {token_file!r} does not exist",
+                                "write the token to a file readable only by you (chmod 600) and name it here")
+        token_file = token_path
+
+    steps = merged["train_steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise SettingsError(host, "train_steps", f"{steps!r} is not a positive integer", "set e.g. train_steps = 20")
+
+    if not isinstance(merged["allow_no_driver"], bool):
+        raise SettingsError(host, "allow_no_driver", f"{merged['allow_no_driver']!r} is not True/False",
+                            "set allow_no_driver = True or False")
+
+    return LabSettings(
+        host=host,
+        artifact_mode=artifact_mode,
+        mirror_profile=profile,
+        mirrors=mirrors,
+        catalog=cat,
+        controller_cache=Path(os.path.expanduser(str(merged["controller_cache"]))),
+        lab_root=_abs_path(host, "lab_root", merged["lab_root"]),
+        cuda_prefix=_abs_path(host, "cuda_prefix", merged["cuda_prefix"]),
+        install_tmpdir=_abs_path(host, "install_tmpdir", merged["install_tmpdir"]),
+        allow_no_driver=merged["allow_no_driver"],
+        env_backend=env_backend,
+        env_prefix=_abs_path(host, "env_prefix", merged["env_prefix"]),
+        conda_prefix=_abs_path(host, "conda_prefix", merged["conda_prefix"]),
+        venv_python=str(merged["venv_python"]),
+        train_user=user,
+        train_unit_state=unit_state,
+        hf_token_file=token_file,
+        model_artifact=merged["model_artifact"],
+        dataset_artifact=merged["dataset_artifact"],
+        train_steps=steps,
+        raw=dict(data),
+    )
