@@ -88,6 +88,32 @@ class LabSettings:
     def box_cache(self) -> str:
         return f"{self.lab_root}/cache"
 
+    def marker(self, stage: str) -> str:
+        """A stage's marker: written only after the stage's proofs pass (key=value lines)."""
+        return f"{self.marker_dir}/{stage}.done"
+
+    @property
+    def env_python(self) -> str:
+        return f"{self.env_prefix}/bin/python"
+
+    @property
+    def model_dir(self) -> str:
+        repo = self.catalog.artifact(self.model_artifact).repo or self.model_artifact
+        return f"{self.lab_root}/models/{repo.replace('/', '--')}"
+
+    @property
+    def data_dir(self) -> str:
+        return f"{self.lab_root}/data/{self.dataset_artifact}"
+
+    @property
+    def verl_src(self) -> str:
+        return f"{self.lab_root}/src/verl"
+
+    @property
+    def train_dir(self) -> str:
+        """Launcher, EnvironmentFile, plan.json; checkpoints go under train_dir/checkpoints."""
+        return f"{self.lab_root}/train"
+
     def url(self, artifact_name: str) -> str:
         return self.catalog.artifact(artifact_name).url(self.mirrors)
 
