@@ -1,0 +1,115 @@
+"""Doctor rules: each one matches a real-shaped excerpt of the message it knows, and lines
+that only look alike do not match."""
+
+import json
+
+import pytest
+
+from tasks.doctor import diagnose, load_rules, main
+
+OOM = """\
+(WorkerDict pid=4242) Traceback (most recent call last):
+  File "verl/single_controller/ray/base.py", line 663, in func
+    return getattr(self.worker_dict[key], name)(*args, **kwargs)
+  File "verl/workers/fsdp_workers.py", line 610, in update_actor
+    metrics = self.actor.update_policy(data=data)
+  File "verl/workers/actor/dp_actor.py", line 410, in update_policy
+    loss.backward()
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.16 GiB. GPU 0 has a total capacity of 23.87 GiB of which 403.50 MiB is free. Including non-PyTorch memory, this process has 23.47 GiB memory in use. Of the allocated memory 21.50 GiB is allocated by PyTorch, and 1.47 GiB is reserved by PyTorch but unallocated.
+"""
+
+EXCERPTS = {
+    "cuda-oom": OOM,
+    "no-kernel-image": "RuntimeError: CUDA error: no kernel image is available for execution on the device\n"
+                       "CUDA kernel errors might be asynchronously reported at some other API call",
+    "bf16-unsupported": "ValueError: Bfloat16 is only supported on GPUs with compute capability of at least 8.0. "
+                        "Your Tesla T4 GPU has compute capability 7.5. You can use float16 instead by explicitly "
+                        "setting the`dtype` flag in CLI, for example: --dtype=half.",
+    "flash-attn-unsupported": "RuntimeError: FlashAttention only supports Ampere GPUs or newer.",
+    "triton-old-gpu": "RuntimeError: Found Tesla P40 which is too old to be supported by the triton GPU compiler, "
+                      "which is used as the backend. Triton only supports devices of CUDA Capability >= 7.0, "
+                      "but your device is of CUDA capability 6.1",
+    "triton-shared-memory": "triton.runtime.errors.OutOfResources: out of resource: shared memory, "
+                            "Required: 98304, Hardware limit: 65536. Reducing block sizes or `num_stages` may help.",
+    "prompt-too-long": "  File \"verl/utils/dataset/rl_dataset.py\", line 307, in __getitem__\n"
+                       "RuntimeError: Prompt length 211 is longer than 128.",
+    "apex-cuda-mismatch": "RuntimeError: Cuda extensions are being compiled with a version of Cuda that does not "
+                          "match the version used to compile Pytorch binaries.  Pytorch binaries were compiled "
+                          "with Cuda 11.8.\nIn some cases, a minor-version mismatch will not cause later errors",
+    "gcc-too-new": "/usr/local/cuda-11.8/include/crt/host_config.h:132:2: error: #error -- unsupported GNU "
+                   "version! gcc versions later than 11 are not supported! The nvcc flag "
+                   "'-allow-unsupported-compiler' can be used to override this version check",
+    "driver-too-old": "RuntimeError: The NVIDIA driver on your system is too old (found version 11040). Please "
+                      "update your GPU driver by downloading and installing a new version",
+    "no-driver": "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that "
+                 "the latest NVIDIA driver is installed and running.",
+    "no-cuda-device": "RuntimeError: No CUDA GPUs are available",
+    "hf-html-page": "safetensors_rust.SafetensorError: Error while deserializing header: HeaderTooLarge",
+    "checksum-mismatch": "sha256 mismatch for http://mirror/x.tar.xz: expected aaaa, got bbbb; deleted, not installed",
+    "vllm-old-gpu": "ValueError: vLLM only supports GPUs with compute capability >= 7.0",
+}
+
+# Lines that share words with a rule but are not that failure.
+NOT_MATCHES = {
+    "cuda-oom": "INFO: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid out of memory fragmentation",
+    "no-kernel-image": "building kernel image for sm_61",
+    "prompt-too-long": "Filtering prompts longer than 128 tokens: 100%|##########| 7473/7473",
+    "hf-html-page": "# <!DOCTYPE html> is what a captcha page starts with",
+    "flash-attn-unsupported": "attn_implementation=sdpa (flash_attention_2 needs Ampere)",
+    "driver-too-old": "driver 535.104.05 is new enough for CUDA 11.8",
+}
+
+
+def test_every_rule_has_an_excerpt():
+    assert {r.id for r in load_rules()} == set(EXCERPTS)
+
+
+@pytest.mark.parametrize("rule_id", sorted(EXCERPTS))
+def test_rule_matches_its_excerpt(rule_id):
+    diag = diagnose("box", {"journal": EXCERPTS[rule_id]})
+    assert rule_id in [f.rule for f in diag.findings]
+    assert diag.failed
+
+
+@pytest.mark.parametrize("rule_id", sorted(NOT_MATCHES))
+def test_lookalike_lines_do_not_match(rule_id):
+    diag = diagnose("box", {"journal": NOT_MATCHES[rule_id]})
+    assert rule_id not in [f.rule for f in diag.findings]
+
+
+def test_oom_names_phase_component_and_next_plan_step():
+    plan = {"predicted_peak_mib": 20000, "breakdown": {"actor_states": 7600, "actor_activations": 3100},
+            "offload": {"ref_param_offload": True}}
+    (finding,) = diagnose("p40", {"journal": OOM}, plan).findings
+    d = finding.details
+    assert d["phase"] == "actor"
+    assert d["tried_to_allocate_mib"] == pytest.approx(1187.8, abs=0.1)
+    assert d["gpu_free_mib"] == pytest.approx(403.5)
+    assert d["component_estimates_mib"] == {"actor_states": 7600, "actor_activations": 3100}
+    assert d["exceeded_estimate_by_mib"] == pytest.approx(23.47 * 1024 + 1187.84 - 20000, abs=1)
+    assert d["plan_would_change"] == "actor_optimizer_offload"
+
+
+def test_oom_without_plan_says_so():
+    (finding,) = diagnose("p40", {"journal": OOM}).findings
+    assert "no plan.json" in finding.details["advice"]
+
+
+def test_unknown_failure_shows_last_relevant_lines():
+    text = "starting\nTraceback (most recent call last):\n  File x\nZeroDivisionError: division by zero\n"
+    diag = diagnose("box", {"journal": text})
+    assert diag.failed and not diag.findings
+    assert any("ZeroDivisionError" in line for line in diag.unknown_tail)
+
+
+def test_clean_log_is_not_a_failure():
+    diag = diagnose("box", {"journal": "step:1 - actor/pg_loss:0.1\nstep:2 - actor/pg_loss:0.09\n"})
+    assert not diag.failed and not diag.findings and not diag.unknown_tail
+
+
+def test_cli_json(tmp_path, capsys):
+    log = tmp_path / "train.log"
+    log.write_text(EXCERPTS["triton-old-gpu"])
+    assert main(["--json", "--host", "p40", str(log)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["host"] == "p40" and out["findings"][0]["rule"] == "triton-old-gpu"
