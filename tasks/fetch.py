@@ -81,7 +81,8 @@ def _verified_stamp(path: Path) -> Path:
 
 
 def download(url: str, dest: Path, want: Expected, *, session: requests.Session | None = None,
-             progress: bool | None = None, sleep: Callable[[float], None] = time.sleep) -> Path:
+             progress: bool | None = None, sleep: Callable[[float], None] = time.sleep,
+             timeout: tuple[float, float] = TIMEOUT) -> Path:
     """Download ``url`` to ``dest`` on the controller, verified. Returns ``dest``.
 
     A verified ``dest`` (its stamp matches) is returned without any network access.
@@ -98,7 +99,7 @@ def download(url: str, dest: Path, want: Expected, *, session: requests.Session 
         last_error: Exception | None = None
         for attempt in range(1, RETRIES + 1):
             try:
-                _download_once(http, url, part, want, progress)
+                _download_once(http, url, part, want, progress, timeout)
                 break
             except FetchError:
                 raise
@@ -122,13 +123,14 @@ def _stamp_text(path: Path, want: Expected) -> str:
     return f"{want.sha256 or 'no-sha256'} {size}"
 
 
-def _download_once(http: requests.Session, url: str, part: Path, want: Expected, progress: bool | None) -> None:
+def _download_once(http: requests.Session, url: str, part: Path, want: Expected, progress: bool | None,
+                   timeout: tuple[float, float]) -> None:
     have = part.stat().st_size if part.exists() else 0
     if want.size is not None and have > want.size:
         part.unlink()
         have = 0
     headers = {"Range": f"bytes={have}-"} if have else {}
-    with http.get(url, stream=True, headers=headers, timeout=TIMEOUT, allow_redirects=True) as resp:
+    with http.get(url, stream=True, headers=headers, timeout=timeout, allow_redirects=True) as resp:
         if resp.status_code == 416 and have:
             # Range not satisfiable: the part file is already complete (or wrong); check it.
             return
@@ -152,7 +154,7 @@ def _download_once(http: requests.Session, url: str, part: Path, want: Expected,
             total=total_bytes, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
             desc=part.name.removesuffix(".part"), disable=not show, leave=False,
         ) as bar:
-            for block in resp.iter_content(CHUNK):
+            for block in resp.iter_content(64 * 1024):
                 out.write(block)
                 bar.update(len(block))
         if total and total.isdigit() and part.stat().st_size != int(total) + have:
