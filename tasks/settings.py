@@ -47,6 +47,9 @@ DEFAULTS: dict[str, Any] = {
 
 KNOWN_KEYS = set(DEFAULTS)
 
+# The systemd unit that runs training on every box (files/templates/verl-lab-train.service.j2).
+TRAIN_UNIT = "verl-lab-train.service"
+
 
 class SettingsError(ValueError):
     """A bad inventory value. ``str()`` names the host, the key, the value and the fix."""
