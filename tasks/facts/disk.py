@@ -1,0 +1,56 @@
+"""Facts about free disk space on a box."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Iterable
+
+from pyinfra.api import FactBase
+
+
+def parse_df_portable(lines: Iterable[str]) -> dict | None:
+    """The data row of ``df -P -m <path>``.
+
+    Returns ``{"filesystem": "/dev/vda", "size_mib": int, "free_mib": int, "mount": "/"}``
+    (``Available`` is what an unprivileged write can use, and what is reported as free).
+    """
+    for line in lines:
+        cells = line.split()
+        if len(cells) < 6 or cells[0] == "Filesystem":
+            continue
+        if not (cells[1].isdigit() and cells[2].isdigit() and cells[3].isdigit()):
+            continue
+        return {
+            "filesystem": cells[0],
+            "size_mib": int(cells[1]),
+            "free_mib": int(cells[3]),
+            "mount": " ".join(cells[5:]),
+        }
+    return None
+
+
+class FreeDisk(FactBase):
+    """Free space (MiB) on the filesystem that ``path`` is, or would be, created on.
+
+    ``path`` need not exist: the nearest existing parent is measured. Returns
+    ``{"path": <that parent>, "filesystem": ..., "mount": ..., "size_mib": int, "free_mib": int}``
+    or None when df gave nothing usable.
+    """
+
+    def command(self, path: str) -> str:
+        p = shlex.quote(path)
+        return (
+            f"p={p}; while [ ! -e \"$p\" ] && [ \"$p\" != / ]; do p=$(dirname \"$p\"); done; "
+            "echo \"@@ $p\"; df -P -m \"$p\" 2>&1; true"
+        )
+
+    def process(self, output):
+        lines = list(output)
+        where = None
+        for line in lines:
+            if line.startswith("@@ "):
+                where = line[3:].strip()
+        row = parse_df_portable(line for line in lines if not line.startswith("@@ "))
+        if row is None:
+            return None
+        return {"path": where, **row}

@@ -1,0 +1,205 @@
+"""Facts about a box's NVIDIA state: the driver, the CUDA toolkits and where /usr/local/cuda points.
+
+The parsers are plain functions of the command output (unit-tested against real output
+formats); the fact classes only say what to run and hand the lines to them.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Iterable
+
+from pyinfra.api import FactBase
+
+CUDA_LINK = "/usr/local/cuda"
+# Left inside a toolkit prefix while verl-lab installs into it; removed after the proofs pass.
+IN_PROGRESS = ".verl-lab-in-progress"
+
+_VERSION = r"(\d+\.\d+(?:\.\d+)?)"
+_NVCC_RE = re.compile(r"release\s+(\d+\.\d+),\s+V(\d+\.\d+\.\d+)")
+_PROC_RE = re.compile(r"NVRM version:.*?Kernel Module(?:\s+for\s+\S+)?\s+" + _VERSION)
+_SMI_BANNER_RE = re.compile(r"Driver Version:\s+" + _VERSION)
+_CUDNN_RE = re.compile(r"^\s*#\s*define\s+CUDNN_(MAJOR|MINOR|PATCHLEVEL)\s+(\d+)\s*$")
+_DRIVER_RE = re.compile(r"^" + _VERSION + r"$")
+
+
+def parse_nvcc_version(text: str) -> dict | None:
+    """``nvcc --version`` -> ``{"release": "11.8", "version": "11.8.89"}``, or None."""
+    match = _NVCC_RE.search(text or "")
+    if not match:
+        return None
+    return {"release": match.group(1), "version": match.group(2)}
+
+
+def parse_smi_query(lines: Iterable[str]) -> list[dict]:
+    """Rows of ``nvidia-smi --query-gpu=driver_version,name[,compute_cap] --format=csv,noheader``."""
+    gpus = []
+    for line in lines:
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) < 2 or not _DRIVER_RE.match(cells[0]):
+            continue
+        cc = cells[2] if len(cells) > 2 and re.match(r"^\d+\.\d+$", cells[2]) else None
+        gpus.append({"driver": cells[0], "name": cells[1], "compute_cap": cc})
+    return gpus
+
+
+def parse_smi_banner(text: str) -> str | None:
+    """The driver version from plain ``nvidia-smi``'s banner (``Driver Version: 580.159.04``)."""
+    match = _SMI_BANNER_RE.search(text or "")
+    return match.group(1) if match else None
+
+
+def parse_proc_driver_version(text: str) -> str | None:
+    """The driver version from ``/proc/driver/nvidia/version`` (proprietary or open module)."""
+    match = _PROC_RE.search(text or "")
+    return match.group(1) if match else None
+
+
+def parse_cudnn_version_header(text: str) -> str | None:
+    """``#define CUDNN_MAJOR 8`` / ``MINOR 9`` / ``PATCHLEVEL 7`` -> ``"8.9.7"``, or None."""
+    found = {}
+    for line in (text or "").splitlines():
+        match = _CUDNN_RE.match(line)
+        if match:
+            found.setdefault(match.group(1), match.group(2))
+    if {"MAJOR", "MINOR", "PATCHLEVEL"} <= found.keys():
+        return f"{found['MAJOR']}.{found['MINOR']}.{found['PATCHLEVEL']}"
+    return None
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+def _sections(lines: Iterable[str]) -> list[tuple[str, list[str]]]:
+    """Split fact output on ``@@ <name>`` header lines."""
+    out: list[tuple[str, list[str]]] = []
+    for line in lines:
+        if line.startswith("@@ "):
+            out.append((line[3:].strip(), []))
+        elif out:
+            out[-1][1].append(line)
+    return out
+
+
+class NvidiaDriver(FactBase):
+    """The NVIDIA driver the box runs, from ``nvidia-smi`` or else ``/proc/driver/nvidia/version``.
+
+    Returns ``None`` when the box shows no sign of an NVIDIA driver, else::
+
+        {"version": "535.104.05" or None, "source": "nvidia-smi" | "proc",
+         "gpus": [{"driver": ..., "name": "Tesla P40", "compute_cap": "6.1" or None}],
+         "error": None or the first line nvidia-smi printed when it failed}
+    """
+
+    def command(self) -> str:
+        return (
+            "echo '@@ smi-query'; "
+            "if command -v nvidia-smi >/dev/null 2>&1; then "
+            "nvidia-smi --query-gpu=driver_version,name,compute_cap --format=csv,noheader 2>&1"
+            " || nvidia-smi --query-gpu=driver_version,name --format=csv,noheader 2>&1"
+            " || echo '@@ smi-failed'; "
+            "echo '@@ smi-banner'; nvidia-smi 2>&1 | head -n 5; "
+            "else echo '@@ no-smi'; fi; "
+            "echo '@@ proc'; cat /proc/driver/nvidia/version 2>/dev/null; true"
+        )
+
+    def process(self, output):
+        return driver_from_sections(_sections(output))
+
+
+def driver_from_sections(sections: list[tuple[str, list[str]]]) -> dict | None:
+    """What ``NvidiaDriver`` reports, from its sectioned output (pure)."""
+    names = [name for name, _ in sections]
+    body = {name: lines for name, lines in sections}
+    gpus = parse_smi_query(body.get("smi-query", []))
+    proc = parse_proc_driver_version("\n".join(body.get("proc", [])))
+    banner = parse_smi_banner("\n".join(body.get("smi-banner", [])))
+    if gpus:
+        return {"version": gpus[0]["driver"], "source": "nvidia-smi", "gpus": gpus, "error": None}
+    if banner:
+        return {"version": banner, "source": "nvidia-smi", "gpus": [], "error": None}
+    if proc:
+        return {"version": proc, "source": "proc", "gpus": [], "error": None}
+    if "no-smi" in names:
+        return None
+    failed = [line.strip() for line in body.get("smi-query", []) if line.strip()]
+    return {"version": None, "source": "nvidia-smi", "gpus": [],
+            "error": failed[0] if failed else "nvidia-smi printed no driver version"}
+
+
+class CudaToolkits(FactBase):
+    """CUDA toolkits under ``/usr/local/cuda-*`` (and the given prefixes), and ``/usr/local/cuda``.
+
+    Returns::
+
+        {"link": "/usr/local/cuda-12.4" (readlink target) | None (absent) | "<not a link>",
+         "toolkits": {"/usr/local/cuda-11.8": {"nvcc": {"release": "11.8", "version": "11.8.89"} or None,
+                                                "cudnn": "8.9.7" or None,
+                                                "in_progress": bool}}}
+
+    A prefix appears only when it exists as a directory.
+    """
+
+    def command(self, prefixes: Iterable[str] = ()) -> str:
+        extra = " ".join(shlex.quote(p) for p in prefixes)
+        link = shlex.quote(CUDA_LINK)
+        return (
+            f"echo '@@ link'; if [ -L {link} ]; then readlink {link}; "
+            f"elif [ -e {link} ]; then echo '<not a link>'; fi; "
+            f"for d in /usr/local/cuda-* {extra}; do "
+            '[ -d "$d" ] || continue; '
+            'echo "@@ toolkit $d"; '
+            'if [ -x "$d/bin/nvcc" ]; then timeout 20 "$d/bin/nvcc" --version 2>&1; fi; '
+            'echo "@@ cudnn $d"; '
+            'if [ -f "$d/include/cudnn_version.h" ]; then grep -E "define CUDNN_(MAJOR|MINOR|PATCHLEVEL)" "$d/include/cudnn_version.h"; fi; '
+            f'if [ -e "$d/{IN_PROGRESS}" ]; then echo "@@ in-progress $d"; fi; '
+            "done; true"
+        )
+
+    def process(self, output):
+        return toolkits_from_sections(_sections(output))
+
+
+def toolkits_from_sections(sections: list[tuple[str, list[str]]]) -> dict:
+    link = None
+    toolkits: dict[str, dict] = {}
+    for name, lines in sections:
+        kind, _, path = name.partition(" ")
+        text = "\n".join(lines)
+        if kind == "link":
+            stripped = [line.strip() for line in lines if line.strip()]
+            link = stripped[0] if stripped else None
+        elif kind == "toolkit":
+            toolkits.setdefault(path, {"nvcc": None, "cudnn": None, "in_progress": False})
+            toolkits[path]["nvcc"] = parse_nvcc_version(text)
+        elif kind == "cudnn":
+            toolkits.setdefault(path, {"nvcc": None, "cudnn": None, "in_progress": False})
+            toolkits[path]["cudnn"] = parse_cudnn_version_header(text)
+        elif kind == "in-progress":
+            toolkits.setdefault(path, {"nvcc": None, "cudnn": None, "in_progress": False})
+            toolkits[path]["in_progress"] = True
+    return {"link": link, "toolkits": toolkits}
+
+
+class CudaHostCompiler(FactBase):
+    """The default ``gcc`` version and whether ``gcc-11``/``g++-11`` are on the box.
+
+    Returns ``{"gcc": "12.2.0" or None, "gcc-11": "/usr/bin/gcc-11" or None, "g++-11": ... }``.
+    """
+
+    def command(self) -> str:
+        return (
+            "echo \"gcc=$(gcc -dumpfullversion -dumpversion 2>/dev/null)\"; "
+            "echo \"gcc-11=$(command -v gcc-11 2>/dev/null)\"; "
+            "echo \"g++-11=$(command -v g++-11 2>/dev/null)\"; true"
+        )
+
+    def process(self, output):
+        found = {"gcc": None, "gcc-11": None, "g++-11": None}
+        for line in output:
+            key, sep, value = line.strip().partition("=")
+            if sep and key in found:
+                found[key] = value.strip() or None
+        return found
