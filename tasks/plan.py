@@ -1,0 +1,580 @@
+"""The training plan: which verl 0.5.0 settings a box's GPU gets, and why.
+
+Pure: ``make_plan(gpu, workload)`` takes what the GPU is (name, compute capability, memory,
+count), the workload (model shape, data paths, lengths, batch sizes, steps) and a memory
+estimator, and returns a ``TrainingPlan``: Hydra overrides for ``verl.trainer.main_ppo``, the
+process environment, the predicted peak GPU memory, and a reason for every setting.
+
+The rules (FACTS.md):
+
+* precision: bf16 mixed precision on compute capability >= 8.0; below that fp32 training
+  (verl 0.5.0 has no loss scaling, so fp16 training could underflow), fp16 vLLM rollout on 7.x;
+* attention: ``sdpa`` everywhere (PyTorch picks a flash kernel on sm80+ itself);
+  ``flash_attention_2`` only when flash-attn is installed and the GPU is sm80+;
+* rollout: vLLM on >= 7.0, the HF-transformers rollout below (no vLLM on Pascal);
+  ``use_torch_compile=False`` below 7.0 (Triton refuses those GPUs);
+* memory: no offload unless the estimate says it does not fit; then the ladder
+  reference params -> actor optimizer -> critic optimizer -> actor params -> critic params
+  (fewer offloads = faster). HF rollout never gets actor param offload (0.5.0 does not
+  reload an offloaded actor before HF generation). Within an offload level the largest
+  micro-batch that fits wins. Nothing fits: ``PlanError`` with the shortfall in MiB.
+
+CLI: ``python -m tasks.plan --json --gpu-name NAME --compute-capability X.Y --gpu-memory-mib N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from tasks.verl_config import VERL_VERSION, Override, override_lines
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_CONFIG = REPO_ROOT / "files" / "models" / "qwen2.5-0.5b-instruct" / "config.json"
+
+# The offload ladder, in the order the plan escalates (names shared with tasks/doctor.py).
+OFFLOAD_LADDER: tuple[str, ...] = (
+    "ref_param_offload",
+    "actor_optimizer_offload",
+    "critic_optimizer_offload",
+    "actor_param_offload",
+    "critic_param_offload",
+)
+OFFLOAD_KEYS: dict[str, str] = {
+    "ref_param_offload": "actor_rollout_ref.ref.fsdp_config.param_offload",
+    "actor_optimizer_offload": "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+    "critic_optimizer_offload": "critic.model.fsdp_config.optimizer_offload",
+    "actor_param_offload": "actor_rollout_ref.actor.fsdp_config.param_offload",
+    "critic_param_offload": "critic.model.fsdp_config.param_offload",
+}
+MICRO_BATCH_CHOICES = (16, 8, 4, 2, 1)
+VLLM_SHARE_MAX = 0.9       # never give vLLM more of the GPU than this
+VLLM_SHARE_MIN = 0.05
+
+
+class PlanError(ValueError):
+    """No plan exists for this GPU and workload; the message says by how much and what to change."""
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """The GPU the plan is for (all GPUs of a box are taken to be this one)."""
+
+    name: str
+    compute_capability: str
+    memory_mib: int
+    count: int = 1
+
+    @property
+    def cc(self) -> tuple[int, int]:
+        major, _, minor = self.compute_capability.partition(".")
+        return int(major), int(minor or 0)
+
+    @classmethod
+    def from_inventory(cls, inventory) -> "GpuTarget":
+        """From a ``tasks.facts.gpu.GpuInventory``; raises PlanError when it has no usable GPU."""
+        if not inventory.ok:
+            raise PlanError(f"no usable NVIDIA GPU: {inventory.problem or 'nvidia-smi listed none'}")
+        first = inventory.gpus[0]
+        mixed = sorted({g.name for g in inventory.gpus})
+        if len(mixed) > 1:
+            raise PlanError(f"the box mixes GPU models ({', '.join(mixed)}); one plan needs identical GPUs: "
+                            "set gpu_override in host data for the model to train on, or use CUDA_VISIBLE_DEVICES")
+        if not first.compute_capability:
+            raise PlanError(f"the compute capability of {first.name!r} is unknown; set gpu_override in host data")
+        return cls(name=first.name, compute_capability=first.compute_capability,
+                   memory_mib=min(g.memory_total_mib for g in inventory.gpus), count=len(inventory.gpus))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to train: the model, the data, lengths, batch sizes, steps (a GSM8K PPO run)."""
+
+    model_path: str
+    train_files: str
+    val_files: str
+    checkpoint_dir: str
+    total_training_steps: int
+    model_config: Mapping[str, Any] = field(default_factory=dict, repr=False)   # the HF config.json
+    train_batch_size: int = 64
+    ppo_mini_batch_size: int = 32
+    max_prompt_length: int = 256
+    max_response_length: int = 256
+    rollout_n: int = 1
+    use_kl_loss: bool = False            # True builds the reference model
+    save_freq: int = 10
+    experiment_name: str = "qwen2.5-0.5b-gsm8k"
+    flash_attn_installed: bool = False
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.use_kl_loss
+
+    @property
+    def sequence_length(self) -> int:
+        return self.max_prompt_length + self.max_response_length
+
+
+@dataclass(frozen=True)
+class Precision:
+    train_dtype: str           # "bf16" | "fp32" (fp16 training is never planned: no loss scaling in 0.5.0)
+    rollout: str               # "vllm" | "hf"
+    rollout_dtype: str         # vLLM / HF generation dtype: "bfloat16" | "float16" | "float32"
+    attn_implementation: str   # "sdpa" | "flash_attention_2"
+    use_torch_compile: bool
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """One point of the memory search: offloads, micro-batches and the vLLM share."""
+
+    offload: Mapping[str, bool]
+    actor_micro_batch: int
+    log_prob_micro_batch: int
+    critic_micro_batch: int
+    rollout_micro_batch: int            # HF rollout generation chunk (prompts at once)
+    vllm_gpu_memory_utilization: float | None = None
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What the estimator says about one MemoryChoice."""
+
+    peak_mib: int
+    budget_mib: int                      # what may be used on this GPU
+    breakdown: Mapping[str, int] = field(default_factory=dict)
+    vllm_gpu_memory_utilization: float | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_mib <= self.budget_mib
+
+
+# (gpu, workload, precision, choice) -> MemoryEstimate
+Estimator = Callable[[GpuTarget, Workload, Precision, MemoryChoice], MemoryEstimate]
+
+
+@dataclass(frozen=True)
+class Reason:
+    setting: str
+    value: Any
+    why: str
+
+
+@dataclass
+class TrainingPlan:
+    gpu: GpuTarget
+    precision: Precision
+    memory: MemoryChoice
+    estimate: MemoryEstimate
+    overrides: list[Override]
+    env: dict[str, str]
+    reasons: list[Reason]
+    verl_version: str = VERL_VERSION
+
+    @property
+    def override_lines(self) -> list[str]:
+        return override_lines(self.overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "verl_version": self.verl_version,
+            "gpu": asdict(self.gpu),
+            "rollout": self.precision.rollout,
+            "rollout_dtype": self.precision.rollout_dtype,
+            "train_dtype": self.precision.train_dtype,
+            "attn_implementation": self.precision.attn_implementation,
+            "use_torch_compile": self.precision.use_torch_compile,
+            "offload": dict(self.memory.offload),
+            "micro_batches": {
+                "actor": self.memory.actor_micro_batch,
+                "log_prob": self.memory.log_prob_micro_batch,
+                "critic": self.memory.critic_micro_batch,
+                "rollout": self.memory.rollout_micro_batch,
+            },
+            "vllm_gpu_memory_utilization": self.memory.vllm_gpu_memory_utilization,
+            "predicted_peak_mib": self.estimate.peak_mib,
+            "budget_mib": self.estimate.budget_mib,
+            "breakdown": dict(self.estimate.breakdown),
+            "overrides": self.override_lines,
+            "override_reasons": [{"override": o.text(), "why": o.why} for o in self.overrides],
+            "env": dict(self.env),
+            "reasons": [asdict(r) for r in self.reasons],
+        }
+
+
+# ---------------------------------------------------------------- decisions
+
+def choose_precision(gpu: GpuTarget, flash_attn_installed: bool = False) -> tuple[Precision, list[Reason]]:
+    cc = gpu.cc
+    ccs = gpu.compute_capability
+    reasons: list[Reason] = []
+    if cc >= (8, 0):
+        train = "bf16"
+        reasons.append(Reason("train_dtype", train, f"compute capability {ccs} >= 8.0 has bf16: FSDP mixed "
+                                                    "precision with bf16 params, fp32 gradient reduction"))
+    else:
+        train = "fp32"
+        reasons.append(Reason("train_dtype", train, f"compute capability {ccs} < 8.0 has no bf16, and verl "
+                                                    f"{VERL_VERSION} has no loss scaling for fp16 training: fp32"))
+    if cc >= (7, 0):
+        rollout = "vllm"
+        rdtype = "bfloat16" if cc >= (8, 0) else "float16"
+        reasons.append(Reason("rollout", rollout, f"vLLM runs on compute capability >= 7.0 ({ccs})"))
+        reasons.append(Reason("rollout_dtype", rdtype,
+                              "bf16 generation on sm80+" if rdtype == "bfloat16"
+                              else f"no bf16 on {ccs}; fp16 is fast there and fine for generation"))
+    else:
+        rollout = "hf"
+        rdtype = "float32"
+        reasons.append(Reason("rollout", rollout, f"vLLM needs compute capability >= 7.0; {ccs} gets the "
+                                                  f"HF-transformers rollout (verl {VERL_VERSION} still has it)"))
+        reasons.append(Reason("rollout_dtype", rdtype, f"no bf16 on {ccs}, and generation runs on the fp32 "
+                                                       "training weights"))
+    if flash_attn_installed and cc >= (8, 0):
+        attn = "flash_attention_2"
+        reasons.append(Reason("attn_implementation", attn, "flash-attn is installed and the GPU is sm80+"))
+    else:
+        attn = "sdpa"
+        why = ("PyTorch's sdpa runs on every GPU (a flash kernel on sm80+, memory-efficient/math below); "
+               + ("flash-attn is not installed" if cc >= (8, 0) else f"FlashAttention 2 needs sm80+, this is {ccs}"))
+        reasons.append(Reason("attn_implementation", attn, why))
+    compile_ok = cc >= (7, 0)
+    reasons.append(Reason("use_torch_compile", compile_ok,
+                          "Triton supports this GPU" if compile_ok
+                          else f"Triton refuses compute capability {ccs} < 7.0"))
+    return Precision(train, rollout, rdtype, attn, compile_ok), reasons
+
+
+def offload_levels(workload: Workload, precision: Precision) -> list[dict[str, bool]]:
+    """The cumulative offload states to try, fewest first."""
+    steps = [k for k in OFFLOAD_LADDER
+             if not (k == "ref_param_offload" and not workload.uses_reference)
+             and not (k == "actor_param_offload" and precision.rollout == "hf")]
+    levels = []
+    on: set[str] = set()
+    levels.append({k: False for k in OFFLOAD_LADDER})
+    for k in steps:
+        on.add(k)
+        levels.append({kk: kk in on for kk in OFFLOAD_LADDER})
+    return levels
+
+
+def _micro_choices(per_gpu: int) -> list[int]:
+    return [m for m in MICRO_BATCH_CHOICES if m <= per_gpu and per_gpu % m == 0] or [1]
+
+
+def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
+                  estimator: Estimator) -> tuple[MemoryChoice, MemoryEstimate, list[Reason]]:
+    mini_per_gpu = workload.ppo_mini_batch_size * workload.rollout_n // gpu.count
+    gen_per_gpu = workload.train_batch_size // gpu.count
+    best_failure: MemoryEstimate | None = None
+    tried = 0
+    for level in offload_levels(workload, precision):
+        for micro in _micro_choices(mini_per_gpu):
+            log_prob = micro        # the estimate charges one micro-batch to every pass
+            gen = max(m for m in _micro_choices(gen_per_gpu) if m <= max(micro * 4, 1))
+            choice = MemoryChoice(offload=level, actor_micro_batch=micro, log_prob_micro_batch=log_prob,
+                                  critic_micro_batch=micro, rollout_micro_batch=gen)
+            est = estimator(gpu, workload, precision, choice)
+            tried += 1
+            if est.fits:
+                if est.vllm_gpu_memory_utilization is not None:
+                    choice = replace(choice, vllm_gpu_memory_utilization=est.vllm_gpu_memory_utilization)
+                return choice, est, _memory_reasons(gpu, workload, precision, choice, est, tried)
+            if best_failure is None or est.peak_mib < best_failure.peak_mib:
+                best_failure = est
+    assert best_failure is not None
+    short = best_failure.peak_mib - best_failure.budget_mib
+    phases = {k: v for k, v in best_failure.breakdown.items() if k.startswith("phase_")}
+    worst = max(phases, key=phases.get) if phases else None
+    where = f" The largest phase is {worst[len('phase_'):]} ({phases[worst]} MiB before process overhead)." if worst else ""
+    raise PlanError(
+        f"{workload.experiment_name} does not fit one {gpu.name} ({gpu.memory_mib} MiB): even with every "
+        f"allowed offload and micro-batch 1 the estimated peak is {best_failure.peak_mib} MiB against a budget of "
+        f"{best_failure.budget_mib} MiB, short by {short} MiB.{where} Change: use a GPU with more memory "
+        f"(or more GPUs), train a smaller model, or shorten the sequences (prompt {workload.max_prompt_length} "
+        f"+ response {workload.max_response_length} tokens)."
+    )
+
+
+def _memory_reasons(gpu, workload, precision, choice, est, tried) -> list[Reason]:
+    on = [k for k in OFFLOAD_LADDER if choice.offload.get(k)]
+    reasons = [Reason("offload", ", ".join(on) or "none",
+                      (f"the estimate fits {est.budget_mib} MiB without offload (offload costs PCIe transfers "
+                       "every step)" if not on else
+                       f"without {on[-1]} the estimate exceeds the {est.budget_mib} MiB budget; "
+                       "offloads are taken in ladder order, fewest first"))]
+    reasons.append(Reason("micro_batches", f"actor {choice.actor_micro_batch}, log-prob {choice.log_prob_micro_batch}, "
+                                           f"critic {choice.critic_micro_batch}",
+                          f"the largest micro-batch (of {', '.join(map(str, MICRO_BATCH_CHOICES))}) dividing the "
+                          f"per-GPU mini-batch that fits at this offload level ({tried} candidates estimated)"))
+    reasons.append(Reason("predicted_peak_mib", est.peak_mib,
+                          f"memory estimate of the largest phase; budget {est.budget_mib} MiB of {gpu.memory_mib} MiB"))
+    return reasons
+
+
+# ---------------------------------------------------------------- overrides
+
+def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
+                   choice: MemoryChoice) -> list[Override]:
+    o: list[Override] = []
+    add = lambda key, value, why: o.append(Override(key, value, why))  # noqa: E731
+    w = workload
+    # data
+    add("data.train_files", w.train_files, "GSM8K train split in verl's RL format (data stage)")
+    add("data.val_files", w.val_files, "GSM8K test split in verl's RL format (data stage)")
+    add("data.train_batch_size", w.train_batch_size, "prompts per PPO step")
+    add("data.max_prompt_length", w.max_prompt_length, "GSM8K questions with the chat template and instruction fit in this; longer ones are filtered")
+    add("data.max_response_length", w.max_response_length, "room for a step-by-step answer ending in '#### n'")
+    add("data.filter_overlong_prompts", True,
+        "drop prompts longer than max_prompt_length instead of crashing (default truncation=error)")
+    # model
+    add("actor_rollout_ref.model.path", w.model_path, "the local model snapshot (model stage); offline")
+    add("critic.model.path", w.model_path, "the critic starts from the same model (GAE needs a value model)")
+    add("algorithm.adv_estimator", "gae", "PPO with a learned critic")
+    add("actor_rollout_ref.actor.ppo_mini_batch_size", w.ppo_mini_batch_size, "prompts per actor update")
+    add("actor_rollout_ref.actor.use_kl_loss", w.use_kl_loss,
+        "reference model only when the KL loss is on (it costs a model copy)")
+    # precision
+    mp = {"param_dtype": precision.train_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    for role, label in (("actor_rollout_ref.actor", "actor"), ("actor_rollout_ref.ref", "reference"),
+                        ("critic.model", "critic")):
+        for fld, val in mp.items():
+            add(f"{role}.fsdp_config.mixed_precision.{fld}", val,
+                f"{label} FSDP {fld}: {precision.train_dtype} training on compute capability {gpu.compute_capability}"
+                if fld == "param_dtype" else f"{label} {fld} in fp32 for stable sums")
+        add(f"{role}.fsdp_config.model_dtype", "fp32" if role != "actor_rollout_ref.ref" or precision.train_dtype == "fp32"
+            else "bf16",
+            f"{label} weights are loaded in this dtype"
+            + (" (fp32 master weights; the optimizer must not run in half precision)" if role != "actor_rollout_ref.ref"
+               else (" (bf16: inference only)" if precision.train_dtype == "bf16" else " (no bf16 on this GPU)")))
+    # attention
+    for key, label in (("actor_rollout_ref.model.override_config._attn_implementation", "actor and reference"),
+                       ("critic.model.override_config._attn_implementation", "critic (project patch reads it)")):
+        add(key, precision.attn_implementation, f"{label}: verl {VERL_VERSION} hard-codes flash_attention_2 otherwise")
+    rmpad = precision.attn_implementation == "flash_attention_2"
+    add("actor_rollout_ref.model.use_remove_padding", rmpad,
+        "padding removal uses flash-attn's kernels" if rmpad else "padding removal needs flash-attn")
+    add("critic.model.use_remove_padding", rmpad,
+        "padding removal uses flash-attn's kernels" if rmpad else "padding removal needs flash-attn")
+    add("actor_rollout_ref.actor.use_torch_compile", precision.use_torch_compile,
+        "Triton supports this GPU" if precision.use_torch_compile
+        else f"Triton refuses compute capability {gpu.compute_capability} < 7.0")
+    # rollout
+    add("actor_rollout_ref.rollout.name", precision.rollout,
+        "vLLM on compute capability >= 7.0" if precision.rollout == "vllm" else "no vLLM below compute capability 7.0")
+    add("actor_rollout_ref.rollout.dtype", precision.rollout_dtype, "generation dtype for this GPU")
+    add("actor_rollout_ref.rollout.tensor_model_parallel_size", 1, "the model fits one GPU (default is 2)")
+    if precision.rollout == "vllm":
+        share = choice.vllm_gpu_memory_utilization
+        add("actor_rollout_ref.rollout.gpu_memory_utilization", share,
+            "vLLM's share of the GPU (weights + KV cache) left beside the training states, from the estimate")
+        tokens = max(8192, w.sequence_length)
+        add("actor_rollout_ref.rollout.max_num_batched_tokens", tokens,
+            "chunked prefill needs max_num_batched_tokens >= prompt + response length")
+        add("actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs", w.train_batch_size * w.rollout_n,
+            "one step's sequences at once; rollout.max_num_seqs is never passed to vLLM in 0.5.0")
+    else:
+        add("actor_rollout_ref.rollout.micro_batch_size", choice.rollout_micro_batch,
+            "prompts per HF generate() call, from the memory estimate")
+    # micro-batches
+    add("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", choice.actor_micro_batch, "from the memory estimate")
+    add("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", choice.log_prob_micro_batch,
+        "the estimated micro-batch for the no-gradient pass")
+    add("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", choice.log_prob_micro_batch,
+        "as the actor's log-prob pass")
+    add("critic.ppo_micro_batch_size_per_gpu", choice.critic_micro_batch, "from the memory estimate")
+    # offload
+    for name in OFFLOAD_LADDER:
+        on = bool(choice.offload.get(name))
+        if name == "ref_param_offload" and not w.uses_reference:
+            why = "no reference model in this run"
+        elif name == "actor_param_offload" and precision.rollout == "hf":
+            why = "never with the HF rollout: verl 0.5.0 does not reload offloaded actor params before generation"
+        else:
+            why = "needed to fit the memory budget" if on else "fits without it (offload costs PCIe time every step)"
+        add(OFFLOAD_KEYS[name], on, why)
+    # trainer
+    add("trainer.n_gpus_per_node", gpu.count, f"{gpu.count} x {gpu.name} on this box")
+    add("trainer.nnodes", 1, "one box")
+    add("trainer.total_training_steps", w.total_training_steps, "settings.train_steps caps the run")
+    add("trainer.logger", ["console"], "the journal keeps the console log; no wandb account needed")
+    add("trainer.project_name", "verl-lab", "names the checkpoint folder")
+    add("trainer.experiment_name", w.experiment_name, "names the checkpoint folder")
+    add("trainer.default_local_dir", w.checkpoint_dir, "checkpoints under the train dir")
+    add("trainer.resume_mode", "auto", "a restarted unit resumes from the last checkpoint")
+    save = max(1, min(w.save_freq, w.total_training_steps))
+    add("trainer.save_freq", save, "checkpoint often enough that a restart loses little")
+    add("trainer.test_freq", save, "validate at each checkpoint")
+    add("trainer.val_before_train", False, "start training at once")
+    return o
+
+
+def plan_env(precision: Precision) -> tuple[dict[str, str], list[Reason]]:
+    env: dict[str, str] = {}
+    reasons: list[Reason] = []
+    if precision.rollout == "hf":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        reasons.append(Reason("PYTORCH_CUDA_ALLOC_CONF", env["PYTORCH_CUDA_ALLOC_CONF"],
+                              "less fragmentation between rollout and training phases"))
+    else:
+        reasons.append(Reason("PYTORCH_CUDA_ALLOC_CONF", "(unset)",
+                              "vLLM's sleep mode (free_cache_engine) allocates from a CUDA memory pool and "
+                              "refuses to start when expandable_segments:True is set"))
+    return env, reasons
+
+
+def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = None) -> TrainingPlan:
+    if gpu.count < 1:
+        raise PlanError("the plan needs at least one GPU")
+    for name in ("train_batch_size", "ppo_mini_batch_size", "max_prompt_length", "max_response_length",
+                 "total_training_steps", "rollout_n"):
+        if getattr(workload, name) < 1:
+            raise PlanError(f"workload {name} must be >= 1")
+    if workload.train_batch_size < workload.ppo_mini_batch_size:
+        raise PlanError("train_batch_size must be >= ppo_mini_batch_size")
+    if (workload.ppo_mini_batch_size * workload.rollout_n) % gpu.count:
+        raise PlanError(f"ppo_mini_batch_size x rollout_n must divide by the GPU count ({gpu.count})")
+    estimator = estimator or default_estimator
+    precision, reasons = choose_precision(gpu, workload.flash_attn_installed)
+    choice, est, mem_reasons = search_memory(gpu, workload, precision, estimator)
+    overrides = verl_overrides(gpu, workload, precision, choice)
+    env, env_reasons = plan_env(precision)
+    return TrainingPlan(gpu=gpu, precision=precision, memory=choice, estimate=est, overrides=overrides,
+                        env=env, reasons=reasons + mem_reasons + env_reasons)
+
+
+# ---------------------------------------------------------------- the memory estimator
+
+_MEM_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp32": "fp32", "fp16": "fp16"}
+
+
+def gpu_budget_mib(gpu: GpuTarget) -> int:
+    """What a plan may use of one GPU: total minus what the driver keeps (an idle H200 shows
+    615 MiB in use of 143771) and allocator fragmentation: 5%, at least 512 MiB."""
+    return gpu.memory_mib - max(512, gpu.memory_mib // 20)
+
+
+def vllm_share(gpu: GpuTarget, workload: Workload, precision: Precision, shape) -> float:
+    """vLLM's gpu_memory_utilization: its weights, the KV cache of one step's sequences, the
+    activations of its profiling forward (max_num_batched_tokens) and a margin (inferred)."""
+    from tasks.memory import MIB, _bytes
+
+    dtype = _MEM_DTYPE[precision.rollout_dtype]
+    weights = _bytes(dtype) * shape.params("actor") / MIB
+    seqs = max(1, workload.train_batch_size * workload.rollout_n // gpu.count)
+    kv = shape.kv_bytes_per_token(dtype) * seqs * workload.sequence_length / MIB
+    tokens = max(8192, workload.sequence_length)
+    profile = tokens * (2 * shape.ffn + 4 * shape.hidden) * _bytes(dtype) / MIB \
+        + seqs * shape.vocab * 4 / MIB
+    need = 1.2 * (weights + kv + profile) + 512
+    share = -(-need * 100 // gpu.memory_mib) / 100          # round up to 0.01
+    return float(min(VLLM_SHARE_MAX, max(VLLM_SHARE_MIN, share)))
+
+
+def default_estimator(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice) -> MemoryEstimate:
+    """The project's memory model (tasks/memory.py: verl_gpu_budget) for one choice."""
+    from tasks.memory import ModelShape, VerlWorkload, verl_gpu_budget
+
+    if not workload.model_config:
+        raise PlanError("the workload has no model config.json: the memory estimate needs the model's shape")
+    shape = ModelShape.from_config(dict(workload.model_config))
+    share = vllm_share(gpu, workload, precision, shape) if precision.rollout == "vllm" else None
+    off = choice.offload
+    wl = VerlWorkload(
+        train_dtype=precision.train_dtype,
+        # the estimator models sdpa and eager; flash_attention_2 needs no more than sdpa
+        attn="sdpa" if precision.attn_implementation in ("sdpa", "flash_attention_2") else "eager",
+        grad_ckpt=True,                       # verl's default enable_gradient_checkpointing=True
+        micro_batch=max(choice.actor_micro_batch, choice.log_prob_micro_batch, choice.critic_micro_batch),
+        seq_len=workload.sequence_length,
+        rollout=precision.rollout,
+        rollout_dtype=_MEM_DTYPE[precision.rollout_dtype],
+        rollout_batch=choice.rollout_micro_batch,
+        prompt_len=workload.max_prompt_length,
+        response_len=workload.max_response_length,
+        vllm_gpu_memory_utilization=share or 0.5,
+        gpu_memory_mib=gpu.memory_mib,
+        use_critic=True,
+        use_ref=workload.uses_reference,
+        actor_param_offload=bool(off.get("actor_param_offload")),
+        actor_optimizer_offload=bool(off.get("actor_optimizer_offload")),
+        ref_param_offload=bool(off.get("ref_param_offload")),
+        critic_param_offload=bool(off.get("critic_param_offload")),
+        critic_optimizer_offload=bool(off.get("critic_optimizer_offload")),
+    )
+    est = verl_gpu_budget(shape, wl)
+    return MemoryEstimate(peak_mib=int(round(est.peak_mib)), budget_mib=gpu_budget_mib(gpu),
+                          breakdown={k: int(round(v)) for k, v in est.breakdown.items()},
+                          vllm_gpu_memory_utilization=share)
+
+
+# ---------------------------------------------------------------- host entry and CLI
+
+def load_model_config(path: Path | str = DEFAULT_MODEL_CONFIG) -> dict:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def plan_overrides_for_host(gpu: GpuTarget, **workload_fields) -> list[str]:
+    """The Hydra override strings a box with ``gpu`` gets (for `main_ppo ... --cfg job` checks)."""
+    fields = dict(workload_fields)
+    fields.setdefault("model_config", load_model_config())
+    return make_plan(gpu, Workload(**fields)).override_lines
+
+
+def _table(plan: TrainingPlan) -> str:
+    d = plan.to_dict()
+    lines = [f"Plan for {plan.gpu.count} x {plan.gpu.name} (compute capability {plan.gpu.compute_capability}, "
+             f"{plan.gpu.memory_mib} MiB), verl {plan.verl_version}",
+             f"predicted peak {d['predicted_peak_mib']} MiB of a {d['budget_mib']} MiB budget", ""]
+    width = max(len(r.setting) for r in plan.reasons)
+    for r in plan.reasons:
+        lines.append(f"  {r.setting:<{width}}  {r.value!s:<22}  {r.why}")
+    lines += ["", "Overrides:"]
+    for o in plan.overrides:
+        lines.append(f"  {o.text():<78}  # {o.why}")
+    if plan.env:
+        lines += ["", "Environment:"] + [f"  {k}={v}" for k, v in plan.env.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tasks.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu-name", required=True)
+    ap.add_argument("--compute-capability", required=True, help="e.g. 8.6")
+    ap.add_argument("--gpu-memory-mib", required=True, type=int)
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--model-config", type=Path, default=DEFAULT_MODEL_CONFIG)
+    ap.add_argument("--model-path", default="/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct")
+    ap.add_argument("--data-dir", default="/opt/verl-lab/data/gsm8k")
+    ap.add_argument("--checkpoint-dir", default="/opt/verl-lab/train/checkpoints")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--flash-attn", action="store_true", help="flash-attn is installed in the env")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        gpu = GpuTarget(args.gpu_name, args.compute_capability, args.gpu_memory_mib, args.gpus)
+        gpu.cc
+    except ValueError:
+        ap.error(f"--compute-capability {args.compute_capability!r} is not like 8.6")
+    workload = Workload(model_path=args.model_path, train_files=f"{args.data_dir}/train.parquet",
+                        val_files=f"{args.data_dir}/test.parquet", checkpoint_dir=args.checkpoint_dir,
+                        total_training_steps=args.steps, model_config=load_model_config(args.model_config),
+                        flash_attn_installed=args.flash_attn)
+    try:
+        plan = make_plan(gpu, workload)
+    except PlanError as exc:
+        print(f"no plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else _table(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

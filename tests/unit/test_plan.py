@@ -1,0 +1,265 @@
+"""The training plan, table-driven over the GPU table of FACTS.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks import plan as planmod
+from tasks.facts.gpu import Gpu, GpuInventory
+from tasks.plan import (
+    OFFLOAD_LADDER,
+    GpuTarget,
+    MemoryEstimate,
+    PlanError,
+    Workload,
+    choose_precision,
+    load_model_config,
+    make_plan,
+)
+from tasks.verl_config import ADDED_KEYS, DEAD_KEYS, Override, format_value
+
+REPO = Path(__file__).resolve().parents[2]
+
+# name, cc, memory MiB, train dtype, rollout, rollout dtype, attention, torch.compile
+GPU_TABLE = [
+    ("Tesla P40", "6.1", 24576, "fp32", "hf", "float32", "sdpa", False),
+    ("Tesla P100-PCIE-16GB", "6.0", 16384, "fp32", "hf", "float32", "sdpa", False),
+    ("Tesla V100-SXM2-32GB", "7.0", 32768, "fp32", "vllm", "float16", "sdpa", True),
+    ("Tesla T4", "7.5", 15360, "fp32", "vllm", "float16", "sdpa", True),
+    ("NVIDIA GeForce RTX 2080 Ti", "7.5", 11264, "fp32", "vllm", "float16", "sdpa", True),
+    ("NVIDIA GeForce RTX 3090", "8.6", 24576, "bf16", "vllm", "bfloat16", "sdpa", True),
+    ("NVIDIA GeForce RTX 4090", "8.9", 24564, "bf16", "vllm", "bfloat16", "sdpa", True),
+    ("NVIDIA A100-SXM4-80GB", "8.0", 81920, "bf16", "vllm", "bfloat16", "sdpa", True),
+    ("NVIDIA H100 80GB HBM3", "9.0", 81559, "bf16", "vllm", "bfloat16", "sdpa", True),
+]
+# GPUs whose memory cannot hold fp32 PPO of Qwen2.5-0.5B (actor + critic) even with offload
+DOES_NOT_FIT = {"NVIDIA GeForce RTX 2080 Ti"}
+
+
+def workload(**kw) -> Workload:
+    base = dict(model_path="/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct",
+                train_files="/opt/verl-lab/data/gsm8k/train.parquet",
+                val_files="/opt/verl-lab/data/gsm8k/test.parquet",
+                checkpoint_dir="/opt/verl-lab/train/checkpoints", total_training_steps=20,
+                model_config=load_model_config())
+    base.update(kw)
+    return Workload(**base)
+
+
+def overrides_of(plan) -> dict[str, object]:
+    return {o.key: o.value for o in plan.overrides}
+
+
+@pytest.mark.parametrize("name,cc,mem,dtype,rollout,rdtype,attn,compile_ok", GPU_TABLE)
+def test_precision_table(name, cc, mem, dtype, rollout, rdtype, attn, compile_ok):
+    prec, reasons = choose_precision(GpuTarget(name, cc, mem))
+    assert (prec.train_dtype, prec.rollout, prec.rollout_dtype, prec.attn_implementation,
+            prec.use_torch_compile) == (dtype, rollout, rdtype, attn, compile_ok)
+    assert {r.setting for r in reasons} >= {"train_dtype", "rollout", "rollout_dtype", "attn_implementation",
+                                            "use_torch_compile"}
+    assert all(r.why for r in reasons)
+
+
+@pytest.mark.parametrize("name,cc,mem,dtype,rollout,rdtype,attn,compile_ok", GPU_TABLE)
+def test_plan_table(name, cc, mem, dtype, rollout, rdtype, attn, compile_ok):
+    gpu = GpuTarget(name, cc, mem)
+    if name in DOES_NOT_FIT:
+        with pytest.raises(PlanError) as err:
+            make_plan(gpu, workload())
+        msg = str(err.value)
+        assert "short by" in msg and "MiB" in msg and "Change:" in msg
+        return
+    p = make_plan(gpu, workload())
+    ov = overrides_of(p)
+    assert ov["actor_rollout_ref.rollout.name"] == rollout
+    assert ov["actor_rollout_ref.rollout.dtype"] == rdtype
+    assert ov["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"] == dtype
+    assert ov["critic.model.fsdp_config.mixed_precision.param_dtype"] == dtype
+    assert ov["actor_rollout_ref.model.override_config._attn_implementation"] == attn
+    assert ov["critic.model.override_config._attn_implementation"] == attn
+    assert ov["actor_rollout_ref.actor.use_torch_compile"] is compile_ok
+    assert ov["actor_rollout_ref.rollout.tensor_model_parallel_size"] == 1
+    assert ov["trainer.n_gpus_per_node"] == 1 and ov["trainer.nnodes"] == 1
+    assert ov["data.filter_overlong_prompts"] is True
+    assert ov["trainer.total_training_steps"] == 20
+    assert ov["trainer.logger"] == ["console"]
+    assert ov["trainer.resume_mode"] == "auto"
+    assert ov["trainer.default_local_dir"] == "/opt/verl-lab/train/checkpoints"
+    # fp32 training everywhere without bf16, including the reference model's weights
+    if dtype == "fp32":
+        assert ov["actor_rollout_ref.ref.fsdp_config.model_dtype"] == "fp32"
+    # the estimate fits the GPU
+    assert 0 < p.estimate.peak_mib <= p.estimate.budget_mib < mem
+    if rollout == "vllm":
+        share = ov["actor_rollout_ref.rollout.gpu_memory_utilization"]
+        assert 0.05 <= share <= 0.9
+        assert ov["actor_rollout_ref.rollout.max_num_batched_tokens"] >= 256 + 256
+        assert ov["actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs"] == 64
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in p.env   # vLLM sleep mode refuses expandable segments
+    else:
+        assert "actor_rollout_ref.rollout.gpu_memory_utilization" not in ov
+        assert ov["actor_rollout_ref.rollout.micro_batch_size"] >= 1
+        assert ov[planmod.OFFLOAD_KEYS["actor_param_offload"]] is False
+        assert p.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    # micro-batches divide the per-GPU mini-batch (verl asserts this)
+    assert 32 % ov["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == 0
+    assert 32 % ov["critic.ppo_micro_batch_size_per_gpu"] == 0
+    # every override has a reason, no dead keys, no '++', '+' only for keys verl reads by .get()
+    for o in p.overrides:
+        assert o.why
+        assert o.key not in DEAD_KEYS
+    for line in p.override_lines:
+        assert not line.startswith("++")
+        if line.startswith("+"):
+            assert line[1:].split("=", 1)[0] in ADDED_KEYS
+
+
+def test_bigger_gpu_gets_bigger_micro_batches_and_no_offload():
+    t4 = make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload())
+    a100 = make_plan(GpuTarget("NVIDIA A100-SXM4-80GB", "8.0", 81920), workload())
+    assert a100.memory.actor_micro_batch > t4.memory.actor_micro_batch
+    assert not any(a100.memory.offload.values())
+    assert any(t4.memory.offload.values())       # 15 GB needs optimizer offload in fp32
+
+
+def test_flash_attention_only_when_installed_and_sm80():
+    a100 = make_plan(GpuTarget("NVIDIA A100-SXM4-80GB", "8.0", 81920), workload(flash_attn_installed=True))
+    ov = overrides_of(a100)
+    assert ov["actor_rollout_ref.model.override_config._attn_implementation"] == "flash_attention_2"
+    assert ov["actor_rollout_ref.model.use_remove_padding"] is True
+    t4 = make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(flash_attn_installed=True))
+    assert overrides_of(t4)["actor_rollout_ref.model.override_config._attn_implementation"] == "sdpa"
+    a100_plain = make_plan(GpuTarget("NVIDIA A100-SXM4-80GB", "8.0", 81920), workload())
+    assert overrides_of(a100_plain)["actor_rollout_ref.model.use_remove_padding"] is False
+
+
+def _fake_estimator(fits_when):
+    calls = []
+
+    def est(gpu, wl, prec, choice):
+        calls.append(choice)
+        ok = fits_when(choice)
+        return MemoryEstimate(peak_mib=1000 if ok else 5000, budget_mib=2000,
+                              breakdown={"phase_actor_update": 4000 if not ok else 900},
+                              vllm_gpu_memory_utilization=0.3 if prec.rollout == "vllm" else None)
+    return est, calls
+
+
+def test_ladder_takes_fewest_offloads_then_largest_micro_batch():
+    est, calls = _fake_estimator(lambda c: c.offload["actor_optimizer_offload"] and c.actor_micro_batch <= 4)
+    p = make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(), estimator=est)
+    on = [k for k, v in p.memory.offload.items() if v]
+    assert on == ["actor_optimizer_offload"]         # no reference model: ref offload is skipped
+    assert p.memory.actor_micro_batch == 4
+    assert p.memory.vllm_gpu_memory_utilization == 0.3
+    # the no-offload level was tried first, with every micro-batch
+    assert [c.actor_micro_batch for c in calls[:5]] == [16, 8, 4, 2, 1]
+    assert not any(calls[0].offload.values())
+    assert p.estimate.peak_mib == 1000
+
+
+def test_ladder_starts_with_reference_when_there_is_one():
+    est, calls = _fake_estimator(lambda c: c.offload["ref_param_offload"])
+    p = make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(use_kl_loss=True), estimator=est)
+    assert [k for k, v in p.memory.offload.items() if v] == ["ref_param_offload"]
+    assert overrides_of(p)["actor_rollout_ref.ref.fsdp_config.param_offload"] is True
+
+
+def test_hf_rollout_never_gets_actor_param_offload():
+    est, _ = _fake_estimator(lambda c: c.offload["actor_param_offload"])
+    with pytest.raises(PlanError) as err:
+        make_plan(GpuTarget("Tesla P40", "6.1", 24576), workload(), estimator=est)
+    assert "short by 3000 MiB" in str(err.value) and "actor_update" in str(err.value)
+    # the same estimate on a vLLM GPU escalates to actor param offload
+    p = make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(), estimator=est)
+    assert p.memory.offload["actor_param_offload"] is True
+    assert OFFLOAD_LADDER.index("actor_param_offload") > OFFLOAD_LADDER.index("critic_optimizer_offload")
+
+
+def test_multi_gpu():
+    p = make_plan(GpuTarget("NVIDIA GeForce RTX 3090", "8.6", 24576, count=4), workload())
+    ov = overrides_of(p)
+    assert ov["trainer.n_gpus_per_node"] == 4
+    assert (32 // 4) % ov["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == 0
+    with pytest.raises(PlanError, match="divide by the GPU count"):
+        make_plan(GpuTarget("NVIDIA GeForce RTX 3090", "8.6", 24576, count=3), workload())
+
+
+def test_bad_workloads():
+    gpu = GpuTarget("Tesla T4", "7.5", 15360)
+    with pytest.raises(PlanError, match="train_batch_size must be >= ppo_mini_batch_size"):
+        make_plan(gpu, workload(train_batch_size=16))
+    with pytest.raises(PlanError, match="total_training_steps"):
+        make_plan(gpu, workload(total_training_steps=0))
+    with pytest.raises(PlanError, match="config.json"):
+        make_plan(gpu, workload(model_config={}))
+
+
+def test_target_from_inventory():
+    gpus = tuple(Gpu(i, "Tesla T4", "7.5", 15360, 15102, "535.104.05") for i in range(2))
+    t = GpuTarget.from_inventory(GpuInventory(gpus=gpus))
+    assert (t.name, t.compute_capability, t.memory_mib, t.count) == ("Tesla T4", "7.5", 15360, 2)
+    with pytest.raises(PlanError, match="no usable NVIDIA GPU: the NVIDIA driver is not loaded"):
+        GpuTarget.from_inventory(GpuInventory(problem="the NVIDIA driver is not loaded"))
+    mixed = (gpus[0], Gpu(1, "Tesla P40", "6.1", 24576, 24400, "535.104.05"))
+    with pytest.raises(PlanError, match="mixes GPU models"):
+        GpuTarget.from_inventory(GpuInventory(gpus=mixed))
+    with pytest.raises(PlanError, match="compute capability"):
+        GpuTarget.from_inventory(GpuInventory(gpus=(Gpu(0, "Odd GPU", None, 8000, 8000, "470.1"),)))
+
+
+def test_override_formatting():
+    assert Override("trainer.logger", ["console"], "x").text() == "trainer.logger=['console']"
+    assert Override("data.filter_overlong_prompts", True, "x").text() == "data.filter_overlong_prompts=True"
+    assert Override("actor_rollout_ref.rollout.gpu_memory_utilization", 0.15, "x").text().endswith("=0.15")
+    assert Override("critic.model.override_config._attn_implementation", "sdpa", "x").text().startswith("+critic")
+    assert format_value("a b") == "'a b'"
+    assert format_value("true") == "'true'"
+    with pytest.raises(ValueError, match="does nothing"):
+        Override("actor_rollout_ref.rollout.max_num_seqs", 8, "x")
+    with pytest.raises(ValueError, match="does nothing"):
+        Override("actor_rollout_ref.fsdp_config.cpu_offload", True, "x")
+    with pytest.raises(ValueError, match="bare key"):
+        Override("++trainer.nnodes", 1, "x")
+
+
+def test_plan_json_has_what_doctor_and_launcher_read():
+    p = make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload())
+    d = json.loads(json.dumps(p.to_dict()))
+    for key in ("rollout", "train_dtype", "attn_implementation", "overrides", "env", "predicted_peak_mib",
+                "reasons", "offload", "breakdown", "gpu"):
+        assert key in d
+    assert set(d["offload"]) == set(OFFLOAD_LADDER)
+    assert {"setting", "value", "why"} <= set(d["reasons"][0])
+    assert d["overrides"] == p.override_lines
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "tasks.plan", *args], cwd=REPO, capture_output=True, text=True)
+
+
+def test_cli_json():
+    out = _cli("--json", "--gpu-name", "Tesla P40", "--compute-capability", "6.1", "--gpu-memory-mib", "24576")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert (d["rollout"], d["train_dtype"], d["attn_implementation"]) == ("hf", "fp32", "sdpa")
+    assert isinstance(d["overrides"], list) and isinstance(d["env"], dict)
+    assert isinstance(d["predicted_peak_mib"], int)
+    assert all({"setting", "value", "why"} <= set(r) for r in d["reasons"])
+
+
+def test_cli_table_and_errors():
+    out = _cli("--gpu-name", "NVIDIA GeForce RTX 3090", "--compute-capability", "8.6", "--gpu-memory-mib", "24576",
+               "--gpus", "2")
+    assert out.returncode == 0, out.stderr
+    assert "2 x NVIDIA GeForce RTX 3090" in out.stdout and "train_dtype" in out.stdout
+    assert "# " in out.stdout            # each override with its reason
+    bad = _cli("--gpu-name", "x", "--compute-capability", "eight", "--gpu-memory-mib", "1000")
+    assert bad.returncode == 2 and "not like 8.6" in bad.stderr
+    small = _cli("--gpu-name", "tiny", "--compute-capability", "8.6", "--gpu-memory-mib", "4096")
+    assert small.returncode == 2 and "short by" in small.stderr
