@@ -1,0 +1,176 @@
+"""The version-pinned verl 0.5.0 patches: they apply to the PyPI sources, and each changes what
+it claims to, shown on CPU against the pristine 0.5.0 tree.
+
+The behaviour probes (tests/fixtures/verl_probes.py) run in a cached venv holding the CPU torch
+from /opt/wheels and verl's pinned dependencies (tests/fixtures/standins/pyenv.py: first run
+about 2 minutes to build it, later runs reuse it). Patch application needs only git.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tasks import verl_source
+from tests.fixtures.standins import pyenv as standin
+
+PROBES = Path(__file__).resolve().parents[1] / "fixtures" / "verl_probes.py"
+
+
+def _git_tree(tmp: Path) -> Path:
+    root = standin.verl_tree(tmp)
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    return root
+
+
+def _apply_all(root: Path) -> None:
+    for patch in verl_source.patch_files():
+        subprocess.run(["git", "apply", "--reverse", "--check", str(patch)], cwd=root,
+                       capture_output=True)
+        subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, check=True)
+        subprocess.run(["git", "apply", str(patch)], cwd=root, check=True)
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    pristine = _git_tree(tmp_path_factory.mktemp("pristine"))
+    patched = _git_tree(tmp_path_factory.mktemp("patched"))
+    _apply_all(patched)
+    return {"pristine": pristine, "patched": patched}
+
+
+def test_patch_set_is_pinned_to_0_5_0():
+    names = [p.name for p in verl_source.patch_files()]
+    assert names == [
+        "0001-autocast-dtype-follows-param-dtype.diff",
+        "0002-critic-attn-implementation-from-config.diff",
+        "0003-guard-flash-attn-import.diff",
+    ]
+    assert all(p.parent.name == "verl-0.5.0" for p in verl_source.patch_files())
+
+
+def test_patches_apply_cleanly_and_each_one_is_detected_as_applied(tmp_path):
+    root = _git_tree(tmp_path)
+    for patch in verl_source.patch_files():
+        subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, check=True)
+    _apply_all(root)
+    for patch in verl_source.patch_files():
+        # applied: the reverse applies (that is the idempotence check the stage makes) ...
+        subprocess.run(["git", "apply", "--reverse", "--check", str(patch)], cwd=root, check=True)
+        # ... and the forward no longer does
+        again = subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, capture_output=True)
+        assert again.returncode != 0
+    assert "autocast_dtype_of" in (root / "verl/workers/actor/dp_actor.py").read_text()
+
+
+def test_patches_refuse_other_verl_sources(tmp_path):
+    root = _git_tree(tmp_path)
+    actor = root / "verl/workers/actor/dp_actor.py"
+    actor.write_text(actor.read_text().replace("dtype=torch.bfloat16", "dtype=torch.float16"))
+    first = verl_source.patch_files()[0]
+    res = subprocess.run(["git", "apply", "--check", str(first)], cwd=root, capture_output=True, text=True)
+    assert res.returncode != 0 and "dp_actor.py" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def python():
+    if shutil.which("git") is None:
+        pytest.skip("git is missing")
+    try:
+        standin.torch_wheel()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    return standin.test_env()
+
+
+PROBE_SET = {
+    "pristine": [
+        ["actor_autocast", "fp32"], ["critic_autocast", "fp32"], ["hf_rollout_autocast", "float32"],
+        ["critic_config_attn", "sdpa"], ["valuehead_attn", "sdpa"], ["valuehead_attn", "default"],
+        ["flash_attn_guard"],
+    ],
+    "patched": [
+        *[[f"{role}_autocast", d] for role in ("actor", "critic") for d in ("fp32", "fp16", "unset")],
+        *[["hf_rollout_autocast", d] for d in ("float32", "float16", "unset")],
+        ["critic_config_attn", "sdpa"], ["critic_config_attn", "unset"],
+        ["valuehead_attn", "sdpa"], ["valuehead_attn", "default"],
+        ["flash_attn_guard"], ["remove_padding_without_flash_attn"],
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def results(python, trees):
+    """Every probe's answer per tree: two processes in all (see verl_probes.run_batch)."""
+    found = {}
+    for tree, probes in PROBE_SET.items():
+        res = subprocess.run([str(python), str(PROBES), "--batch", json.dumps(probes)], cwd=trees[tree],
+                             capture_output=True, text=True, timeout=600)
+        answers = {}
+        for line in res.stdout.splitlines():
+            if line.startswith("PROBE "):
+                item = json.loads(line[len("PROBE "):])
+                answers[tuple(json.loads(item["probe"]))] = item
+        found[tree] = (answers, res.stdout[-3000:] + res.stderr[-3000:])
+    return found
+
+
+@pytest.fixture
+def probe(results):
+    def answer(tree, name, *args):
+        answers, log = results[tree]
+        item = answers.get((name, *args))
+        assert item is not None and "result" in item, f"probe {name}{args} on {tree}: {item}\n{log}"
+        return item["result"]
+    return answer
+
+
+def test_patched_package_imports(python, trees):
+    res = subprocess.run([str(python), "-c", "import verl, verl.workers.fsdp_workers; print(verl.__version__)"],
+                         cwd=trees["patched"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "0.5.0"
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_autocast_follows_param_dtype(probe, role):
+    # fp32 config: pristine 0.5.0 still autocasts to bf16; patched runs without autocast (fp32)
+    assert probe("pristine", f"{role}_autocast", "fp32") == {"enabled": True, "dtype": "bfloat16"}
+    assert probe("patched", f"{role}_autocast", "fp32")["enabled"] is False
+    # fp16 config follows too; unset keeps upstream's bf16
+    assert probe("patched", f"{role}_autocast", "fp16") == {"enabled": True, "dtype": "float16"}
+    assert probe("patched", f"{role}_autocast", "unset") == {"enabled": True, "dtype": "bfloat16"}
+
+
+def test_hf_rollout_autocast_follows_rollout_dtype(probe):
+    assert probe("pristine", "hf_rollout_autocast", "float32") == {"enabled": True, "dtype": "bfloat16"}
+    assert probe("patched", "hf_rollout_autocast", "float32")["enabled"] is False
+    assert probe("patched", "hf_rollout_autocast", "float16") == {"enabled": True, "dtype": "float16"}
+    assert probe("patched", "hf_rollout_autocast", "unset") == {"enabled": True, "dtype": "bfloat16"}
+
+
+def test_critic_attention_from_override_config(probe):
+    assert probe("pristine", "critic_config_attn", "sdpa") == {"attn_implementation": "flash_attention_2"}
+    assert probe("patched", "critic_config_attn", "sdpa") == {"attn_implementation": "sdpa"}
+    assert probe("patched", "critic_config_attn", "unset") == {"attn_implementation": "flash_attention_2"}
+
+
+def test_valuehead_loader_takes_attention(probe):
+    pristine = probe("pristine", "valuehead_attn", "sdpa")
+    assert pristine["loaded"] is False and "TypeError" in pristine["error"]
+    assert probe("pristine", "valuehead_attn", "default")["loaded"] is False  # FA2, no flash_attn
+    assert probe("patched", "valuehead_attn", "sdpa") == {"loaded": True, "attn": "sdpa"}
+    assert probe("patched", "valuehead_attn", "default")["loaded"] is False  # default unchanged
+
+
+def test_flash_attn_import_guarded(probe):
+    pristine = probe("pristine", "flash_attn_guard")
+    assert all(v.startswith("ImportError") for v in pristine.values()), pristine
+    patched = probe("patched", "flash_attn_guard")
+    assert set(patched.values()) == {"imported"}, patched
+    loud = probe("patched", "remove_padding_without_flash_attn")
+    assert loud["raised"] and "use_remove_padding" in loud["raised"]
