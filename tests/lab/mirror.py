@@ -90,7 +90,8 @@ class Mirror:
         Handler.mirror = mirror
         self._server = ThreadingHTTPServer((self.host, self._port), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="lab-mirror", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="lab-mirror", daemon=True)
         self._thread.start()
         return self
 
@@ -199,8 +200,13 @@ class Mirror:
     def _count(self, req: Request) -> None:
         with self._lock:
             self.requests.append(req)
-            self.bytes_served += req.sent
-            self.bytes_by_path[req.path] = self.bytes_by_path.get(req.path, 0) + req.sent
+
+    def _add_bytes(self, path: str, n: int) -> None:
+        # counted as each chunk is handed to the socket, so a client that has its bytes
+        # always sees them counted
+        with self._lock:
+            self.bytes_served += n
+            self.bytes_by_path[path] = self.bytes_by_path.get(path, 0) + n
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -262,6 +268,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         sent = 0
         if not head:
+            self.mirror._add_bytes(path, len(body))
             self.wfile.write(body)
             sent = len(body)
         self.mirror._count(Request(self.command, path, status, rng, sent, fault))
@@ -275,7 +282,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         sent = 0
         if not head:
-            sent = self._write_body(body, fault)
+            sent = self._write_body(body, fault, path)
         self.mirror._count(Request(self.command, path, status, rng, sent, fault))
 
     def _send_file(self, target: Path, path: str, rng: str | None, fault: str | None, head: bool):
@@ -311,10 +318,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not head and length:
             with open(target, "rb") as fh:
                 fh.seek(start)
-                sent = self._write_body(_chunks(fh, length), fault)
+                sent = self._write_body(_chunks(fh, length), fault, path)
         self.mirror._count(Request(self.command, path, status, rng, sent, fault))
 
-    def _write_body(self, body, fault: str | None) -> int:
+    def _write_body(self, body, fault: str | None, path: str) -> int:
         """Write ``body`` (bytes or an iterator of chunks), applying stall/cut/slow. Returns bytes sent."""
         chunks = [body] if isinstance(body, (bytes, bytearray)) else body
         limit = int(fault.split(":")[1]) if fault and fault.startswith("cut:") else None
@@ -332,10 +339,12 @@ class _Handler(BaseHTTPRequestHandler):
                 if rate:
                     for i in range(0, len(chunk), max(1, rate // 10)):
                         piece = chunk[i:i + max(1, rate // 10)]
+                        self.mirror._add_bytes(path, len(piece))
                         self.wfile.write(piece)
                         sent += len(piece)
                         time.sleep(0.1)
                 else:
+                    self.mirror._add_bytes(path, len(chunk))
                     self.wfile.write(chunk)
                     sent += len(chunk)
                 if limit is not None and sent >= limit:
