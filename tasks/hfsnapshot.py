@@ -38,6 +38,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import sys
 import time
 import urllib.error
@@ -52,6 +53,8 @@ COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 MODEL_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.py", "LICENSE*", "README.md")
 CHUNK = 1 << 20
 RANGE_RETRIES = 3
+RETRY_SLEEP_S = 1.0                    # times the attempt number, between ranged retries
+CONNECT_TIMEOUT_S = 15
 TIMEOUT_S = 60
 MIRROR_FIX = ("set mirror_profile = 'cn' (hf-mirror.com) or mirror_urls = {'huggingface': '<a reachable Hub "
               "endpoint>'} in the inventory")
@@ -174,11 +177,24 @@ def explain(exc: BaseException, spec: RepoSpec, endpoint: str) -> SnapshotError:
     return SnapshotError(f"{where}: cannot reach the endpoint ({type(exc).__name__}: {exc}). Fix: {MIRROR_FIX}")
 
 
+def check_reachable(spec: RepoSpec, endpoint: str) -> None:
+    """Fail fast (one TCP connect) when nothing listens at the endpoint, instead of the Hub
+    client's retries with backoff."""
+    url = urllib.parse.urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise SnapshotError(f"{spec.label} from HF endpoint {endpoint}: cannot reach the endpoint "
+                            f"({url.hostname}:{port}: {exc}). Fix: {MIRROR_FIX}") from None
+
+
 def list_remote(spec: RepoSpec, endpoint: str, token: str | None) -> dict[str, RemoteFile]:
     """The wanted files of the pinned revision, as the endpoint lists them; clear errors otherwise."""
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
 
+    check_reachable(spec, endpoint)
     api = HfApi(endpoint=endpoint, token=token or False)
     try:
         entries = list(api.list_repo_tree(spec.repo, revision=spec.revision, repo_type=spec.repo_type,
@@ -269,13 +285,14 @@ def fetch_resumable(url: str, part: Path, size: int, token: str | None, progress
                     got = part.stat().st_size if part.exists() else 0
                     raise OSError(f"download of {url} was cut at {got} of {size} bytes ({exc}); the partial "
                                   f"file {part} is kept and the next run resumes it") from None
-                time.sleep(attempt)
+                time.sleep(RETRY_SLEEP_S * attempt)
                 continue
             if part.stat().st_size >= size:
                 return
+            time.sleep(RETRY_SLEEP_S * attempt)  # closed early without an error: retry from where it stopped
         got = part.stat().st_size if part.exists() else 0
-        raise OSError(f"download of {url} stopped at {got} of {size} bytes; the partial file {part} is kept "
-                      f"and the next run resumes it")
+        raise OSError(f"download of {url} was cut at {got} of {size} bytes (connection closed early); the "
+                      f"partial file {part} is kept and the next run resumes it")
     finally:
         if bar is not None:
             bar.close()

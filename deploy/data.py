@@ -1,0 +1,15 @@
+"""Model and dataset alone: `pyinfra inventory/lab.py deploy/data.py`.
+
+Runs after the env stage (the box-side GSM8K conversion uses the env's pyarrow; direct mode
+downloads with the env's huggingface_hub).
+"""
+
+from tasks.base import base_layout
+from tasks.hfdata import install_data
+from tasks.hostdata import check_inventory, settings_for
+
+check_inventory()
+settings = settings_for()
+
+base_layout(settings)
+install_data(settings)

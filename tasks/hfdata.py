@@ -1,0 +1,334 @@
+"""Stage: the model and the dataset, mirrored through a Hugging Face endpoint, and GSM8K in
+verl's RL format.
+
+- The model (``settings.model_artifact``, default ``qwen_model``) and the dataset
+  (``settings.dataset_artifact``, default ``gsm8k``) are catalog artifacts: repo, a pinned
+  commit, and the ``files`` sizes / sha256 to check. A user may point them at another small
+  model with ``catalog_overrides`` (repo / revision / files).
+- The endpoint is the base URL of the catalog source ``huggingface`` under the host's mirror
+  profile (``https://hf-mirror.com`` for ``cn``; ``mirror_urls.huggingface`` replaces it).
+- ``relay`` mode: the controller downloads each snapshot once into
+  ``controller_cache/hf/`` (progress bars, resume, verification: ``tasks/hfsnapshot.py``), then
+  pushes the verified files to every box into a staging folder; the box re-checks every
+  sha256 and only then swaps the folder in. Boxes need no internet and no Hub client.
+- ``direct`` mode: each box runs the same ``hfsnapshot.py`` with the env's python (which then
+  needs ``huggingface_hub``; the env stage provides it), with ``HF_ENDPOINT`` set.
+- GSM8K is converted on the box, in the env, by ``tasks/gsm8k.py`` (why there: see its
+  docstring), into ``<data_dir>/{train,test,val_small}.parquet``.
+- Proofs on the box, then the marker ``settings.marker("data")``; a re-run whose marker digest
+  matches and whose files are present does nothing (zero changed operations).
+
+An HF token (``hf_token_file``, else ``HF_TOKEN`` in the controller's environment) is used
+in-process on the controller; in direct mode it is written on the box to
+``<lab_root>/secrets/hf_token`` (folder 0700, file 0600, root) and read by the box-side script
+from that file. It never appears in argv, logs or the marker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+from dataclasses import dataclass
+from io import StringIO
+from pathlib import Path
+
+from pyinfra import host
+from pyinfra.api import FileUploadCommand, StringCommand, deploy, operation
+from pyinfra.operations import files, server
+
+from tasks import gsm8k, hfsnapshot
+from tasks.catalog import REPO_ROOT, CatalogError
+from tasks.facts.data import FilesPresent, PythonModules, SnapshotStamp, StagedFiles
+from tasks.facts.files import Marker
+from tasks.hfsnapshot import RepoSpec, SnapshotError
+from tasks.settings import LabSettings, SettingsError
+
+SCRIPTS = {"hfsnapshot.py": Path(hfsnapshot.__file__), "gsm8k.py": Path(gsm8k.__file__)}
+MARKER_TEMPLATE = REPO_ROOT / "files" / "templates" / "data.done.j2"
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """Everything the stage decides for one host, from its settings alone (pure)."""
+
+    endpoint: str
+    mode: str
+    model: RepoSpec
+    dataset: RepoSpec
+    model_dir: str
+    data_dir: str
+    source_dir: str
+    train_file: str            # relative to source_dir
+    test_file: str
+    rows: dict                 # train / test / val_small -> expected row count
+    tools_dir: str
+    secrets_dir: str
+    env_python: str
+
+    @property
+    def val_rows(self) -> int:
+        return self.rows["val_small"]
+
+    @property
+    def digest(self) -> str:
+        scripts = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in SCRIPTS.items()}
+        return hashlib.sha256(json.dumps({
+            "model": self.model.digest, "dataset": self.dataset.digest, "rows": self.rows,
+            "model_dir": self.model_dir, "data_dir": self.data_dir, "scripts": scripts,
+        }, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def outputs(self) -> list[str]:
+        return [f"{self.data_dir}/{name}" for name in gsm8k.OUTPUTS.values()]
+
+    @property
+    def proof_paths(self) -> list[str]:
+        """Files whose presence the re-run check asks for (cheap: a stat each)."""
+        return ([f"{self.model_dir}/config.json"] + [f"{self.model_dir}/{n}" for n in sorted(self.model.files)]
+                + [f"{self.source_dir}/{self.train_file}", f"{self.source_dir}/{self.test_file}"] + self.outputs)
+
+    def box_modules(self) -> tuple[str, ...]:
+        return ("pyarrow", "huggingface_hub") if self.mode == "direct" else ("pyarrow",)
+
+
+def _check_fields(want: dict) -> dict:
+    return {k: want[k] for k in ("size", "sha256") if k in want}
+
+
+def _spec(settings: LabSettings, key: str, kind: str) -> RepoSpec:
+    name = getattr(settings, key)
+    try:
+        art = settings.catalog.artifact(name)
+    except CatalogError as exc:
+        raise SettingsError(settings.host, key, str(exc), "name an artifact of files/catalog.toml") from None
+    if art.kind != kind:
+        raise SettingsError(settings.host, key, f"artifact {name!r} is of kind {art.kind!r}, not {kind!r}",
+                            f"name a catalog artifact of kind {kind!r}")
+    files_ = art.get("files") or {}
+    if not isinstance(files_, dict) or not all(isinstance(v, dict) for v in files_.values()):
+        raise SettingsError(settings.host, f"catalog_overrides.{name}.files", "must map file names to "
+                            "{size, sha256}", "e.g. {'model.safetensors': {'size': 123, 'sha256': '...'}}")
+    repo_type = "model" if kind == "hf-model" else "dataset"
+    patterns = hfsnapshot.MODEL_PATTERNS if repo_type == "model" else ()
+    if repo_type == "dataset" and not files_:
+        raise SettingsError(settings.host, f"catalog_overrides.{name}.files", "a dataset artifact lists no files",
+                            "list the split parquet files (e.g. main/train-00000-of-00001.parquet)")
+    try:
+        return RepoSpec(artifact=name, repo=art.repo, revision=art.revision or "", repo_type=repo_type,
+                        files={n: _check_fields(v) for n, v in files_.items()}, patterns=patterns)
+    except SnapshotError as exc:
+        raise SettingsError(settings.host, f"catalog_overrides.{name}.revision", str(exc),
+                            "pin a 40-digit commit sha of the repo") from None
+
+
+def _splits(settings: LabSettings, spec: RepoSpec) -> tuple[str, str, dict]:
+    art = settings.catalog.artifact(spec.artifact)
+    files_ = art.get("files") or {}
+    splits = art.get("splits") or {}
+    config = art.get("config") or "main"
+    chosen, rows = {}, {}
+    for split in ("train", "test"):
+        entry = splits.get(split) or {}
+        fname = entry.get("file")
+        if fname not in files_:
+            # the Hub's parquet layout: <config>/<split>-NNNNN-of-NNNNN.parquet
+            guesses = sorted(n for n in files_ if n.startswith(f"{config}/{split}-") and n.endswith(".parquet"))
+            if len(guesses) != 1:
+                raise SettingsError(settings.host, f"catalog_overrides.{spec.artifact}.files",
+                                    f"cannot tell which file is the {split} split",
+                                    f"name it {config}/{split}-00000-of-00001.parquet")
+            fname, entry = guesses[0], {}
+        count = files_[fname].get("rows", entry.get("rows"))
+        if not isinstance(count, int) or count < 1:
+            raise SettingsError(settings.host, f"catalog_overrides.{spec.artifact}.files",
+                                f"no row count for the {split} split ({fname})",
+                                f"add rows = N to files.{fname!r} (the proof checks it)")
+        chosen[split], rows[split] = fname, count
+    rows["val_small"] = min(gsm8k.VAL_ROWS, rows["test"])
+    return chosen["train"], chosen["test"], rows
+
+
+def data_plan(settings: LabSettings) -> DataPlan:
+    """Decide the stage for one host; raise SettingsError on bad input (nothing has changed yet)."""
+    model = _spec(settings, "model_artifact", "hf-model")
+    dataset = _spec(settings, "dataset_artifact", "hf-dataset")
+    train_file, test_file, rows = _splits(settings, dataset)
+    return DataPlan(
+        endpoint=settings.mirrors.base("huggingface"),
+        mode=settings.artifact_mode,
+        model=model,
+        dataset=dataset,
+        model_dir=settings.model_dir,
+        data_dir=settings.data_dir,
+        source_dir=f"{settings.data_dir}/source",
+        train_file=train_file,
+        test_file=test_file,
+        rows=rows,
+        tools_dir=f"{settings.lab_root}/libexec/data",
+        secrets_dir=f"{settings.lab_root}/secrets",
+        env_python=settings.env_python,
+    )
+
+
+# ---------------------------------------------------------------- controller side
+
+def hf_token(settings: LabSettings) -> str | None:
+    """The HF token from hf_token_file, else HF_TOKEN; never logged."""
+    if settings.hf_token_file is not None:
+        token = Path(settings.hf_token_file).read_text().strip()
+        return token or None
+    return os.environ.get("HF_TOKEN") or None
+
+
+def controller_dir(settings: LabSettings, spec: RepoSpec) -> Path:
+    return (settings.controller_cache / "hf" / f"{spec.repo_type}s" / spec.repo.replace("/", "--")
+            / spec.revision)
+
+
+def controller_snapshot(settings: LabSettings, spec: RepoSpec, endpoint: str) -> Path:
+    """Fetch (once; resumable; verified) a snapshot into the controller cache; return its folder."""
+    dest = controller_dir(settings, spec)
+    hfsnapshot.fetch(spec, dest, endpoint, hf_token(settings), progress=True)
+    return dest
+
+
+# ---------------------------------------------------------------- box side
+
+def _fail(name: str, message: str) -> None:
+    """Fail this host only, with a message (a failing command, not an exception for all hosts)."""
+    server.shell(name=name, commands=[f"echo {shlex.quote('verl-lab data: ' + message)} >&2; exit 1"])
+
+
+@operation(is_idempotent=True)
+def hf_snapshot(settings: LabSettings, plan: DataPlan, spec: RepoSpec, dest: str, local: Path | None = None):
+    """
+    Put a verified snapshot of ``spec`` at ``dest`` on the box (relay: pushed; direct: fetched).
+
+    + settings: the host's LabSettings
+    + plan: the stage's DataPlan
+    + spec: the snapshot (repo, pinned revision, files to check)
+    + dest: the folder on the box
+    + local: relay mode: the verified controller copy (``controller_snapshot``)
+
+    **Example:**
+
+    .. code:: python
+
+        hf_snapshot(name="Model", settings=settings, plan=plan, spec=plan.model, dest=plan.model_dir)
+    """
+    stamp = host.get_fact(SnapshotStamp, dest=dest)
+    if stamp and stamp.get("digest") == spec.digest:
+        host.noop(f"{spec.label} already verified at {dest}")
+        return
+    q = shlex.quote
+    spec_path = f"{plan.tools_dir}/{spec.artifact}.spec.json"
+    yield from files.put._inner(src=StringIO(json.dumps(spec.to_json(), sort_keys=True)), dest=spec_path,
+                                mode="644")
+    script = f"{plan.tools_dir}/hfsnapshot.py"
+    if plan.mode == "relay":
+        local = local or controller_snapshot(settings, spec, plan.endpoint)
+        manifest = hfsnapshot.read_stamp(local)["files"]
+        staging = dest + ".staging"
+        staged = host.get_fact(StagedFiles, path=staging)
+        for name, info in sorted(manifest.items()):
+            if staged.get(name) == info["sha256"]:
+                continue
+            target = f"{staging}/{name}"
+            yield StringCommand("mkdir", "-p", q(target.rsplit("/", 1)[0]))
+            yield FileUploadCommand(str(local / name), target)
+        manifest_path = f"{plan.tools_dir}/{spec.artifact}.manifest.json"
+        yield from files.put._inner(src=StringIO(json.dumps(manifest, sort_keys=True)), dest=manifest_path,
+                                    mode="644")
+        yield StringCommand(q(plan.env_python), q(script), "install", "--spec", q(spec_path), "--staging",
+                            q(staging), "--dest", q(dest), "--manifest", q(manifest_path))
+    else:
+        args = [q(plan.env_python), q(script), "fetch", "--spec", q(spec_path), "--dest", q(dest)]
+        token = hf_token(settings)
+        token_path = f"{plan.secrets_dir}/hf_token"
+        if token:
+            yield from files.directory._inner(path=plan.secrets_dir, mode="700", user="root", group="root")
+            yield from files.put._inner(src=StringIO(token + "\n"), dest=token_path, mode="600",
+                                        user="root", group="root")
+            args += ["--token-file", q(token_path)]
+        yield StringCommand("env", q(f"HF_ENDPOINT={plan.endpoint}"), "HF_HUB_DISABLE_TELEMETRY=1",
+                            "HF_HUB_DISABLE_PROGRESS_BARS=1", *args)
+
+
+@deploy("verl-lab model and dataset")
+def install_data(settings: LabSettings):
+    """Model and GSM8K snapshots on the box, GSM8K in verl's format, proofs, then the marker."""
+    plan = data_plan(settings)
+    marker_path = settings.marker("data")
+    marker = host.get_fact(Marker, path=marker_path)
+    present = host.get_fact(FilesPresent, paths=plan.proof_paths)
+    if marker and marker.get("digest") == plan.digest and all(v is not None for v in present.values()):
+        host.noop(f"model {plan.model.repo}@{plan.model.revision[:12]} and {plan.dataset.repo} data already proven")
+        return
+
+    mods = host.get_fact(PythonModules, python=plan.env_python, modules=plan.box_modules())
+    if not mods or not all(mods.values()):
+        lacking = ", ".join(m for m in plan.box_modules() if not (mods or {}).get(m))
+        why = "does not exist" if mods is None else f"cannot import {lacking}"
+        _fail("Data stage needs the env", f"{plan.env_python} {why}; run the env stage first "
+              f"(the data stage runs after it: it converts GSM8K with the env's pyarrow"
+              + (", and downloads with its huggingface_hub in direct mode)" if plan.mode == "direct" else ")"))
+        return
+
+    snapshots = ((plan.model, plan.model_dir, "Model"), (plan.dataset, plan.source_dir, "Dataset"))
+    local: dict[str, Path] = {}
+    if plan.mode == "relay":
+        # Controller downloads happen here, while preparing: a bad endpoint, repo or revision
+        # fails this host with the message, before anything on the box changes.
+        for spec, dest, _ in snapshots:
+            stamp = host.get_fact(SnapshotStamp, dest=dest)
+            if stamp and stamp.get("digest") == spec.digest:
+                continue
+            try:
+                local[spec.artifact] = controller_snapshot(settings, spec, plan.endpoint)
+            except (SnapshotError, OSError) as exc:
+                _fail(f"Fetch {spec.repo} on the controller", str(exc))
+                return
+
+    files.file(name="Old data marker removed (re-proving)", path=marker_path, present=False)
+    files.directory(name=f"Directory {plan.tools_dir}", path=plan.tools_dir, mode="755", user="root", group="root")
+    for name, path in SCRIPTS.items():
+        files.put(name=f"Box-side {name}", src=str(path), dest=f"{plan.tools_dir}/{name}", mode="644",
+                  user="root", group="root")
+    if plan.mode == "relay" or not hf_token(settings):
+        files.file(name="No HF token kept on the box", path=f"{plan.secrets_dir}/hf_token", present=False)
+
+    for spec, dest, what in snapshots:
+        hf_snapshot(name=f"{what} {spec.repo} @ {spec.revision[:12]} ({plan.mode})", settings=settings,
+                    plan=plan, spec=spec, dest=dest, local=local.get(spec.artifact))
+
+    q = shlex.quote
+    py, tools = q(plan.env_python), q(plan.tools_dir)
+    server.shell(
+        name="GSM8K in verl's RL format",
+        commands=[f"{py} {tools}/gsm8k.py build --train {q(plan.source_dir + '/' + plan.train_file)} "
+                  f"--test {q(plan.source_dir + '/' + plan.test_file)} --out {q(plan.data_dir)} "
+                  f"--val-rows {plan.val_rows}"],
+    )
+    server.shell(
+        name="Prove model and data",
+        commands=[
+            f"{py} {tools}/hfsnapshot.py prove --spec {tools}/{q(plan.model.artifact)}.spec.json "
+            f"--dest {q(plan.model_dir)}",
+            f"{py} {tools}/hfsnapshot.py prove --spec {tools}/{q(plan.dataset.artifact)}.spec.json "
+            f"--dest {q(plan.source_dir)}",
+            f"{py} {tools}/gsm8k.py prove --out {q(plan.data_dir)} --train-rows {plan.rows['train']} "
+            f"--test-rows {plan.rows['test']} --val-rows {plan.val_rows}",
+        ],
+    )
+    files.template(
+        name=f"Marker {marker_path}",
+        src=str(MARKER_TEMPLATE),
+        dest=marker_path,
+        mode="644",
+        user="root",
+        group="root",
+        plan=plan,
+        digest=plan.digest,
+    )
