@@ -43,6 +43,11 @@ DEFAULTS: dict[str, Any] = {
     "model_artifact": "qwen_model",
     "dataset_artifact": "gsm8k",
     "train_steps": 20,
+    # plan for this GPU instead of the box's own (a build box without a GPU, or a box whose
+    # nvidia-smi cannot tell): {"name": "Tesla T4", "compute_capability": "7.5",
+    # "memory_mib": 15360, "count": 1}
+    "gpu_override": None,
+    "launcher_python": "/usr/bin/python3",   # runs the training launcher (stdlib only)
 }
 
 KNOWN_KEYS = set(DEFAULTS)
@@ -82,6 +87,8 @@ class LabSettings:
     dataset_artifact: str
     train_steps: int
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    gpu_override: Mapping[str, Any] | None = None
+    launcher_python: str = "/usr/bin/python3"
 
     @property
     def marker_dir(self) -> str:
@@ -126,6 +133,25 @@ def _abs_path(host: str, key: str, value: Any) -> str:
         raise SettingsError(host, key, f"{value!r} is not an absolute path without spaces",
                             f"set {key} to an absolute path such as {DEFAULTS[key]!r}")
     return value.rstrip("/") or "/"
+
+
+def _gpu_override(host: str, value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    example = '{"name": "Tesla T4", "compute_capability": "7.5", "memory_mib": 15360, "count": 1}'
+    if not isinstance(value, Mapping) or not {"name", "compute_capability", "memory_mib"} <= set(value) \
+            or set(value) - {"name", "compute_capability", "memory_mib", "count"}:
+        raise SettingsError(host, "gpu_override", f"{value!r} is not a GPU description", f"use e.g. {example}")
+    cc = str(value["compute_capability"])
+    count = value.get("count", 1)
+    if not re.fullmatch(r"\d+\.\d+", cc):
+        raise SettingsError(host, "gpu_override", f"compute_capability {cc!r} is not like 8.6", f"use e.g. {example}")
+    for key, num in (("memory_mib", value["memory_mib"]), ("count", count)):
+        if not isinstance(num, int) or isinstance(num, bool) or num < 1:
+            raise SettingsError(host, "gpu_override", f"{key} {num!r} is not a positive integer", f"use e.g. {example}")
+    if not isinstance(value["name"], str) or not value["name"].strip():
+        raise SettingsError(host, "gpu_override", "name must be the GPU's name", f"use e.g. {example}")
+    return {"name": value["name"], "compute_capability": cc, "memory_mib": value["memory_mib"], "count": count}
 
 
 def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = None) -> LabSettings:
@@ -220,4 +246,6 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         dataset_artifact=merged["dataset_artifact"],
         train_steps=steps,
         raw=dict(data),
+        gpu_override=_gpu_override(host, merged["gpu_override"]),
+        launcher_python=_abs_path(host, "launcher_python", merged["launcher_python"]),
     )
