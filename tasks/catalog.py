@@ -35,6 +35,7 @@ OVERRIDABLE = {
     "requirements": list,
     "files": dict,
     "no_checksum": str,
+    "cuda": str,
 }
 
 
@@ -231,7 +232,7 @@ class Catalog:
                     raise CatalogError(f"catalog_overrides.{name}.{key} must be {want.__name__}")
                 if key == "sha256" and not SHA256_RE.match(value):
                     raise CatalogError(f"catalog_overrides.{name}.sha256 {value!r} is not 64 lowercase hex digits")
-                if key in ("requirements", "files"):
+                if key in ("requirements", "files", "cuda"):
                     extra[key] = value
                 else:
                     changes[key] = value

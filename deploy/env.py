@@ -1,0 +1,11 @@
+"""The Python env stage alone: `pyinfra inventory/lab.py deploy/env.py`."""
+
+from tasks.hostdata import check_inventory, settings_for
+from tasks.base import base_layout
+from tasks.pyenv import python_env
+
+check_inventory()
+settings = settings_for()
+
+base_layout(settings)
+python_env(settings)

@@ -1,0 +1,115 @@
+"""verl-lab: prove a Python env (run by that env's python). Prints one JSON object.
+
+    python pyenv-prove.py '<json expectations>'
+
+Expectations: torch (pinned version), cuda ("11.8", or "none" for a CPU torch stand-in),
+gpu_cc ("6.1" or null), vllm (version expected, or null with vllm_skip saying why), verl
+(version), verl_src, compose (bool) and overrides (Hydra overrides for the compose check).
+Every check is reported as {"ok": true|false, "detail": "..."}; a skipped check is ok and its
+detail starts with "skipped:".
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+want = json.loads(sys.argv[1])
+checks = {}
+
+
+def check(name):
+    def wrap(fn):
+        try:
+            ok, detail = fn()
+        except BaseException as exc:  # an import failing is the answer, not a crash
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        checks[name] = {"ok": bool(ok), "detail": str(detail)[:500]}
+        return fn
+    return wrap
+
+
+def same_version(have, pin):
+    # a pin without a local label (+cu118) matches any local build of that version
+    return have == pin if "+" in pin else have.split("+", 1)[0] == pin
+
+
+@check("torch")
+def _torch():
+    import torch
+    return same_version(torch.__version__, want["torch"]), f"torch {torch.__version__} (pinned {want['torch']})"
+
+
+@check("torch_cuda")
+def _torch_cuda():
+    import torch
+    have = torch.version.cuda
+    if want["cuda"] == "none":
+        return have is None, f"CPU torch stand-in: torch.version.cuda is {have!r}, expected None"
+    return have == want["cuda"], f"torch.version.cuda {have!r}, expected {want['cuda']!r}"
+
+
+@check("gpu")
+def _gpu():
+    import torch
+    if not want.get("gpu_cc"):
+        return True, "skipped: the box has no usable NVIDIA GPU"
+    if want["cuda"] == "none":
+        return True, f"skipped: CPU torch stand-in (the box reports compute capability {want['gpu_cc']})"
+    if not torch.cuda.is_available():
+        return False, "torch.cuda.is_available() is False on a box with an NVIDIA GPU"
+    major, minor = want["gpu_cc"].split(".")
+    archs = torch.cuda.get_arch_list()
+    exact = f"sm_{major}{minor}"
+    if exact in archs:
+        return True, f"{exact} in {archs}"
+    # same-major fallback: sm_61 runs sm_60 code
+    fallback = [a for a in archs if a.startswith(f"sm_{major}") and int(a[len(f"sm_{major}"):] or 0) <= int(minor)]
+    if fallback:
+        return True, f"{exact} runs {fallback[-1]} code (same major) from {archs}"
+    return False, f"neither {exact} nor a same-major lower arch in {archs}"
+
+
+@check("apex")
+def _apex():
+    names = ("amp_C", "fused_layer_norm_cuda", "apex_C")
+    for name in names:
+        importlib.import_module(name)
+    return True, "imported " + ", ".join(names)
+
+
+@check("vllm")
+def _vllm():
+    if not want.get("vllm"):
+        return True, f"skipped: {want.get('vllm_skip') or 'not planned'}"
+    import vllm
+    return same_version(vllm.__version__, want["vllm"]), f"vllm {vllm.__version__}"
+
+
+@check("verl")
+def _verl():
+    import verl
+    where = os.path.realpath(os.path.dirname(verl.__file__))
+    src = os.path.realpath(want["verl_src"])
+    if not where.startswith(src + os.sep):
+        return False, f"verl imported from {where}, not from {src}"
+    if verl.__version__ != want["verl"]:
+        return False, f"verl {verl.__version__}, expected {want['verl']}"
+    from verl.utils.torch_dtypes import autocast_dtype_of  # noqa: F401  (a project patch)
+    return True, f"verl {verl.__version__} from {where} (patched)"
+
+
+@check("compose")
+def _compose():
+    if not want.get("compose"):
+        return True, "skipped: not asked"
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *want.get("overrides", []), "--cfg", "job"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd="/")
+    if res.returncode != 0 or "actor_rollout_ref" not in res.stdout:
+        return False, f"main_ppo --cfg job exit {res.returncode}: {(res.stderr or res.stdout)[-400:]}"
+    return True, f"main_ppo --cfg job composed ({len(want.get('overrides', []))} overrides)"
+
+
+broken = sorted(name for name, c in checks.items() if not c["ok"])
+print(json.dumps({"healthy": not broken, "broken": broken, "checks": checks}, sort_keys=True))

@@ -1,0 +1,435 @@
+"""Stage: the Python env (conda or venv) with torch cu118, Apex, vLLM where the GPU allows, and
+the patched verl 0.5.0, proven on the box and rebuilt safely when broken.
+
+Layout on the box (env_prefix = /opt/verl-lab/envs/verl by default):
+
+    <env_prefix>          symlink -> <env_prefix>.genN   (the env everyone uses)
+    <env_prefix>.prev     symlink -> the generation before (kept until a newer one passes)
+    <env_prefix>.genN/    a real env; its verl-lab-constraints.txt pins torch and verl's deps
+
+A build (files/templates/pyenv-build.sh.j2) always makes a new generation beside the current
+one, proves it with files/templates/pyenv-prove.py, and only then swaps the link (rename of a
+symlink: atomic). A failed build leaves the link where it was. The stage builds when the
+``PythonEnv`` fact finds no env, a broken one, or one built from another plan (stamp);
+deploy/rebuild.py builds a new generation unconditionally.
+
+The first half of this module is pure planning (``plan_env`` and friends), unit-tested
+without pyinfra; ``python_env`` carries the plan out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tasks.catalog import REPO_ROOT
+from tasks.settings import LabSettings
+
+REQUIREMENTS = REPO_ROOT / "files" / "requirements" / "verl-0.5.0.txt"
+BUILD_TOOLS = REPO_ROOT / "files" / "requirements" / "build-tools.txt"
+TEMPLATES = REPO_ROOT / "files" / "templates"
+CONDA_PYTHON = "3.10"
+MIN_PYTHON = (3, 10)
+KIB_PER_BUILD_JOB = 4 * 1024 * 1024          # Apex's nvcc jobs: about 4 GB of RAM each
+# TORCH_CUDA_ARCH_LIST for a box without a GPU: what torch 2.6 cu118 itself is built for (>= 6.0).
+NO_GPU_ARCH_LIST = "6.0;7.0;7.5;8.0;8.6;9.0"
+NO_CUDA = "none"                             # the torch artifact's cuda under a CPU stand-in
+
+
+class EnvPlanError(ValueError):
+    """The catalog's Python-stack entries cannot make a plan (a fix is in the message)."""
+
+
+# ------------------------------------------------------------------ pure planning
+
+def requirement_lines(path: Path) -> list[str]:
+    return [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()
+            if line.split("#", 1)[0].strip()]
+
+
+def pinned_version(requirements: list[str], name: str) -> str:
+    """The version pinned for ``name`` (``torch==2.6.0+cu118`` -> ``2.6.0+cu118``)."""
+    for req in requirements:
+        left, sep, version = req.partition("==")
+        if sep and left.split("[", 1)[0].strip().lower() == name.lower():
+            return version.strip()
+    raise EnvPlanError(f"the torch artifact's requirements {requirements!r} pin no {name}==<version>;"
+                       f" list exact pins such as {name}==2.6.0+cu118")
+
+
+def constraint_lines(torch_requirements: list[str], *requirement_files: Path) -> list[str]:
+    """Constraints: the torch pins, then every pin of the given files (extras dropped: pip refuses them)."""
+    lines = list(torch_requirements)
+    names = {r.partition("==")[0].strip().lower() for r in lines}
+    for path in requirement_files:
+        for req in requirement_lines(path):
+            name, sep, version = req.partition("==")
+            if not sep:
+                raise EnvPlanError(f"{path.name}: {req!r} is not pinned with ==")
+            bare = name.split("[", 1)[0].strip()
+            if bare.lower() not in names:
+                lines.append(f"{bare}=={version.strip()}")
+                names.add(bare.lower())
+    return lines
+
+
+def vllm_decision(gpu_cc: str | None, min_cc: str) -> tuple[bool, str]:
+    """Install vLLM? Only where the GPU's compute capability is at least ``min_cc``."""
+    if not gpu_cc:
+        return False, "no usable NVIDIA GPU on this box (vLLM needs one with compute capability >= " f"{min_cc})"
+    have = tuple(int(x) for x in gpu_cc.split("."))
+    need = tuple(int(x) for x in min_cc.split("."))
+    if have < need:
+        return False, f"compute capability {gpu_cc} < {min_cc}: vLLM 0.8.5 does not support this GPU (the HF rollout is used)"
+    return True, f"compute capability {gpu_cc} >= {min_cc}"
+
+
+def torch_cuda_arch_list(gpu_cc: str | None) -> str:
+    """Build for this box's GPU only (far faster); a GPU-less box gets torch's own list."""
+    return gpu_cc if gpu_cc else NO_GPU_ARCH_LIST
+
+
+def build_jobs(mem_total_kib: int | None, cpus: int | None) -> int:
+    """MAX_JOBS: one job per 4 GB of RAM, no more than the CPUs, at least 1."""
+    by_ram = (mem_total_kib or 0) // KIB_PER_BUILD_JOB
+    return max(1, min(by_ram, cpus or 1))
+
+
+def host_compilers(gcc_major: int | None, gcc11: bool) -> tuple[str | None, str | None, bool]:
+    """(CC, CXX, need_gcc11_packages): nvcc 11.8 rejects gcc > 11, so use gcc-11 there."""
+    if gcc_major is not None and gcc_major <= 11:
+        return None, None, False
+    return "gcc-11", "g++-11", not gcc11
+
+
+def stamp_of(data: dict) -> str:
+    """What a generation was built from; a different stamp means the env must be rebuilt."""
+    blob = json.dumps(data, sort_keys=True).encode()
+    for path in (REQUIREMENTS, BUILD_TOOLS, TEMPLATES / "pyenv-build.sh.j2"):
+        blob += path.read_bytes()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class EnvPlan:
+    backend: str
+    python_version: str | None          # conda: the version to create; venv: what the interpreter is
+    torch_requirements: tuple[str, ...]
+    torch_version: str
+    cuda: str                           # torch.version.cuda to prove, or "none" (CPU stand-in)
+    torch_index: str
+    pypi_index: str
+    constraints: tuple[str, ...]
+    apex_url: str
+    apex_ref: str
+    arch_list: str
+    max_jobs: int
+    cc: str | None
+    cxx: str | None
+    need_gcc11: bool
+    gpu_cc: str | None
+    vllm: bool
+    vllm_reason: str
+    vllm_version: str
+    verl_version: str
+    compose_overrides: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()      # why this box cannot get an env (fails this box only)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def expect(self) -> dict:
+        """What pyenv-prove.py checks (also the PythonEnv fact's argument)."""
+        return {
+            "torch": self.torch_version, "cuda": self.cuda, "gpu_cc": self.gpu_cc,
+            "vllm": self.vllm_version if self.vllm else None,
+            "vllm_skip": None if self.vllm else self.vllm_reason,
+            "verl": self.verl_version, "compose": True, "overrides": list(self.compose_overrides),
+        }
+
+    @property
+    def stamp(self) -> str:
+        data = asdict(self)
+        for key in ("notes", "problems", "compose_overrides", "vllm_reason"):
+            data.pop(key)
+        return stamp_of(data)
+
+
+def _gpu_cc(gpus) -> str | None:
+    if gpus is None or not getattr(gpus, "ok", False):
+        return None
+    return gpus.gpus[0].compute_capability
+
+
+def compose_overrides(gpus) -> tuple[str, ...]:
+    """The training plan's overrides for the compose proof (none when no plan can be made)."""
+    try:
+        from tasks.plan import GpuTarget, PlanError, plan_overrides_for_host
+    except ImportError:
+        return ()
+    try:
+        return tuple(plan_overrides_for_host(GpuTarget.from_inventory(gpus)))
+    except (PlanError, ValueError, TypeError, OSError):
+        return ()
+
+
+def plan_env(settings: LabSettings, gpus, build: dict, overrides: tuple[str, ...] = ()) -> EnvPlan:
+    """Decide the env for one box from its settings, its GPU inventory and its BuildHost fact."""
+    cat = settings.catalog
+    torch = cat.artifact("torch")
+    reqs = list(torch.get("requirements") or [])
+    if not reqs:
+        raise EnvPlanError("catalog artifact torch has no requirements list")
+    cuda = str(torch.get("cuda") or "")
+    if not cuda:
+        raise EnvPlanError("catalog artifact torch has no cuda (the torch.version.cuda to prove, or 'none')")
+    torch_version = pinned_version(reqs, "torch")
+    apex = cat.artifact("apex")
+    vllm = cat.artifact("vllm")
+    verl = cat.artifact("verl")
+    gpu_cc = _gpu_cc(gpus)
+    want_vllm, why = vllm_decision(gpu_cc, str(vllm.get("min_compute_capability", "7.0")))
+    cc, cxx, need_gcc11 = host_compilers(build.get("gcc_major"), build.get("gcc11", False))
+    problems, notes = [], []
+    if settings.env_backend == "venv":
+        version = build.get("python_version")
+        if not version:
+            problems.append(f"venv_python {settings.venv_python!r} does not run on this box;"
+                            " set venv_python to a Python >= 3.10 that is installed")
+        elif tuple(int(x) for x in version.split(".")) < MIN_PYTHON:
+            problems.append(f"venv_python {settings.venv_python!r} is Python {version}; verl 0.5.0 needs >= 3.10:"
+                            " set venv_python to a newer interpreter or use env_backend = 'conda'")
+        python_version = version
+    else:
+        python_version = CONDA_PYTHON
+    if cuda != NO_CUDA:
+        nvcc = build.get("nvcc_release")
+        if not nvcc:
+            problems.append(f"no nvcc at {settings.cuda_prefix}/bin/nvcc: Apex builds against the CUDA toolkit;"
+                            " run the CUDA stage first (deploy/cuda.py) or set cuda_prefix")
+        elif nvcc != cuda:
+            problems.append(f"nvcc at {settings.cuda_prefix} is release {nvcc}, torch is built for CUDA {cuda}:"
+                            " Apex refuses to build with mismatched versions; point cuda_prefix at CUDA " + cuda)
+    else:
+        notes.append("torch is a CPU stand-in (catalog torch.cuda = 'none'): CUDA checks are reported as skipped")
+    if not gpu_cc:
+        notes.append(f"no usable GPU: Apex is built for TORCH_CUDA_ARCH_LIST={NO_GPU_ARCH_LIST}")
+    return EnvPlan(
+        backend=settings.env_backend,
+        python_version=python_version,
+        torch_requirements=tuple(reqs),
+        torch_version=torch_version,
+        cuda=cuda,
+        torch_index=torch.url(settings.mirrors),
+        pypi_index=settings.mirrors.base("pypi"),
+        constraints=tuple(constraint_lines(reqs, REQUIREMENTS, BUILD_TOOLS)),
+        apex_url=apex.url(settings.mirrors),
+        apex_ref=str(apex.ref),
+        arch_list=torch_cuda_arch_list(gpu_cc),
+        max_jobs=build_jobs(build.get("mem_total_kib"), build.get("cpus")),
+        cc=cc,
+        cxx=cxx,
+        need_gcc11=need_gcc11,
+        gpu_cc=gpu_cc,
+        vllm=want_vllm,
+        vllm_reason=why,
+        vllm_version=vllm.version,
+        verl_version=verl.version,
+        compose_overrides=tuple(overrides),
+        problems=tuple(problems),
+        notes=tuple(notes),
+    )
+
+
+def pyenv_dir(settings: LabSettings) -> str:
+    return f"{settings.lab_root}/pyenv"
+
+
+def conda_bin(settings: LabSettings) -> str:
+    return f"{settings.conda_prefix}/bin/conda"
+
+
+def build_script_context(settings: LabSettings, plan: EnvPlan, vllm_wheel: str | None) -> dict:
+    """Everything pyenv-build.sh.j2 needs; ``q`` holds the shell-quoted values."""
+    d = pyenv_dir(settings)
+    values = {
+        "env_prefix": settings.env_prefix,
+        "pyenv_dir": d,
+        "stamp": plan.stamp,
+        "conda": conda_bin(settings),
+        "python_version": plan.python_version or CONDA_PYTHON,
+        "venv_python": settings.venv_python,
+        "constraints": f"{d}/constraints.txt",
+        "pypi_index": plan.pypi_index,
+        "torch_index": plan.torch_index,
+        "pip_cache": f"{settings.box_cache}/pip",
+        "build_tools": f"{d}/build-tools.txt",
+        "tmpdir": settings.install_tmpdir,
+        "apex_ref": plan.apex_ref,
+        "apex_url": plan.apex_url,
+        "cuda_prefix": settings.cuda_prefix,
+        "torch_cuda_arch_list": plan.arch_list,
+        "cc": plan.cc or "",
+        "cxx": plan.cxx or "",
+        "verl_requirements": f"{d}/verl-requirements.txt",
+        "vllm_wheel": vllm_wheel or "",
+        "vllm_skip_message": f"verl-lab: vLLM not installed: {plan.vllm_reason}",
+        "verl_src": settings.verl_src,
+        "prove": f"{d}/prove-env.py",
+        "expect": json.dumps({**plan.expect, "verl_src": settings.verl_src}, sort_keys=True),
+        "marker": settings.marker("pyenv"),
+        "marker_dir": settings.marker_dir,
+    }
+    q = {k: shlex.quote(str(v)) for k, v in values.items()}
+    q["torch_requirements"] = " ".join(shlex.quote(r) for r in plan.torch_requirements)
+    marker = [
+        ("backend", plan.backend), ("python", plan.python_version or ""), ("torch", plan.torch_version),
+        ("cuda", plan.cuda), ("apex", plan.apex_ref), ("torch_cuda_arch_list", plan.arch_list),
+        ("max_jobs", plan.max_jobs), ("vllm", plan.vllm_version if plan.vllm else "skipped"),
+        ("vllm_reason", plan.vllm_reason), ("verl", plan.verl_version),
+    ]
+    return {
+        "q": q,
+        "backend": plan.backend,
+        "cc": plan.cc,
+        "max_jobs": int(plan.max_jobs),
+        "vllm_wheel": vllm_wheel,
+        "marker_lines": [shlex.quote(f"{k}={v}") for k, v in marker],
+    }
+
+
+def expect_for(settings: LabSettings, plan: EnvPlan) -> dict:
+    return {**plan.expect, "verl_src": settings.verl_src}
+
+
+def env_decision(env: dict | None, plan: EnvPlan, marker: dict | None, force: bool = False) -> tuple[str, str]:
+    """("ok" | "marker" | "build", why) from the PythonEnv fact, the plan and the stage marker."""
+    if force:
+        return "build", "rebuild requested"
+    if not env or not env.get("present"):
+        return "build", "no env yet"
+    if not env.get("healthy"):
+        details = "; ".join(f"{n}: {env['checks'].get(n, {}).get('detail', '?')}" for n in env.get("broken", []))
+        return "build", f"the env is broken ({details})"
+    if env.get("stamp") != plan.stamp:
+        return "build", f"the env was built from another plan (stamp {env.get('stamp')} != {plan.stamp})"
+    if not marker or marker.get("stamp") != plan.stamp:
+        return "marker", "the env is healthy but its marker is missing"
+    return "ok", f"healthy env {env.get('target')} (torch {plan.torch_version}, verl {plan.verl_version})"
+
+
+# ------------------------------------------------------------------ the pyinfra stage
+
+from pyinfra import host  # noqa: E402
+from pyinfra.api import StringCommand, deploy, operation  # noqa: E402
+from pyinfra.operations import apt, files, server  # noqa: E402
+
+from tasks.artifacts import artifact_file, box_path  # noqa: E402
+from tasks.facts.files import Marker  # noqa: E402
+from tasks.facts.pyenv import BuildHost, PythonEnv  # noqa: E402
+from tasks.verl_source import verl_source  # noqa: E402
+
+
+def _gpu_inventory():
+    try:
+        from tasks.facts.gpu import NvidiaGpus
+    except ImportError:  # pragma: no cover - the GPU fact ships with the plan stage
+        return None
+    return host.get_fact(NvidiaGpus)
+
+
+@operation()
+def box_problem(message: str):
+    """Fail this box (only) with ``message``: a condition the operator must fix on the box."""
+    yield StringCommand("sh", "-c", shlex.quote(f"echo {shlex.quote('verl-lab: ' + message)} >&2; exit 1"))
+
+
+@operation()
+def miniforge(settings: LabSettings, installer: str):
+    """Install Miniforge non-interactively into conda_prefix (once)."""
+    build = host.get_fact(BuildHost, venv_python=settings.venv_python, conda_prefix=settings.conda_prefix,
+                          cuda_prefix=settings.cuda_prefix)
+    if build["conda"]:
+        host.noop(f"conda already at {settings.conda_prefix}")
+        return
+    yield StringCommand("bash", shlex.quote(installer), "-b", "-p", shlex.quote(settings.conda_prefix))
+
+
+@operation()
+def env_generation(settings: LabSettings, plan: EnvPlan, script: str, force: bool = False):
+    """
+    Build, prove and swap in a new env generation, unless the current env is healthy and
+    built from this plan (then nothing; a missing marker alone is rewritten).
+    """
+    env = host.get_fact(PythonEnv, prefix=settings.env_prefix, expect=expect_for(settings, plan))
+    marker = host.get_fact(Marker, path=settings.marker("pyenv"))
+    action, why = env_decision(env, plan, marker, force)
+    if action == "ok":
+        host.noop(why)
+        return
+    if action == "marker":
+        lines = [f"generation={env.get('target')}", f"stamp={plan.stamp}", f"torch={plan.torch_version}",
+                 f"verl={plan.verl_version}", f"vllm={plan.vllm_version if plan.vllm else 'skipped'}"]
+        path = settings.marker("pyenv")
+        body = "".join(f"echo {shlex.quote(line)}; " for line in lines)
+        yield StringCommand("sh", "-c", shlex.quote(f"{{ {body}}} > {shlex.quote(path)}.part && mv -f "
+                                                    f"{shlex.quote(path)}.part {shlex.quote(path)}"))
+        return
+    yield StringCommand("echo", shlex.quote(f"verl-lab: building a new env generation: {why}"))
+    yield StringCommand("bash", shlex.quote(script))
+
+
+@deploy("verl-lab Python env")
+def python_env(settings: LabSettings, force_rebuild: bool = False):
+    """The env stage: prerequisites, verl source, the build inputs, then env_generation."""
+    build = host.get_fact(BuildHost, venv_python=settings.venv_python, conda_prefix=settings.conda_prefix,
+                          cuda_prefix=settings.cuda_prefix)
+    gpus = _gpu_inventory()
+    plan = plan_env(settings, gpus, build, compose_overrides(gpus))
+    for note in plan.notes:
+        host.noop(f"pyenv: {note}")
+    if plan.problems:
+        box_problem(name="Python env prerequisites", message="; ".join(plan.problems))
+        return
+    d = pyenv_dir(settings)
+    for path in (d, settings.install_tmpdir, f"{settings.box_cache}/pip", str(Path(settings.env_prefix).parent)):
+        files.directory(name=f"Directory {path}", path=path, mode="755", user="root", group="root")
+
+    packages = []
+    if plan.need_gcc11:
+        packages += ["gcc-11", "g++-11"]
+    if settings.env_backend == "venv" and not build["python_headers"]:
+        packages += [f"python{plan.python_version}-dev"]
+    if packages:
+        apt.packages(name=f"Build packages ({', '.join(packages)})", packages=packages, update=True)
+
+    if settings.env_backend == "conda":
+        installer = box_path(settings, settings.catalog.artifact("miniforge_installer"))
+        artifact_file(name="Miniforge installer", settings=settings, artifact="miniforge_installer")
+        miniforge(name=f"Miniforge at {settings.conda_prefix}", settings=settings, installer=installer)
+        files.template(name="conda channels (.condarc)", src=str(TEMPLATES / "condarc.j2"),
+                       dest=f"{settings.conda_prefix}/.condarc", mode="644",
+                       profile=settings.mirror_profile, conda_base=settings.mirrors.base("conda"))
+
+    verl_source(settings)
+
+    files.template(name="Env constraints", src=str(TEMPLATES / "pyenv-constraints.txt.j2"),
+                   dest=f"{d}/constraints.txt", mode="644", lines=list(plan.constraints))
+    files.put(name="verl runtime requirements", src=str(REQUIREMENTS), dest=f"{d}/verl-requirements.txt", mode="644")
+    files.put(name="Build tools requirements", src=str(BUILD_TOOLS), dest=f"{d}/build-tools.txt", mode="644")
+    files.put(name="Env proofs", src=str(TEMPLATES / "pyenv-prove.py"), dest=f"{d}/prove-env.py", mode="644")
+
+    vllm_wheel = None
+    if plan.vllm:
+        vllm_wheel = box_path(settings, settings.catalog.artifact("vllm"))
+        artifact_file(name="vLLM wheel", settings=settings, artifact="vllm")
+    else:
+        host.noop(f"vLLM skipped: {plan.vllm_reason}")
+
+    script = f"{d}/build-env.sh"
+    files.template(name="Env build script", src=str(TEMPLATES / "pyenv-build.sh.j2"), dest=script, mode="755",
+                   **build_script_context(settings, plan, vllm_wheel))
+    env_generation(name="Python env (build, prove, swap)" if force_rebuild else "Python env",
+                   settings=settings, plan=plan, script=script, force=force_rebuild)
