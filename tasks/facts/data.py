@@ -38,6 +38,10 @@ class StagedFiles(FactBase):
     uploading just the files that are missing or differ.
     """
 
+    @staticmethod
+    def default():
+        return {}
+
     def command(self, path: str) -> str:
         p = shlex.quote(path)
         return (f"if [ -d {p} ]; then cd {p} && find . -type f ! -path './.cache/*' ! -path './.parts/*' "
@@ -54,6 +58,10 @@ class StagedFiles(FactBase):
 
 class FilesPresent(FactBase):
     """Sizes of the given paths: ``{path: size in bytes, or None when not a file}``."""
+
+    @staticmethod
+    def default():
+        return {}
 
     def command(self, paths: tuple[str, ...] | list[str]) -> str:
         checks = [f"if [ -f {shlex.quote(p)} ]; then echo \"$(stat -c %s {shlex.quote(p)}) {p}\"; "
