@@ -12,6 +12,7 @@ Every test here is skipped, with the reason, only when the machine cannot run bo
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -31,12 +32,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @pytest.fixture(scope="module")
 def lab_factory(request):
     why = requirements_missing()
     if why:
         pytest.skip(f"lab in a box unavailable: {why}")
     labs: list[Lab] = []
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # a SIGTERM (CI timeout, `kill`) must still tear the boxes down: make it an interrupt,
+        # after which pytest runs the fixture finalizers
+        signal.signal(signal.SIGTERM, _interrupt)
 
     def make(boxes=(), **lab_kwargs) -> Lab:
         lab = Lab(**lab_kwargs)

@@ -80,10 +80,10 @@ def test_converge_changes_every_box(converged):
 @pytest.mark.parametrize("name", BOXES)
 def test_verify_base_layout(lab, converged, name):
     box = lab.box(name)
-    uid, gid, shell, home = box.ssh("getent passwd verl | cut -d: -f3,4,7,6 --output-delimiter=' '").stdout.split()
+    uid, gid, home, shell = box.ssh("getent passwd verl | cut -d: -f3,4,6,7 --output-delimiter=' '").stdout.split()
     assert int(uid) != 0 and int(gid) != 0
     assert int(uid) < 1000, "the training user is a system user"
-    assert shell == "/opt/verl-lab/home" or home.endswith("nologin")  # cut keeps field order: 3,4,6,7
+    assert (home, shell) == ("/opt/verl-lab/home", "/usr/sbin/nologin")
     groups = box.ssh("id -Gn verl").stdout.split()
     assert not {"root", "sudo", "wheel", "adm", "disk", "shadow"} & set(groups), groups
     sudo = box.ssh("sudo -n -l -U verl", check=False).stdout

@@ -287,7 +287,10 @@ def stop_box(rec: Mapping[str, Any], *, timeout: float = 20, ssh: list[str] | No
     unmount_root(root)
     box_dir = Path(rec["dir"])
     if box_dir.exists():
-        remove_tree(box_dir)
+        if rec.get("overlay", True):
+            remove_tree(box_dir)        # only the box's own writes: small
+        else:
+            remove_tree_later(box_dir)  # a full rootfs copy: ~30 s to delete on a discard-mounted disk
 
 
 def _wait_gone(pid, start, proc, timeout):
@@ -359,6 +362,18 @@ def unmount_root(root: Path) -> None:
         return
     if subprocess.run(["umount", target], capture_output=True).returncode != 0:
         subprocess.run(["umount", "-l", target], capture_output=True)
+
+
+def remove_tree_later(path: Path) -> None:
+    """Rename ``path`` aside and delete it in a detached process, so teardown does not wait."""
+    trash = path.with_name(f".deleting-{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        path.rename(trash)
+    except OSError:
+        remove_tree(path)
+        return
+    subprocess.Popen(["rm", "-rf", "--one-file-system", str(trash)], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def remove_tree(path: Path) -> None:

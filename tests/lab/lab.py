@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from tests.lab import rootfs as rootfs_mod
-from tests.lab.box import Box, BoxError, BoxSpec, alive, proc_start_time, remove_tree, stop_box
+from tests.lab.box import (Box, BoxError, BoxSpec, alive, proc_start_time, remove_tree, remove_tree_later,
+                           stop_box)
 from tests.lab.inventory import host_data, write_inventory
 from tests.lab.mirror import Mirror
 from tests.lab.results import DeployResult, parse
@@ -128,7 +129,7 @@ class Lab:
                 self._mirror_proc.kill()
             self._mirror_proc = None
         if self._started and not keep_dir and self.dir.exists() and not os.environ.get("VERL_LAB_KEEP"):
-            remove_tree(self.dir)
+            remove_tree_later(self.dir)   # boxes are stopped and unmounted: only files are left
         elif self._started:
             self._save()
         self._started = False
@@ -334,6 +335,8 @@ def cleanup_stale(repo: Path, exclude: Path | None = None, log=print) -> None:
     if not base.is_dir():
         return
     for d in base.iterdir():
+        if d.name.startswith("."):
+            continue
         if exclude is not None and d.resolve() == Path(exclude).resolve():
             continue
         state = read_state(d)
