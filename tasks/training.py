@@ -1,0 +1,235 @@
+"""Stage: the training plan, launcher and systemd unit of a box.
+
+Reads the box's GPUs (``tasks.facts.gpu.NvidiaGpus``; or host data ``gpu_override``, e.g. for
+a build box without a GPU), makes the plan (``tasks.plan.make_plan``) and writes, under
+``settings.train_dir``:
+
+* ``plan.json``: every setting with its reason, the predicted peak memory, the overrides;
+* ``train-launcher``: rendered from files/templates/train-launcher.py.j2, the overrides with
+  their reasons as comments; ``--check`` is the preflight, a plain run execs
+  ``verl.trainer.main_ppo`` in ``train_dir/work``;
+* ``verl_lab_gpu.py``: tasks/facts/gpu.py, which the preflight imports for its GPU readings;
+* ``train.env``: the unit's EnvironmentFile (0640 root:train_user, no secrets);
+* ``/etc/systemd/system/verl-lab-train.service``: runs the launcher as ``settings.train_user``.
+
+``settings.train_unit_state``: ``installed`` (not enabled), ``enabled`` (default; starts on
+boot), ``started`` (enabled and running now).
+
+A box without a usable GPU (and no ``gpu_override``), or one whose plan cannot fit, fails this
+stage on that host only, with the reason. Proofs: ``systemd-analyze verify`` of the unit, and
+the launcher's overrides equal plan.json's, run by the train user; then the marker. A re-run
+with the same plan changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from dataclasses import dataclass
+from io import StringIO
+from pathlib import Path
+
+from pyinfra import host
+from pyinfra.api import deploy
+from pyinfra.operations import files, server, systemd
+
+from tasks.facts import gpu as gpufact
+from tasks.facts.files import Marker
+from tasks.facts.gpu import NvidiaGpus
+from tasks.plan import GpuTarget, PlanError, TrainingPlan, Workload, load_model_config, make_plan
+from tasks.settings import LabSettings
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
+LAUNCHER_TEMPLATE = TEMPLATES / "train-launcher.py.j2"
+UNIT_TEMPLATE = TEMPLATES / "verl-lab-train.service.j2"
+ENV_TEMPLATE = TEMPLATES / "train.env.j2"
+MARKER_TEMPLATE = TEMPLATES / "train.done.j2"
+GPU_MODULE = Path(gpufact.__file__)
+UNIT_NAME = "verl-lab-train.service"
+UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
+
+
+class NoTarget(Exception):
+    """This host has no GPU to plan for; the message says why and what to set."""
+
+
+def plan_target(settings: LabSettings, inventory: gpufact.GpuInventory | None) -> tuple[GpuTarget, str]:
+    """The GPU to plan for and where it came from ("nvidia-smi" or "gpu_override")."""
+    if settings.gpu_override:
+        o = settings.gpu_override
+        return GpuTarget(o["name"], o["compute_capability"], o["memory_mib"], o.get("count", 1)), "gpu_override"
+    inventory = inventory or gpufact.GpuInventory(problem="the GPU fact returned nothing")
+    try:
+        return GpuTarget.from_inventory(inventory), "nvidia-smi"
+    except PlanError as exc:
+        raise NoTarget(f"{exc}. Nothing to plan for on this box; to plan for a GPU it does not have, "
+                       "set host data gpu_override = {\"name\": ..., \"compute_capability\": ..., "
+                       "\"memory_mib\": ..., \"count\": 1}") from None
+
+
+def training_workload(settings: LabSettings, flash_attn_installed: bool = False) -> Workload:
+    return Workload(
+        model_path=settings.model_dir,
+        train_files=f"{settings.data_dir}/train.parquet",
+        # the data stage's first 64 test rows: validation at each checkpoint stays short
+        val_files=f"{settings.data_dir}/val_small.parquet",
+        checkpoint_dir=f"{settings.train_dir}/checkpoints",
+        total_training_steps=settings.train_steps,
+        model_config=load_model_config(),
+        flash_attn_installed=flash_attn_installed,
+    )
+
+
+@dataclass(frozen=True)
+class TrainingLayout:
+    """Paths and rendering values of the stage for one host (pure)."""
+
+    settings: LabSettings
+    plan: TrainingPlan
+    plan_source: str
+
+    @property
+    def train_dir(self) -> str:
+        return self.settings.train_dir
+
+    @property
+    def work_dir(self) -> str:
+        return f"{self.train_dir}/work"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return f"{self.train_dir}/checkpoints"
+
+    @property
+    def cache_dir(self) -> str:
+        return f"{self.train_dir}/cache"
+
+    @property
+    def launcher(self) -> str:
+        return f"{self.train_dir}/train-launcher"
+
+    @property
+    def env_file(self) -> str:
+        return f"{self.train_dir}/train.env"
+
+    @property
+    def plan_file(self) -> str:
+        return f"{self.train_dir}/plan.json"
+
+    @property
+    def home(self) -> str:
+        return f"{self.settings.lab_root}/home"      # tasks/base.py's home of the train user
+
+    def plan_json(self) -> str:
+        return json.dumps({**self.plan.to_dict(), "host": self.settings.host, "plan_source": self.plan_source},
+                          indent=2, sort_keys=True) + "\n"
+
+    def values(self) -> dict:
+        s = self.settings
+        return {
+            "host": s.host,
+            "plan": self.plan.to_dict(),
+            "plan_source": self.plan_source,
+            "overrides": [{"text": o.text(), "why": o.why} for o in self.plan.overrides],
+            "train_dir": self.train_dir,
+            "work_dir": self.work_dir,
+            "checkpoint_dir": self.checkpoint_dir,
+            "env_file": self.env_file,
+            "plan_file": self.plan_file,
+            "launcher": self.launcher,
+            "launcher_python": s.launcher_python,
+            "env_python": s.env_python,
+            "env_prefix": s.env_prefix,
+            "cuda_prefix": s.cuda_prefix,
+            "env_marker": s.marker("pyenv"),
+            "data_marker": s.marker("data"),
+            "data_files": [self.plan_workload_file("train_files"), self.plan_workload_file("val_files")],
+            "model_dir": s.model_dir,
+            "train_user": s.train_user,
+            "home": self.home,
+            "hf_home": f"{self.cache_dir}/huggingface",
+            "unit_name": UNIT_NAME,
+            "unit_state": s.train_unit_state,
+            "read_write_paths": [self.work_dir, self.checkpoint_dir, self.cache_dir, f"-{self.home}"],
+        }
+
+    def plan_workload_file(self, key: str) -> str:
+        return next(o.value for o in self.plan.overrides if o.key == f"data.{key}")
+
+    def digest(self) -> str:
+        """Everything the box's files are made of: a changed input re-runs the proofs."""
+        parts = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                 for p in (LAUNCHER_TEMPLATE, UNIT_TEMPLATE, ENV_TEMPLATE, MARKER_TEMPLATE, GPU_MODULE)}
+        parts["values"] = json.dumps(self.values(), sort_keys=True, default=str)
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _fail(name: str, message: str) -> None:
+    """Fail this host only, at run time, with the message on stderr."""
+    server.shell(name=name, commands=[f"echo {shlex.quote('verl-lab train: ' + message)} >&2; exit 1"])
+
+
+def _flash_attn(env_marker: dict | None) -> bool:
+    return (env_marker or {}).get("flash_attn", "").lower() in ("1", "true", "yes")
+
+
+@deploy("verl-lab training plan, launcher and unit")
+def install_training(settings: LabSettings):
+    """Plan for this box's GPU; launcher, env file, plan.json and the systemd unit; proofs; marker."""
+    inventory = None if settings.gpu_override else host.get_fact(NvidiaGpus)
+    try:
+        target, source = plan_target(settings, inventory)
+    except NoTarget as exc:
+        _fail("Training plan needs a GPU", str(exc))
+        return
+    env_marker = host.get_fact(Marker, path=settings.marker("pyenv"))
+    try:
+        plan = make_plan(target, training_workload(settings, _flash_attn(env_marker)))
+    except PlanError as exc:
+        _fail(f"Training plan for {target.count} x {target.name}", str(exc))
+        return
+    layout = TrainingLayout(settings=settings, plan=plan, plan_source=source)
+    values = layout.values()
+    user = settings.train_user
+    digest = layout.digest()
+
+    files.directory(name=f"Directory {layout.train_dir}", path=layout.train_dir, mode="750",
+                    user="root", group=user)
+    for path in (layout.work_dir, layout.checkpoint_dir, layout.cache_dir):
+        files.directory(name=f"Directory {path} (the train user's)", path=path, mode="750", user=user, group=user)
+    files.put(name="Training plan (plan.json)", src=StringIO(layout.plan_json()), dest=layout.plan_file,
+              mode="644", user="root", group="root")
+    files.put(name="GPU reader for the preflight", src=str(GPU_MODULE), dest=f"{layout.train_dir}/verl_lab_gpu.py",
+              mode="644", user="root", group="root")
+    files.template(name="Training launcher", src=str(LAUNCHER_TEMPLATE), dest=layout.launcher,
+                   mode="750", user="root", group=user, **values)
+    files.template(name="Training environment file", src=str(ENV_TEMPLATE), dest=layout.env_file,
+                   mode="640", user="root", group=user, **values)
+    unit = files.template(name=f"Unit {UNIT_NAME}", src=str(UNIT_TEMPLATE), dest=UNIT_PATH,
+                          mode="644", user="root", group="root", **values)
+    systemd.daemon_reload(name="systemd reads the changed unit", _if=unit.did_change)
+
+    state = settings.train_unit_state
+    systemd.service(name=f"Unit {UNIT_NAME}: {state}", service=UNIT_NAME,
+                    enabled=state != "installed", running=True if state == "started" else None)
+    if state == "started":
+        systemd.service(name=f"Restart {UNIT_NAME} for the changed unit", service=UNIT_NAME,
+                        running=True, restarted=True, _if=unit.did_change)
+
+    marker_path = settings.marker("train")
+    marker = host.get_fact(Marker, path=marker_path)
+    if marker and marker.get("digest") == digest:
+        host.noop(f"training launcher and unit already proven for {target.count} x {target.name}")
+        return
+    q = shlex.quote
+    server.shell(
+        name="Prove the unit and the launcher",
+        commands=[
+            f"systemd-analyze verify {q(UNIT_PATH)}",
+            f"runuser -u {q(user)} -- {q(settings.launcher_python)} {q(layout.launcher)} "
+            "--print-overrides --against-plan >/dev/null",
+        ],
+    )
+    files.template(name=f"Marker {marker_path}", src=str(MARKER_TEMPLATE), dest=marker_path,
+                   mode="644", user="root", group="root", digest=digest, **values)

@@ -1,0 +1,256 @@
+"""The training stage's pure parts and its rendered files, run here.
+
+The launcher is rendered with pyinfra's own template function into a temporary train dir and
+run with this machine's Python: ``--print-overrides`` against plan.json, and ``--check``
+against a fake nvidia-smi and a stand-in env (a ``torch`` / ``verl`` module pair shaped like
+the real ones, CPU-only: ``torch.cuda.is_available()`` is False, as on the lab boxes).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pyinfra.api.util import get_template
+
+from tasks import training
+from tasks.facts.gpu import Gpu, GpuInventory
+from tasks.settings import SettingsError, load_settings
+from tasks.training import NoTarget, TrainingLayout, plan_target, training_workload
+from tasks.plan import make_plan
+
+T4_SMI = "0, Tesla T4, 7.5, 15360, 15102, 535.104.05"
+
+
+def settings_for(lab_root: str = "/opt/verl-lab", **data):
+    return load_settings("box1", {"lab_root": lab_root, "env_prefix": f"{lab_root}/envs/verl", **data})
+
+
+def t4_inventory():
+    return GpuInventory(gpus=(Gpu(0, "Tesla T4", "7.5", 15360, 15102, "535.104.05"),))
+
+
+def test_plan_target_from_fact_and_override():
+    s = settings_for()
+    target, source = plan_target(s, t4_inventory())
+    assert (target.name, target.count, source) == ("Tesla T4", 1, "nvidia-smi")
+    with pytest.raises(NoTarget, match="nvidia-smi is not installed.*gpu_override"):
+        plan_target(s, GpuInventory(problem="nvidia-smi is not installed (no NVIDIA driver on this box)"))
+    o = settings_for(gpu_override={"name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0",
+                                   "memory_mib": 81920, "count": 2})
+    target, source = plan_target(o, GpuInventory(problem="no driver"))
+    assert (target.name, target.count, target.compute_capability, source) == (
+        "NVIDIA A100-SXM4-80GB", 2, "8.0", "gpu_override")
+
+
+@pytest.mark.parametrize("bad", [
+    "Tesla T4", {"name": "Tesla T4"}, {"name": "T4", "compute_capability": "7", "memory_mib": 15360},
+    {"name": "T4", "compute_capability": "7.5", "memory_mib": "15G"},
+    {"name": "T4", "compute_capability": "7.5", "memory_mib": 15360, "count": 0},
+    {"name": "T4", "compute_capability": "7.5", "memory_mib": 15360, "vram": 1},
+])
+def test_bad_gpu_override_is_refused_before_anything_runs(bad):
+    with pytest.raises(SettingsError, match="gpu_override"):
+        settings_for(gpu_override=bad)
+
+
+def layout_for(s, inventory=None):
+    target, source = plan_target(s, inventory or t4_inventory())
+    return TrainingLayout(settings=s, plan=make_plan(target, training_workload(s)), plan_source=source)
+
+
+def test_workload_paths_follow_settings():
+    s = settings_for(train_steps=7)
+    w = training_workload(s)
+    assert w.model_path == s.model_dir and w.train_files == f"{s.data_dir}/train.parquet"
+    assert w.checkpoint_dir == f"{s.train_dir}/checkpoints" and w.total_training_steps == 7
+
+
+def test_digest_changes_with_the_plan():
+    a = layout_for(settings_for())
+    b = layout_for(settings_for(train_steps=50))
+    assert a.digest() == layout_for(settings_for()).digest()
+    assert a.digest() != b.digest()
+
+
+def render(template: Path, values: dict) -> str:
+    return get_template(str(template)).render(**values)
+
+
+def test_unit_and_env_file():
+    lay = layout_for(settings_for())
+    unit = render(training.UNIT_TEMPLATE, lay.values())
+    for line in ("User=verl", "Group=verl", "Restart=on-failure", "RestartSec=30", "NoNewPrivileges=yes",
+                 "ProtectSystem=strict", "PrivateTmp=yes", "ProtectHome=yes", "StandardOutput=journal",
+                 "EnvironmentFile=/opt/verl-lab/train/train.env",
+                 "ExecStart=/usr/bin/python3 /opt/verl-lab/train/train-launcher",
+                 "WorkingDirectory=/opt/verl-lab/train/work", "WantedBy=multi-user.target"):
+        assert line in unit.splitlines(), line
+    rw = next(line for line in unit.splitlines() if line.startswith("ReadWritePaths="))
+    assert "/opt/verl-lab/train/checkpoints" in rw and "/opt/verl-lab/train/work" in rw
+    # GPU access stays possible: nothing hides /dev/nvidia*
+    for forbidden in ("PrivateDevices=", "DevicePolicy=", "MemoryDenyWriteExecute="):
+        assert not any(line.startswith(forbidden) for line in unit.splitlines())
+    env = dict(line.split("=", 1) for line in render(training.ENV_TEMPLATE, lay.values()).splitlines()
+               if line and not line.startswith("#"))
+    assert env["CUDA_HOME"] == "/usr/local/cuda-11.8"
+    assert env["PATH"].startswith("/opt/verl-lab/envs/verl/bin:")
+    assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == "1"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env      # T4: vLLM rollout, sleep mode
+    p40 = layout_for(settings_for(), GpuInventory(gpus=(Gpu(0, "Tesla P40", "6.1", 24576, 24400, "535.104.05"),)))
+    env40 = render(training.ENV_TEMPLATE, p40.values())
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env40.splitlines()
+
+
+def test_launcher_is_python_with_reasons_beside_overrides():
+    lay = layout_for(settings_for())
+    text = render(training.LAUNCHER_TEMPLATE, lay.values())
+    ast.parse(text)
+    lines = text.splitlines()
+    start = lines.index("OVERRIDES = [")
+    block = lines[start + 1: start + 1 + len(lay.plan.overrides)]
+    assert lines[start + 1 + len(lay.plan.overrides)] == "]"
+    for o, line in zip(lay.plan.overrides, block):
+        literal, _, comment = line.strip().partition(",  # ")
+        assert ast.literal_eval(literal) == o.text()
+        assert comment == o.why
+
+
+# ---------------------------------------------------------------- the launcher, run here
+
+@pytest.fixture
+def box(tmp_path):
+    """A train dir rendered for a T4 under tmp_path, a fake nvidia-smi, a stand-in env."""
+    root = tmp_path / "lab"
+    s = settings_for(str(root), launcher_python=sys.executable)
+    lay = layout_for(s)
+    train = Path(lay.train_dir)
+    for d in (train, Path(lay.work_dir), Path(lay.checkpoint_dir), Path(s.marker_dir)):
+        d.mkdir(parents=True, exist_ok=True)
+    (train / "plan.json").write_text(lay.plan_json())
+    shutil.copy(training.GPU_MODULE, train / "verl_lab_gpu.py")
+    launcher = train / "train-launcher"
+    launcher.write_text(render(training.LAUNCHER_TEMPLATE, lay.values()))
+    launcher.chmod(0o755)
+    (train / "train.env").write_text(render(training.ENV_TEMPLATE, lay.values()))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    smi = bindir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{T4_SMI}'\n")
+    smi.chmod(0o755)
+    return {"settings": s, "layout": lay, "launcher": launcher, "bin": bindir, "tmp": tmp_path}
+
+
+def run_launcher(box, *args):
+    env = {"PATH": f"{box['bin']}:/usr/bin:/bin", "HOME": str(box["tmp"])}
+    return subprocess.run([sys.executable, str(box["launcher"]), *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def make_env(box, torch_cuda: bool):
+    """A stand-in env: a python wrapper whose path has torch (CPU-only or 'CUDA') and verl modules."""
+    s = box["settings"]
+    site = box["tmp"] / "site"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text(
+        "__version__ = '2.6.0+cu118'\n"
+        "class version:\n    cuda = '11.8'\n"
+        "class cuda:\n"
+        f"    @staticmethod\n    def is_available():\n        return {torch_cuda}\n"
+        "    @staticmethod\n    def device_count():\n        return 1\n"
+        "    @staticmethod\n    def get_device_name(i):\n        return 'Tesla T4'\n"
+        "    @staticmethod\n    def get_device_capability(i):\n        return (7, 5)\n")
+    (site / "verl").mkdir()
+    (site / "verl" / "__init__.py").write_text("__version__ = '0.5.0'\n")
+    py = Path(s.env_python)
+    py.parent.mkdir(parents=True)
+    py.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    Path(s.marker("pyenv")).write_text("stage=pyenv\n")
+
+
+def make_data(box):
+    s = box["settings"]
+    Path(s.data_dir).mkdir(parents=True)
+    for name in ("train.parquet", "val_small.parquet"):
+        (Path(s.data_dir) / name).write_bytes(b"PAR1")
+    Path(s.marker("data")).write_text("stage=data\n")
+    Path(s.model_dir).mkdir(parents=True)
+    (Path(s.model_dir) / "config.json").write_text("{}")
+    (Path(s.model_dir) / "model.safetensors").write_bytes(b"\0")
+
+
+def test_print_overrides_matches_plan(box):
+    out = run_launcher(box, "--print-overrides", "--against-plan")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == box["layout"].plan.override_lines
+    plan = json.loads((Path(box["layout"].plan_file)).read_text())
+    plan["overrides"] = plan["overrides"][:-1]
+    Path(box["layout"].plan_file).write_text(json.dumps(plan))
+    bad = run_launcher(box, "--print-overrides", "--against-plan")
+    assert bad.returncode == 1 and "differ" in bad.stderr
+
+
+def test_check_on_a_bare_box_reports_everything_missing(box):
+    out = run_launcher(box, "--check")
+    assert out.returncode == 1
+    text = out.stdout
+    assert "ok    gpu: 1 x Tesla T4, 15360 MiB, driver 535.104.05" in text
+    assert "ok    gpu memory: 15102 MiB free" in text or "FAIL  gpu memory" in text
+    assert "FAIL  cuda device: no usable CUDA device" in text   # no /dev/nvidia0 here
+    assert "FAIL  env marker" in text and "FAIL  env python" in text
+    assert "FAIL  data marker" in text and "FAIL  data: missing" in text
+    assert "would run (in " in text and "-m verl.trainer.main_ppo" in text
+    assert "verl-lab preflight FAILED on box1" in out.stderr
+
+
+def test_check_with_cpu_torch_says_no_cuda_device(box):
+    make_env(box, torch_cuda=False)
+    make_data(box)
+    out = run_launcher(box, "--check")
+    assert out.returncode == 1
+    assert "FAIL  torch: no usable CUDA device is visible to torch (torch 2.6.0+cu118, built for CUDA 11.8)" in out.stdout
+    assert "ok    verl: verl 0.5.0" in out.stdout
+    assert "ok    data:" in out.stdout and "ok    model:" in out.stdout and "ok    env marker" in out.stdout
+    assert "ok    train dirs" in out.stdout
+    assert "nvml:" in out.stdout
+
+
+def test_gpu_mismatch_and_low_free_memory(box):
+    (box["bin"] / "nvidia-smi").write_text("#!/bin/sh\necho '0, Tesla P40, 6.1, 24576, 2000, 535.104.05'\n")
+    out = run_launcher(box, "--check")
+    assert "FAIL  gpu: the plan is for Tesla T4, nvidia-smi lists Tesla P40" in out.stdout
+    assert "FAIL  gpu memory: 2000 MiB free" in out.stdout
+    (box["bin"] / "nvidia-smi").write_text(
+        "#!/bin/sh\necho \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\"; exit 9\n")
+    out = run_launcher(box, "--check")
+    assert "FAIL  gpu: nvidia-smi: the NVIDIA driver is not loaded" in out.stdout
+
+
+def test_plain_run_refuses_after_failed_preflight(box):
+    out = run_launcher(box)
+    assert out.returncode == 1 and "preflight FAILED" in out.stderr
+
+
+def test_no_preflight_execs_main_ppo_in_work_dir(box):
+    make_env(box, torch_cuda=True)
+    # a stand-in verl.trainer.main_ppo that reports where and with what it was started
+    site = box["tmp"] / "site"
+    (site / "verl" / "trainer").mkdir()
+    (site / "verl" / "trainer" / "__init__.py").write_text("")
+    (site / "verl" / "trainer" / "main_ppo.py").write_text(
+        "import json, os, sys\nprint(json.dumps({'cwd': os.getcwd(), 'argv': sys.argv[1:], "
+        "'offline': os.environ.get('HF_HUB_OFFLINE')}))\n")
+    out = run_launcher(box, "--no-preflight")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["cwd"] == box["layout"].work_dir
+    assert got["argv"] == box["layout"].plan.override_lines
+    assert got["offline"] == "1"        # read from train.env when run by hand
