@@ -65,9 +65,13 @@ DEFAULT_CONFIG = Path("files/models/qwen2.5-0.5b-instruct/config.json")
 # CUDA context + cuBLAS/cuDNN handles of one process on the H200 (torch 2.11, CUDA 13):
 # not part of max_memory_allocated. measured (NVML process memory minus torch reserved).
 CUDA_CONTEXT_MIB = 520.0
-# Allocations torch makes on the first matmul/attention call (cuBLAS workspaces) that stay
-# allocated: counted in max_memory_allocated. measured.
-WORKSPACE_MIB = 40.0
+# cuBLAS/cuDNN workspaces torch allocates on the first matmul of a process and keeps: counted
+# by max_memory_allocated, but once per process, so reported apart (like the CUDA context)
+# and left out of peak_mib. measured: the first calibration case held 70 MiB more than the rest.
+WORKSPACE_MIB = 70.0
+# Small tensors a training step keeps between steps (rotary tables, inputs, allocator
+# rounding): measured, median over the fit split.
+STEP_MISC_MIB = 23.0
 # For the verl budget: the CUDA context of a process that also runs NCCL, vLLM's allocator and
 # Ray: inferred (not measured), a margin above the plain torch context.
 VERL_PROCESS_OVERHEAD_MIB = 1024.0
@@ -159,7 +163,23 @@ class Estimate:
 
 # ---- activations of one training step ---------------------------------------------------------
 
-def _layer_saved_bytes_per_token(s: ModelShape, autocast: bool, attn: str) -> float:
+def _attention_path(s: ModelShape, dtype: str, attn: str) -> str:
+    """Which attention code path runs: "flash" (no score matrix) or "scores" (materialised).
+
+    eager always materialises [batch, heads, seq, seq]. sdpa in bf16/fp16 runs a flash kernel.
+    sdpa in fp32 with grouped-query attention (kv_heads < heads) falls back to PyTorch's math
+    kernel (enable_gqa is not taken by the memory-efficient kernel), which costs what eager
+    costs: measured on the H200, fp32 sdpa and fp32 eager allocated the same bytes.
+    fp32 sdpa without GQA is assumed to take the memory-efficient kernel: inferred.
+    """
+    if attn == "eager":
+        return "scores"
+    if dtype == "fp32" and s.kv_heads < s.heads:
+        return "scores"
+    return "flash"
+
+
+def _layer_saved_bytes_per_token(s: ModelShape, autocast: bool, path: str) -> float:
     """Bytes one decoder layer keeps for backward, per token (no checkpointing).
 
     The residual stream stays fp32 under autocast (the embedding is not autocast and
@@ -168,57 +188,48 @@ def _layer_saved_bytes_per_token(s: ModelShape, autocast: bool, attn: str) -> fl
     casts of leaf weights only), so q/k/v keep three bf16 copies and gate/up two.
     """
     h, q, kv, f, nh = s.hidden, s.q_dim, s.kv_dim, s.ffn, s.heads
+    a = 2 if autocast else 4
+    norms = 2 * 4 * h + 2 * 4 * h                  # residual inputs + normalised (fp32)
     if autocast:
-        a = 2
-        norms = 2 * 4 * h + 2 * 4 * h            # residual inputs + normalised (fp32)
-        proj_in = 3 * a * h + 2 * a * h + a * q   # q/k/v, gate/up inputs; o_proj input
-        mlp = 4 * a * f                           # gate out, silu out, up out, product
-        if attn == "sdpa":
-            att = a * q + 2 * a * kv + a * q + 4 * nh   # q, k, v, out (flash), logsumexp
-        else:
-            att = 3 * a * q                       # q, repeated k and v (bf16 copies)
+        proj_in = 3 * a * h + 2 * a * h            # q/k/v and gate/up inputs, cast each time
     else:
-        a = 4
-        norms = 2 * 4 * h + 2 * 4 * h
-        proj_in = a * h + a * h + a * q           # one fp32 input shared by q/k/v, gate/up
-        mlp = 4 * a * f
-        if attn == "sdpa":
-            att = a * q + 2 * a * kv + a * q + 4 * nh
-        else:
-            att = 3 * a * q
+        proj_in = a * h + a * h                    # one fp32 input shared by q/k/v, gate/up
+    mlp = 4 * a * f                                # gate out, silu out, up out, product
+    if path == "flash":
+        # q and k (cast after rotary), v, the kernel's output (already [b, s, heads, d], so
+        # o_proj's .contiguous() input is the same tensor), logsumexp (fp32 per head)
+        att = a * q + 2 * a * kv + a * q + 4 * nh
+    else:
+        # q, k and v repeated to all heads, o_proj's contiguous input
+        att = 3 * a * q + a * q
     return norms + proj_in + mlp + att
 
 
-# Bytes per attention-score element (batch x heads x seq x seq) per layer.
-# eager under autocast: fp32 softmax output (4) + its bf16 copy (2) are saved; the moment of
-# the softmax also holds the fp32 masked scores (4). fp32 eager: the fp32 probabilities (4)
-# saved, masked scores (4) + softmax output transient.
-QUAD_SAVED = {("autocast", "eager"): 6.0, ("fp32", "eager"): 4.0,
-              ("autocast", "sdpa"): 0.0, ("fp32", "sdpa"): 0.0}
-QUAD_FWD_TRANSIENT = {("autocast", "eager"): 8.0, ("fp32", "eager"): 8.0,
-                      ("autocast", "sdpa"): 0.0, ("fp32", "sdpa"): 0.0}
-# backward of one layer's attention scores: grad of probs, its fp32 cast, softmax grad.
-QUAD_BWD_TRANSIENT = {("autocast", "eager"): 10.0, ("fp32", "eager"): 8.0,
-                      ("autocast", "sdpa"): 0.0, ("fp32", "sdpa"): 0.0}
-# the eager causal mask, [batch, 1, seq, seq] in the embedding dtype (fp32), live during forward
-EAGER_MASK_BYTES = 4.0
+# Bytes per attention-score element (batch x heads x seq x seq) per layer, "scores" path.
+# Under autocast: the fp32 softmax output (4) and its bf16 copy (2) are saved; the moment of
+# the softmax also holds the fp32 masked scores (4, the mask is fp32). fp32: the fp32
+# probabilities (4) saved, masked scores (4) + softmax output transient.
+QUAD_SAVED = {"autocast": 6.0, "fp32": 4.0}
+QUAD_FWD_TRANSIENT = {"autocast": 8.0, "fp32": 8.0}
+# backward through one layer's scores: grad of probs, its fp32 cast, the softmax grad
+QUAD_BWD_TRANSIENT = {"autocast": 10.0, "fp32": 8.0}
+# the causal mask, [batch, 1, seq, seq] in the embedding dtype (fp32)
+SCORE_MASK_BYTES = 4.0
 
-# Logits, bytes per token per vocab entry. Forward: under autocast the bf16 logits (2) and
-# their fp32 copy for the loss (4) are alive together; fp32: the logits themselves (4).
-# Backward start: the fp32 gradient of the loss (4) and its bf16 cast (2) / fp32 (4).
+# Logits of the actor, bytes per token per vocab entry (measured: exact on the H200).
+# Forward: under autocast the bf16 logits (2) and their fp32 copy for the loss (4) are alive
+# together; fp32: the logits themselves (4). Backward start: the fp32 gradient of the loss (4)
+# and its bf16 cast (2) under autocast; in fp32 the gradient (4) plus the fp32 lm_head weight
+# gradient.
 LOGITS_FWD = {"autocast": 6.0, "fp32": 4.0}
 LOGITS_BWD = {"autocast": 6.0, "fp32": 4.0}
 
 
-def _layer_transient_bytes_per_token(s: ModelShape, autocast: bool, backward: bool) -> float:
-    """Largest short-lived tensors inside one layer (not kept for backward), per token."""
+def _layer_bwd_transient_bytes_per_token(s: ModelShape, autocast: bool) -> float:
+    """Short-lived gradient tensors inside one layer's backward, per token."""
     a = 2 if autocast else 4
-    h, f = s.hidden, s.ffn
-    if not backward:
-        # the fp32 RMSNorm output feeding the casts, the fp32 rotary q/k before their cast
-        return 4 * h + 4 * s.q_dim
-    # backward through the MLP: grads of gate/up/silu outputs alive together + fp32 residual grad
-    return 3 * a * f + 3 * 4 * h
+    # grads of gate/up/silu outputs alive together, fp32 residual and norm grads
+    return 3 * a * s.ffn + 3 * 4 * s.hidden
 
 
 def _mode(dtype: str) -> str:
@@ -229,7 +240,13 @@ def _mode(dtype: str) -> str:
 def train_step_peak(shape: ModelShape, role: str = "actor", dtype: str = "bf16",
                     attn: str = "sdpa", grad_ckpt: bool = False, micro_batch: int = 1,
                     seq_len: int = 512) -> Estimate:
-    """Peak allocated memory of one single-process training step (see module docstring)."""
+    """Peak allocated memory of one single-process training step (see module docstring).
+
+    The peak is the largest of three moments of a step after the first (AdamW states exist):
+    the end of the forward (saved activations + logits), the backward (its start, with the
+    logits' gradient; its end, with all gradients), and the AdamW step (weights, gradients,
+    two states and one temporary of the size of all parameters).
+    """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if attn not in ATTNS:
@@ -238,76 +255,80 @@ def train_step_peak(shape: ModelShape, role: str = "actor", dtype: str = "bf16",
         raise ValueError("micro_batch and seq_len must be >= 1")
     mode = _mode(dtype)
     autocast = mode == "autocast"
+    path = _attention_path(shape, dtype, attn)
     s = shape
     P = s.params(role)
     T = micro_batch * seq_len
-    E = micro_batch * s.heads * seq_len * seq_len      # attention-score elements per layer
+    E = micro_batch * s.heads * seq_len * seq_len if path == "scores" else 0
     L = s.layers
+    tied_head = role == "actor" and s.tied_embeddings
 
     weights = 4.0 * P
     grads = 4.0 * P
     adam = 8.0 * P
     adam_temp = 4.0 * P        # foreach AdamW: sqrt(exp_avg_sq) for all params at once
-    # bf16 copies of the weights made by autocast, kept by autograd until backward passes
-    # each layer (the embedding lookup is not autocast; a tied lm_head is cast).
-    cast_params = L * s.layer_params + (s.hidden + 1 if role == "critic" else s.embed_params)
-    casts = 2.0 * cast_params if autocast else 0.0
+    resident = weights + adam + STEP_MISC_MIB * MIB  # between steps >= 2
+    # bf16 copies of weights made by autocast, kept by autograd until backward passes them
+    # (the embedding lookup is not autocast; the actor's lm_head is)
+    layer_casts = 2.0 * L * s.layer_params if autocast else 0.0
+    head_cast = (2.0 * (s.embed_params if role == "actor" else s.hidden + 1)) if autocast else 0.0
 
-    layer_saved = _layer_saved_bytes_per_token(s, autocast, attn) * T + QUAD_SAVED[(mode, attn)] * E
-    # after the last layer: final norm input/output (fp32) and the head's input
-    head_saved = (4 * s.hidden + 4 * s.hidden + (2 if autocast else 4) * s.hidden) * T
+    layer_saved = _layer_saved_bytes_per_token(s, autocast, path) * T + QUAD_SAVED[mode] * E
+    # after the last layer: final-norm input and output (fp32), the head's input
+    head_saved = (4 + 4 + (2 if autocast else 4)) * s.hidden * T
     if role == "critic":
-        head_saved += (1 + 4) * s.hidden * T   # dropout mask + dropout output (p=0.1)
-    ckpt_saved = 4.0 * s.hidden * T            # a checkpointed layer keeps its fp32 input
+        head_saved += 1 * s.hidden * T   # dropout mask (p=0.1); the score head gets its cast
+    mask = SCORE_MASK_BYTES * micro_batch * seq_len * seq_len if path == "scores" else 0.0
+    bwd_tmp = _layer_bwd_transient_bytes_per_token(s, autocast) * T + QUAD_BWD_TRANSIENT[mode] * E
+    fwd_score_tmp = QUAD_FWD_TRANSIENT[mode] * E
 
     if role == "actor":
         logits_fwd = LOGITS_FWD[mode] * s.vocab * T
-        logits_bwd = LOGITS_BWD[mode] * s.vocab * T
-        head_grad = (4.0 + (2.0 if autocast else 0.0)) * s.embed_params  # lm_head weight grad
+        # backward start: the loss gradient; in fp32 it is alive while the lm_head weight
+        # gradient (fp32, vocab x hidden) is made
+        logits_bwd = max(LOGITS_BWD[mode] * s.vocab * T,
+                         (2.0 if autocast else 4.0) * s.vocab * T + 4.0 * s.embed_params)
     else:
-        logits_fwd = logits_bwd = 12.0 * T
-        head_grad = 0.0
-    fwd_layer_tmp = _layer_transient_bytes_per_token(s, autocast, False) * T \
-        + QUAD_FWD_TRANSIENT[(mode, attn)] * E
-    bwd_layer_tmp = _layer_transient_bytes_per_token(s, autocast, True) * T \
-        + QUAD_BWD_TRANSIENT[(mode, attn)] * E
-    eager_mask = EAGER_MASK_BYTES * micro_batch * seq_len * seq_len if attn == "eager" else 0.0
-    workspace = WORKSPACE_MIB * MIB
-    resident = weights + adam + workspace      # steps >= 2 (AdamW states exist)
+        logits_fwd = logits_bwd = 0.0
+    # the end of backward: every gradient, plus the embedding's dense gradient being added to
+    # the tied lm_head's one
+    bwd_end = resident + grads + (4.0 * s.embed_params if tied_head else 0.0)
 
     if not grad_ckpt:
+        saved = layer_casts + head_cast + L * layer_saved + head_saved
         activations = L * layer_saved + head_saved
-        fwd = resident + casts + activations + max(logits_fwd, fwd_layer_tmp) + eager_mask
-        bwd = resident + casts + activations + logits_bwd + head_grad
-        # late in backward: nearly all grads, one layer's activations + its backward temporaries
-        bwd_late = resident + grads + layer_saved + bwd_layer_tmp
-        bwd = max(bwd, bwd_late)
+        fwd = resident + max(saved + logits_fwd,
+                             saved - head_saved + fwd_score_tmp + mask)   # last layer's softmax
+        bwd_start = resident + saved + max(logits_bwd, bwd_tmp)
+        bwd = max(bwd_start, bwd_end)
     else:
-        activations = L * ckpt_saved + head_saved
-        one_layer = layer_saved + 2.0 * s.layer_params * (1 if autocast else 0)
-        # forward: autocast's weight-cast cache lives until autocast exits
-        fwd = resident + casts + activations + max(logits_fwd, layer_saved + fwd_layer_tmp) \
-            + eager_mask
-        bwd_start = resident + activations + logits_bwd + head_grad \
-            + (2.0 * s.embed_params if autocast and role == "actor" else 0.0)
-        bwd_first_layer = resident + activations + head_grad + one_layer + bwd_layer_tmp + eager_mask
-        bwd_last_layer = resident + grads + ckpt_saved + one_layer + bwd_layer_tmp + eager_mask
-        bwd = max(bwd_start, bwd_first_layer, bwd_last_layer)
-    opt = weights + grads + adam + adam_temp + workspace
+        ckpt_in = 4.0 * s.hidden * T            # a checkpointed layer keeps its fp32 input
+        activations = L * ckpt_in + head_saved + mask
+        saved = activations + head_cast
+        one_layer = layer_saved + (2.0 * s.layer_params if autocast else 0.0)
+        # forward: autocast's cache holds every layer's weight casts until autocast exits
+        fwd = resident + saved + layer_casts + max(logits_fwd, one_layer + fwd_score_tmp)
+        bwd_start = resident + saved + logits_bwd
+        head_grad = 4.0 * (s.embed_params if role == "actor" else s.hidden + 1)
+        # the last layer is recomputed and back-propagated first, the first layer last
+        bwd_first = resident + activations + head_grad + one_layer + bwd_tmp
+        grads_before_layer0 = grads - 4.0 * s.layer_params - (0.0 if tied_head else 4.0 * s.embed_params)
+        bwd_last = resident + grads_before_layer0 + ckpt_in + mask + one_layer + bwd_tmp
+        bwd = max(bwd_start, bwd_first, bwd_last, bwd_end)
+    opt = resident + grads + adam_temp
     peak = max(fwd, bwd, opt)
     bd = {
         "weights": weights / MIB,
         "gradients": grads / MIB,
         "adamw_states": adam / MIB,
         "adamw_step_temp": adam_temp / MIB,
-        "autocast_weight_copies": casts / MIB,
+        "autocast_weight_copies": (layer_casts + head_cast) / MIB,
         "activations_saved": activations / MIB,
         "logits_transient": max(logits_fwd, logits_bwd) / MIB,
-        "eager_mask": eager_mask / MIB,
-        "workspace": workspace / MIB,
         "phase_forward": fwd / MIB,
         "phase_backward": bwd / MIB,
         "phase_optimizer": opt / MIB,
+        "cublas_workspace": WORKSPACE_MIB,
         "cuda_context": CUDA_CONTEXT_MIB,
     }
     return Estimate(peak_mib=peak / MIB, breakdown=bd)
@@ -315,46 +336,69 @@ def train_step_peak(shape: ModelShape, role: str = "actor", dtype: str = "bf16",
 
 # ---- generation -------------------------------------------------------------------------------
 
+# Next-token logits during decoding, bytes per sequence per vocab entry beyond the model's own
+# [batch, vocab] logits: the fp32 copy, the processed scores (min_new_tokens masks eos), and
+# the previous step's fp32 copies still referenced. measured (bf16, fit split): 20.
+DECODE_LOGITS_EXTRA = 20.0
+# While a decode step runs a layer, the previous step's fp32 logits and scores are alive.
+DECODE_PREV_LOGITS = 8.0
+
+
 def generate_peak(shape: ModelShape, batch: int = 1, prompt_len: int = 128, new_tokens: int = 128,
                   dtype: str = "bf16", attn: str = "sdpa") -> Estimate:
-    """Peak allocated memory of HF ``model.generate`` (greedy), weights included."""
+    """Peak allocated memory of HF ``model.generate`` (greedy), weights included.
+
+    Two moments: the prefill (the prompt's KV cache of every layer, plus the MLP of the last
+    layer over all prompt tokens, or eager's score matrix), and the last decode step (the whole
+    KV cache plus the next-token logits, or the repeated K/V of one layer when attention runs
+    PyTorch's math kernel: fp32 sdpa with GQA, or eager).
+    """
     if batch < 1 or prompt_len < 1 or new_tokens < 1:
         raise ValueError("batch, prompt_len and new_tokens must be >= 1")
     if attn not in ATTNS:
         raise ValueError(f"attn must be one of {ATTNS}, got {attn!r}")
     s = shape
     w = _bytes(dtype)
+    path = _attention_path(s, dtype, attn)
     weights = float(w * s.params("actor"))
     kv_tok = s.kv_bytes_per_token(dtype)
     total_len = prompt_len + new_tokens
     kv_final = batch * (total_len - 1) * kv_tok          # the last token is never fed back
     kv_prompt = batch * prompt_len * kv_tok
     Tp = batch * prompt_len
-    # prefill, per token: MLP silu(gate), up, product alive together; residual and norm output
-    prefill_tmp = (3 * w * s.ffn + 3 * w * s.hidden) * Tp
+    # prefill MLP: silu(gate), up and their product alive together, with the residual stream,
+    # the norm output and their neighbours (measured: 4 hidden-sized tensors)
+    prefill_tmp = (3 * w * s.ffn + 4 * w * s.hidden) * Tp
     if attn == "eager":
         E = batch * s.heads * prompt_len * prompt_len
-        prefill_tmp = max(prefill_tmp, (4 + 2 * w) * E + w * batch * prompt_len * prompt_len
-                          + 2 * w * s.q_dim * Tp)
-    # next-token logits: [batch, vocab] in w, an fp32 copy, and a processed copy
-    logits = batch * s.vocab * (w + 4 + 4)
-    # torch.cat growing one layer's K (or V): old and new alive together
-    cat_tmp = batch * total_len * s.kv_dim * w
-    decode_tmp = cat_tmp
-    if attn == "eager":
-        decode_tmp += 2 * batch * s.q_dim * total_len * w + batch * s.heads * total_len * (4 + 2 * w)
-    workspace = WORKSPACE_MIB * MIB
-    prefill = weights + kv_prompt + prefill_tmp + logits + workspace
-    decode = weights + kv_final + decode_tmp + logits + workspace
+        # masked scores (w), softmax(dtype=fp32) output (4) and, for bf16 input, the fp32 copy
+        # of its input that softmax makes first (fp16 has a fused half-to-float path)
+        per_e = w + 4 + (4 if dtype == "bf16" else 0)
+        per_e = max(per_e, w + 4 + w)                    # then the cast back to the model dtype
+        scores = per_e * E + w * batch * prompt_len * prompt_len \
+            + w * (2 * s.hidden + 3 * s.q_dim) * Tp      # mask; residual, norm out, q, repeated k/v
+        prefill_tmp = max(prefill_tmp, scores)
+    elif path == "scores":
+        E = batch * s.heads * prompt_len * prompt_len
+        prefill_tmp = max(prefill_tmp, 8.0 * E + w * 3 * s.q_dim * Tp)
+    logits_moment = batch * s.vocab * (w + DECODE_LOGITS_EXTRA) \
+        + batch * total_len * s.kv_dim * w               # torch.cat growing one layer's K or V
+    attn_moment = 0.0
+    if path == "scores":
+        rep = 2 * batch * s.q_dim * total_len * w        # K and V repeated to every head
+        attn_moment = batch * s.vocab * DECODE_PREV_LOGITS + rep \
+            + batch * s.heads * total_len * (4 + 2 * w)
+    prefill = weights + kv_prompt + prefill_tmp
+    decode = weights + kv_final + max(logits_moment, attn_moment)
     peak = max(prefill, decode)
     bd = {
         "weights": weights / MIB,
         "kv_cache": kv_final / MIB,
         "prefill_transient": prefill_tmp / MIB,
-        "logits": logits / MIB,
-        "workspace": workspace / MIB,
+        "decode_transient": max(logits_moment, attn_moment) / MIB,
         "phase_prefill": prefill / MIB,
         "phase_decode": decode / MIB,
+        "cublas_workspace": WORKSPACE_MIB,
         "cuda_context": CUDA_CONTEXT_MIB,
     }
     return Estimate(peak_mib=peak / MIB, breakdown=bd)

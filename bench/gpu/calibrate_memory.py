@@ -92,6 +92,32 @@ TRAIN_CASES = [
     ("critic", "fp32", "eager", True, 8, 1024, "holdout"),
 ]
 
+# A second grid, measured only after the constants were set from the first one: new shapes,
+# some beyond the first grid (micro-batch 16/32, seq 2048), all "fresh" (never fitted on).
+FRESH_TRAIN_CASES = [
+    ("actor", "bf16", "sdpa", False, 3, 768, "fresh"),
+    ("actor", "bf16", "sdpa", False, 16, 1024, "fresh"),
+    ("actor", "bf16", "sdpa", False, 2, 2048, "fresh"),
+    ("actor", "bf16", "sdpa", True, 16, 2048, "fresh"),
+    ("actor", "bf16", "sdpa", True, 32, 512, "fresh"),
+    ("actor", "bf16", "eager", False, 2, 2048, "fresh"),
+    ("actor", "bf16", "eager", True, 8, 2048, "fresh"),
+    ("actor", "fp32", "sdpa", True, 4, 2048, "fresh"),
+    ("actor", "fp32", "eager", False, 1, 2048, "fresh"),
+    ("actor", "fp16", "sdpa", True, 16, 1024, "fresh"),
+    ("critic", "bf16", "sdpa", True, 16, 2048, "fresh"),
+    ("critic", "bf16", "sdpa", False, 6, 1024, "fresh"),
+    ("critic", "fp32", "sdpa", True, 8, 512, "fresh"),
+    ("critic", "bf16", "eager", True, 4, 2048, "fresh"),
+]
+FRESH_GENERATE_CASES = [
+    (256, 128, 128, "bf16", "sdpa", "fresh"),
+    (8, 1024, 512, "bf16", "sdpa", "fresh"),
+    (32, 512, 64, "fp32", "sdpa", "fresh"),
+    (64, 256, 256, "fp16", "sdpa", "fresh"),
+    (4, 1024, 32, "bf16", "eager", "fresh"),
+]
+
 GENERATE_CASES = [
     # batch, prompt, new, dtype, attn, split
     (1, 128, 64, "bf16", "sdpa", "fit"),
@@ -199,8 +225,9 @@ def train_case(torch, transformers, cfg_path, role, dtype, attn, ckpt, mb, seq, 
         del loss
         rec["bwd_peak"], rec["after_bwd"] = meter.phase(), meter.now()
         opt.step()
-        rec["opt_peak"], rec["after_opt"] = meter.phase(), meter.now()
+        rec["opt_peak"], rec["after_opt"] = meter.peak(), meter.now()
         opt.zero_grad(set_to_none=True)
+        meter.phase()   # the next forward's peak starts from here, gradients freed
         rec["after_zero"] = meter.now()
         per_step.append(rec)
     meter.sync()
@@ -256,6 +283,21 @@ def environment(torch, transformers) -> dict:
     return env
 
 
+def warm(torch):
+    """Run the kinds of kernels the cases use (fp32/bf16/fp16 matmuls, sdpa, autocast, backward)."""
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        a = torch.randn(256, 256, device="cuda", dtype=dt, requires_grad=True)
+        (a @ a).sum().backward()
+        q = torch.randn(1, 4, 64, 64, device="cuda", dtype=dt, requires_grad=True)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    lin = torch.nn.Linear(256, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        lin(torch.randn(8, 256, device="cuda")).float().sum().backward()
+    del a, q, lin
+    gc.collect()
+    torch.cuda.synchronize()
+
+
 def cuda_context_mib(torch) -> float | None:
     """GPU memory the process holds beyond what PyTorch's allocator has reserved."""
     try:
@@ -291,6 +333,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this")
     ap.add_argument("--only", type=int, default=None, help="run only the first N cases of each grid")
+    ap.add_argument("--grid", choices=("main", "fresh"), default="main")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="do not allocate cuBLAS workspaces before the first case")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, two cases: checks the calls")
     args = ap.parse_args(argv)
 
@@ -300,6 +345,8 @@ def main(argv=None) -> int:
     cfg_path = Path(args.config)
     device = "cuda"
     train_cases, gen_cases = TRAIN_CASES, GENERATE_CASES
+    if args.grid == "fresh":
+        train_cases, gen_cases = FRESH_TRAIN_CASES, FRESH_GENERATE_CASES
     if args.dry_run:
         device = "cpu"
         tiny = json.loads(cfg_path.read_text())
@@ -325,6 +372,12 @@ def main(argv=None) -> int:
     if device == "cuda":
         torch.zeros(1, device="cuda")
         result["environment"]["cuda_context_mib"] = cuda_context_mib(torch)
+        if not args.no_warmup:
+            # cuBLAS/cuDNN workspaces come with the first matmuls of a process and stay:
+            # make them before any base reading, so every case is measured alike
+            before = torch.cuda.memory_allocated()
+            warm(torch)
+            result["environment"]["workspace_mib"] = (torch.cuda.memory_allocated() - before) / MIB
     out_path = Path(args.out)
     t_start = time.time()
 

@@ -18,5 +18,5 @@ fact="$OUT/h200-gpu-fact.txt"
 } >"$fact" 2>&1
 cat "$fact"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
-PYTHONUNBUFFERED=1 python3 bench/gpu/calibrate_memory.py --out "$OUT/memory-h200.json" \
+PYTHONUNBUFFERED=1 python3 bench/gpu/calibrate_memory.py --out "$OUT/${RESULT_NAME:-memory-h200.json}" \
   --budget-s "${BUDGET_S:-420}" "$@" 2>&1 | tee "$OUT/calibrate.log"
