@@ -521,11 +521,31 @@ def load_model_config(path: Path | str = DEFAULT_MODEL_CONFIG) -> dict:
         return json.load(fh)
 
 
-def plan_overrides_for_host(gpu: GpuTarget, **workload_fields) -> list[str]:
-    """The Hydra override strings a box with ``gpu`` gets (for `main_ppo ... --cfg job` checks)."""
-    fields = dict(workload_fields)
-    fields.setdefault("model_config", load_model_config())
-    return make_plan(gpu, Workload(**fields)).override_lines
+def workload_for(settings, flash_attn_installed: bool = False) -> Workload:
+    """The GSM8K PPO workload of a host, from its ``LabSettings`` (paths and steps)."""
+    return Workload(
+        model_path=settings.model_dir,
+        train_files=f"{settings.data_dir}/train.parquet",
+        # the data stage's first 64 test rows: validation at each checkpoint stays short
+        val_files=f"{settings.data_dir}/val_small.parquet",
+        checkpoint_dir=f"{settings.train_dir}/checkpoints",
+        total_training_steps=settings.train_steps,
+        model_config=load_model_config(),
+        flash_attn_installed=flash_attn_installed,
+    )
+
+
+def plan_overrides_for_host(gpu: GpuTarget, settings=None, flash_attn_installed: bool = False) -> list[str]:
+    """The Hydra override strings a host with ``gpu`` gets, for checks such as
+    ``python -m verl.trainer.main_ppo <overrides> --cfg job`` inside a built env.
+
+    ``settings``: the host's ``LabSettings`` (default: every setting at its default).
+    """
+    if settings is None:
+        from tasks.settings import load_settings
+
+        settings = load_settings("localhost", {})
+    return make_plan(gpu, workload_for(settings, flash_attn_installed)).override_lines
 
 
 def _table(plan: TrainingPlan) -> str:

@@ -37,7 +37,7 @@ from pyinfra.operations import files, server, systemd
 from tasks.facts import gpu as gpufact
 from tasks.facts.files import Marker
 from tasks.facts.gpu import NvidiaGpus
-from tasks.plan import GpuTarget, PlanError, TrainingPlan, Workload, load_model_config, make_plan
+from tasks.plan import GpuTarget, PlanError, TrainingPlan, Workload, make_plan, workload_for
 from tasks.settings import LabSettings
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
@@ -69,16 +69,7 @@ def plan_target(settings: LabSettings, inventory: gpufact.GpuInventory | None) -
 
 
 def training_workload(settings: LabSettings, flash_attn_installed: bool = False) -> Workload:
-    return Workload(
-        model_path=settings.model_dir,
-        train_files=f"{settings.data_dir}/train.parquet",
-        # the data stage's first 64 test rows: validation at each checkpoint stays short
-        val_files=f"{settings.data_dir}/val_small.parquet",
-        checkpoint_dir=f"{settings.train_dir}/checkpoints",
-        total_training_steps=settings.train_steps,
-        model_config=load_model_config(),
-        flash_attn_installed=flash_attn_installed,
-    )
+    return workload_for(settings, flash_attn_installed)
 
 
 @dataclass(frozen=True)

@@ -263,3 +263,10 @@ def test_cli_table_and_errors():
     assert bad.returncode == 2 and "not like 8.6" in bad.stderr
     small = _cli("--gpu-name", "tiny", "--compute-capability", "8.6", "--gpu-memory-mib", "4096")
     assert small.returncode == 2 and "short by" in small.stderr
+
+
+def test_plan_overrides_for_host_defaults():
+    lines = planmod.plan_overrides_for_host(GpuTarget("Tesla T4", "7.5", 15360))
+    assert "actor_rollout_ref.rollout.name=vllm" in lines
+    assert "actor_rollout_ref.model.path=/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct" in lines
+    assert "trainer.default_local_dir=/opt/verl-lab/train/checkpoints" in lines
