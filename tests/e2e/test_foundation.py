@@ -91,7 +91,9 @@ def test_verify_base_layout(lab, converged, name):
     for path, mode in (("/opt/verl-lab", "755"), ("/opt/verl-lab/markers", "755"), ("/opt/verl-lab/cache", "750")):
         assert box.stat(path) == (mode, "root", "root"), path
     # the unprivileged user cannot write the layout
-    assert box.ssh("touch /opt/verl-lab/markers/x", user="verl", check=False).returncode != 0
+    assert box.ssh("id -un", user="verl").stdout == "verl\n"
+    denied = box.ssh("touch /opt/verl-lab/markers/x", user="verl", check=False)
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr
 
 
 def test_second_run_changes_nothing(lab, converged):
