@@ -147,3 +147,14 @@ def test_rerun_changes_nothing(lab, endpoint):
     assert res.changed == 0, res.changed_by_host
     # relay re-runs decide from the boxes' markers: the controller does not even ask the endpoint
     assert endpoint.requests == []
+
+
+def test_damaged_output_is_repaired_without_refetching(lab, endpoint):
+    lab.box("directbox").ssh(f"rm {DATA_DIR}/train.parquet")
+    endpoint.reset_counters()
+    res = deploy(lab, endpoint)
+    res.assert_ok()
+    assert res.changed_by_host["relaybox"] == 0 and res.changed_by_host["directbox"] > 0, res.changed_by_host
+    assert endpoint.served() == 0, "verified snapshots must not be fetched again"
+    assert lab.box("directbox").exists(f"{DATA_DIR}/train.parquet")
+    assert deploy(lab, endpoint).changed == 0
