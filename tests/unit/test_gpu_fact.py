@@ -256,3 +256,22 @@ def test_module_imports_without_pyinfra(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "Tesla T4"
+
+
+REPO_CAPTURE = REPO / "bench" / "gpu" / "results" / "h200-gpu-fact.txt"
+
+
+@pytest.mark.skipif(not REPO_CAPTURE.exists(), reason="bench/gpu/results/h200-gpu-fact.txt not captured yet")
+def test_repo_h200_capture_with_free_memory():
+    """The device capture kept in the repo (bench/gpu): the fact's fields plus memory.used."""
+    text = REPO_CAPTURE.read_text()
+    head = "$ nvidia-smi --query-gpu=index,name,compute_cap,memory.total,memory.used,memory.free,driver_version"
+    body = text.split(head, 1)[1].split("\n", 1)[1].split("\n\n", 1)[0]
+    inv = parse_gpu_query(body, ("index", "name", "compute_cap", "memory.total", "memory.used", "memory.free",
+                                 "driver_version"))
+    (g,) = inv.gpus
+    assert (g.name, g.compute_capability, g.memory_total_mib, g.memory_free_mib, g.driver_version) == (
+        "NVIDIA H200", "9.0", 143771, 143156, "580.159.04")
+    # and NVML's bytes from the same capture, rounded the way read_nvml rounds them
+    assert "total=150754820096 free=150109880320" in text
+    assert round(150109880320 / 2**20) == g.memory_free_mib
