@@ -25,12 +25,13 @@ def settings_for(target=None) -> LabSettings:
     return _CACHE[target.name]
 
 
-def check_inventory() -> None:
+def check_inventory(hosts=None) -> None:
+    """Check every host's data once per run (``hosts`` defaults to pyinfra's inventory)."""
     global _CHECKED
     if _CHECKED:
         return
     problems: list[str] = []
-    for each in inventory:
+    for each in hosts if hosts is not None else inventory:
         try:
             settings_for(each)
         except SettingsError as exc:

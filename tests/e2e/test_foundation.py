@@ -115,10 +115,7 @@ def test_text_mode_sees_one_drifted_box(lab, converged):
 BAD_VALUES = [
     ("mirror_profile", {"mirror_profile": "moon"}, r"set mirror_profile to one of"),
     ("mirror_urls", {"mirror_urls": {"nvidia": "ftp://mirror.example/nvidia"}}, r"http\(s\) base URL"),
-    pytest.param("ssh_key", {"ssh_key": "/nonexistent/verl-lab/id_ed25519"}, r"private key file",
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "pyinfra connects (and fails on the key file with its own message, no host/fix) "
-                     "before deploy/full.py runs check_inventory(); the check must run before connect"))),
+    ("ssh_key", {"ssh_key": "/nonexistent/verl-lab/id_ed25519"}, r"private key file"),
     ("catalog_overrides", {"catalog_overrides": {"no_such_artifact": {"version": "1"}}}, r"name a catalog artifact"),
 ]
 
