@@ -33,6 +33,7 @@ import shlex
 from dataclasses import dataclass
 from io import StringIO
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, StringCommand, deploy, operation
@@ -66,6 +67,12 @@ class DataPlan:
     tools_dir: str
     secrets_dir: str
     env_python: str
+
+    @property
+    def endpoint_shown(self) -> str:
+        """The endpoint without any user:password@ part (for the marker)."""
+        url = urlsplit(self.endpoint)
+        return url._replace(netloc=url.netloc.rpartition("@")[2]).geturl()
 
     @property
     def val_rows(self) -> int:
