@@ -62,13 +62,14 @@ ROLES = ("actor", "critic")
 DEFAULT_CONFIG = Path("files/models/qwen2.5-0.5b-instruct/config.json")
 
 # ---- constants -----------------------------------------------------------------------------
-# CUDA context + cuBLAS/cuDNN handles of one process on the H200 (torch 2.11, CUDA 13):
-# not part of max_memory_allocated. measured (NVML process memory minus torch reserved).
-CUDA_CONTEXT_MIB = 520.0
+# CUDA context + loaded kernels and library handles of one process on the H200 (torch 2.11,
+# CUDA 13): not part of max_memory_allocated. measured (GPU memory in use minus torch's
+# reserved): 610 MiB right after CUDA init, 844-884 MiB after the training/generation cases.
+CUDA_CONTEXT_MIB = 884.0
 # cuBLAS/cuDNN workspaces torch allocates on the first matmul of a process and keeps: counted
 # by max_memory_allocated, but once per process, so reported apart (like the CUDA context)
-# and left out of peak_mib. measured: the first calibration case held 70 MiB more than the rest.
-WORKSPACE_MIB = 70.0
+# and left out of peak_mib. measured: 65 MiB after a warm-up of fp32/bf16/fp16 matmuls + sdpa.
+WORKSPACE_MIB = 65.0
 # Small tensors a training step keeps between steps (rotary tables, inputs, allocator
 # rounding): measured, median over the fit split.
 STEP_MISC_MIB = 23.0
@@ -515,8 +516,8 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
 
     phases = {
         "phase_rollout": resident - always + rollout,
-        "phase_ref_logprob": resident + (logprob_pass if wl.use_ref else 0.0)
-        + (ref_params if wl.ref_param_offload else 0.0) * 0.0,
+        # an offloaded ref runs under FSDP's CPUOffload: one unit at a time on the GPU
+        "phase_ref_logprob": resident + (logprob_pass if wl.use_ref else 0.0),
         "phase_actor_logprob": resident + logprob_pass
         + (params_a if wl.actor_param_offload else 0.0),
         "phase_critic_update": (resident + (params_c if wl.critic_param_offload else 0.0)

@@ -1,0 +1,265 @@
+"""tasks.memory: structure of the estimates, exact sizes, the CLI, and the H200 calibration."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tasks.memory import (Estimate, ModelShape, VerlWorkload, generate_peak, train_step_peak,
+                          verl_gpu_budget)
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "files/models/qwen2.5-0.5b-instruct/config.json"
+RESULTS = sorted((REPO / "bench/gpu/results").glob("memory-h200*.json"))
+
+
+@pytest.fixture(scope="module")
+def shape():
+    return ModelShape.from_config(json.loads(CONFIG.read_text()))
+
+
+def test_qwen_shape_and_exact_parameter_count(shape):
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+            shape.ffn, shape.vocab, shape.tied_embeddings) == (24, 896, 14, 2, 64, 4864, 151936, True)
+    assert shape.params("actor") == 494_032_768
+    assert shape.params("critic") == 494_032_768 + 896 + 1   # score head, no lm_head
+
+
+def test_untied_embeddings_add_an_lm_head(shape):
+    untied = replace(shape, tied_embeddings=False)
+    assert untied.params("actor") - shape.params("actor") == 151936 * 896
+
+
+def test_kv_cache_bytes_per_token(shape):
+    assert shape.kv_bytes_per_token("bf16") == 12_288
+    assert shape.kv_bytes_per_token("fp16") == 12_288
+    assert shape.kv_bytes_per_token("fp32") == 24_576
+
+
+def test_config_missing_key_is_a_clear_error():
+    cfg = json.loads(CONFIG.read_text())
+    del cfg["intermediate_size"]
+    with pytest.raises(ValueError, match="intermediate_size"):
+        ModelShape.from_config(cfg)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_monotonic_in_micro_batch_and_seq_len(shape, role, dtype, attn, ckpt):
+    def peak(mb, seq):
+        return train_step_peak(shape, role, dtype, attn, ckpt, mb, seq).peak_mib
+
+    for seq in (256, 1024, 4096):
+        values = [peak(mb, seq) for mb in (1, 2, 4, 8, 16, 32)]
+        assert values == sorted(values)
+    for mb in (1, 8, 32):
+        values = [peak(mb, seq) for seq in (128, 512, 2048, 8192)]
+        assert values == sorted(values)
+    # small steps are all bound by the AdamW step; large ones grow
+    assert peak(32, 8192) > peak(8, 8192) > peak(1, 128)
+
+
+def test_small_steps_are_bound_by_the_adamw_step(shape):
+    """fp32 weights + grads + two AdamW states + the foreach sqrt temporary: 20 bytes/param."""
+    est = train_step_peak(shape, "actor", "bf16", "sdpa", True, 1, 128)
+    assert est.peak_mib == pytest.approx(est.breakdown["phase_optimizer"])
+    assert est.breakdown["phase_optimizer"] == pytest.approx(20 * 494_032_768 / 2**20, rel=0.01)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_grad_ckpt_reduces_activations(shape, dtype):
+    for attn in ("sdpa", "eager"):
+        full = train_step_peak(shape, "actor", dtype, attn, False, 8, 1024)
+        ckpt = train_step_peak(shape, "actor", dtype, attn, True, 8, 1024)
+        assert ckpt.breakdown["activations_saved"] < full.breakdown["activations_saved"] / 10
+        assert ckpt.peak_mib < full.peak_mib
+
+
+def test_eager_costs_more_than_sdpa_at_long_sequences(shape):
+    sdpa = train_step_peak(shape, "actor", "bf16", "sdpa", False, 4, 2048)
+    eager = train_step_peak(shape, "actor", "bf16", "eager", False, 4, 2048)
+    assert eager.peak_mib > 1.5 * sdpa.peak_mib
+    # and the gap grows with the square of the sequence
+    gap = [train_step_peak(shape, "actor", "bf16", a, False, 1, s).breakdown["activations_saved"]
+           for s in (1024, 2048) for a in ("eager", "sdpa")]
+    assert (gap[2] - gap[3]) > 3.5 * (gap[0] - gap[1])
+
+
+def test_bf16_autocast_against_fp32_activations(shape):
+    """Is bf16 autocast cheaper than fp32? Per token yes, but by less than half: the
+    projections and the MLP keep bf16 copies while the residual stream and RMSNorm stay fp32
+    (and q/k/v each cast their input afresh). Per attention-score element no: eager under
+    autocast keeps the fp32 softmax output and its bf16 copy (6 B) against fp32's one tensor
+    (4 B), so at long sequences bf16 eager keeps more than fp32 eager. fp32 sdpa with GQA runs
+    PyTorch's math kernel (score matrix materialised), so it costs what fp32 eager costs. The
+    logits grow too: bf16 logits and their fp32 copy for the loss live together (6 B per vocab
+    entry per token) against fp32's logits alone (4 B)."""
+    from tasks.memory import _layer_saved_bytes_per_token
+
+    per_tok_bf16 = _layer_saved_bytes_per_token(shape, True, "flash")
+    per_tok_fp32 = _layer_saved_bytes_per_token(shape, False, "flash")
+    assert 0.5 * per_tok_fp32 < per_tok_bf16 < per_tok_fp32
+    bf16 = train_step_peak(shape, "actor", "bf16", "sdpa", False, 8, 512).breakdown
+    fp32 = train_step_peak(shape, "actor", "fp32", "sdpa", False, 8, 512).breakdown
+    fp32_eager = train_step_peak(shape, "actor", "fp32", "eager", False, 8, 512).breakdown
+    assert bf16["activations_saved"] < fp32["activations_saved"]
+    assert fp32["activations_saved"] == pytest.approx(fp32_eager["activations_saved"])
+    long_bf16 = train_step_peak(shape, "actor", "bf16", "eager", False, 1, 4096).breakdown
+    long_fp32 = train_step_peak(shape, "actor", "fp32", "eager", False, 1, 4096).breakdown
+    assert long_bf16["activations_saved"] > long_fp32["activations_saved"]
+    assert bf16["logits_transient"] > fp32["logits_transient"]
+    assert bf16["autocast_weight_copies"] > 0 and fp32["autocast_weight_copies"] == 0
+
+
+def test_fp16_costs_what_bf16_costs(shape):
+    a = train_step_peak(shape, "actor", "fp16", "sdpa", False, 4, 1024)
+    b = train_step_peak(shape, "actor", "bf16", "sdpa", False, 4, 1024)
+    assert a.peak_mib == b.peak_mib
+
+
+def test_critic_has_no_vocab_logits(shape):
+    actor = train_step_peak(shape, "actor", "bf16", "sdpa", False, 8, 1024)
+    critic = train_step_peak(shape, "critic", "bf16", "sdpa", False, 8, 1024)
+    assert critic.breakdown["logits_transient"] == 0
+    assert critic.peak_mib < actor.peak_mib
+
+
+def test_context_is_reported_not_counted(shape):
+    est = train_step_peak(shape, "actor", "bf16", "sdpa", False, 8, 1024)
+    assert est.breakdown["cuda_context"] > 0
+    assert est.peak_mib == pytest.approx(max(est.breakdown["phase_forward"],
+                                             est.breakdown["phase_backward"],
+                                             est.breakdown["phase_optimizer"]))
+
+
+def test_generation_includes_weights_and_grows_with_the_cache(shape):
+    small = generate_peak(shape, 1, 128, 64, "bf16")
+    assert small.peak_mib > small.breakdown["weights"] == pytest.approx(494_032_768 * 2 / 2**20)
+    kv = generate_peak(shape, 64, 512, 512, "bf16").breakdown["kv_cache"]
+    assert kv == pytest.approx(64 * 1023 * 12_288 / 2**20)
+    values = [generate_peak(shape, b, 256, 256, "bf16").peak_mib for b in (1, 8, 64, 256)]
+    assert values == sorted(values)
+    assert generate_peak(shape, 16, 256, 128, "fp32").peak_mib > generate_peak(shape, 16, 256, 128, "bf16").peak_mib
+
+
+@pytest.mark.parametrize("bad", [dict(role="ref"), dict(dtype="fp8"), dict(attn="flash"),
+                                 dict(micro_batch=0)])
+def test_bad_arguments_are_refused(shape, bad):
+    kw = dict(role="actor", dtype="bf16", attn="sdpa", grad_ckpt=False, micro_batch=1, seq_len=8)
+    kw.update(bad)
+    with pytest.raises(ValueError):
+        train_step_peak(shape, **kw)
+
+
+# ---- verl budget ---------------------------------------------------------------------------
+
+def _wl(**kw):
+    base = dict(train_dtype="bf16", attn="sdpa", grad_ckpt=True, micro_batch=4, seq_len=512,
+                rollout="vllm", rollout_dtype="bf16", rollout_batch=64, prompt_len=128,
+                response_len=384, vllm_gpu_memory_utilization=0.4, gpu_memory_mib=24576,
+                use_critic=True, use_ref=True, actor_param_offload=False,
+                actor_optimizer_offload=False, ref_param_offload=False,
+                critic_param_offload=False, critic_optimizer_offload=False)
+    base.update(kw)
+    return VerlWorkload(**base)
+
+
+def test_verl_budget_keys_and_vllm_share(shape):
+    est = verl_gpu_budget(shape, _wl())
+    assert isinstance(est, Estimate)
+    for key in ("actor_states", "actor_activations", "critic_states", "critic_activations",
+                "ref_states", "rollout", "cuda_context"):
+        assert key in est.breakdown
+    assert est.breakdown["rollout"] == pytest.approx(0.4 * 24576)
+    assert est.breakdown["ref_states"] == pytest.approx(2 * 494_032_768 / 2**20)
+    assert est.peak_mib > est.breakdown["rollout"]
+    more = verl_gpu_budget(shape, _wl(vllm_gpu_memory_utilization=0.6))
+    assert more.peak_mib > est.peak_mib
+
+
+def test_verl_offload_moves_states_to_host(shape):
+    plain = verl_gpu_budget(shape, _wl())
+    off = verl_gpu_budget(shape, _wl(actor_param_offload=True, actor_optimizer_offload=True,
+                                     critic_param_offload=True, critic_optimizer_offload=True,
+                                     ref_param_offload=True))
+    assert off.peak_mib < plain.peak_mib
+    assert off.host_ram_mib - plain.host_ram_mib == pytest.approx(
+        (12 * 494_032_768 + 12 * (494_032_768 + 897) + 2 * 494_032_768) / 2**20)
+
+
+def test_verl_without_critic_or_ref(shape):
+    est = verl_gpu_budget(shape, _wl(use_critic=False, use_ref=False))
+    assert est.breakdown["critic_states"] == est.breakdown["critic_activations"] == 0
+    assert est.breakdown["ref_states"] == 0
+    assert est.peak_mib < verl_gpu_budget(shape, _wl()).peak_mib
+
+
+def test_verl_hf_rollout_uses_the_generation_estimate(shape):
+    est = verl_gpu_budget(shape, _wl(rollout="hf", rollout_batch=16, train_dtype="fp32",
+                                     rollout_dtype="fp32"))
+    gen = generate_peak(shape, 16, 128, 384, "fp32")
+    assert est.breakdown["rollout"] == pytest.approx(gen.peak_mib - gen.breakdown["weights"])
+    with pytest.raises(ValueError):
+        _wl(rollout="sglang")
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "tasks.memory", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_json_train_and_generate(shape):
+    r = _cli("--json", "--model-config", str(CONFIG), "--role", "actor", "--dtype", "bf16",
+             "--attn", "sdpa", "--grad-ckpt", "--micro-batch", "8", "--seq-len", "1024")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= {"peak_mib", "breakdown"}
+    assert all(isinstance(v, float) for v in out["breakdown"].values())
+    assert out["peak_mib"] == pytest.approx(
+        train_step_peak(shape, "actor", "bf16", "sdpa", True, 8, 1024).peak_mib, abs=0.1)
+    r = _cli("--json", "--role", "generate", "--batch", "64", "--prompt-len", "512",
+             "--new-tokens", "256", "--dtype", "bf16")
+    assert r.returncode == 0, r.stderr
+    assert "kv_cache" in json.loads(r.stdout)["breakdown"]
+    r = _cli("--role", "critic", "--dtype", "fp32")
+    assert r.returncode == 0 and "peak (allocated)" in r.stdout
+    r = _cli("--json", "--model-config", "/nonexistent/config.json")
+    assert r.returncode == 2 and "error" in r.stderr
+
+
+# ---- calibration: the estimates stay within 10% of what the H200 measured ---------------------
+
+def _recorded():
+    for path in RESULTS:
+        data = json.loads(path.read_text())
+        for t in data["train"]:
+            if "error" not in t:
+                yield path.name, t
+        for g in data["generate"]:
+            if "error" not in g:
+                yield path.name, g
+
+
+def test_calibration_results_are_present():
+    cases = list(_recorded())
+    assert len(RESULTS) >= 2 and len(cases) >= 60
+    assert {c["split"] for _, c in cases} == {"fit", "holdout", "fresh"}
+
+
+@pytest.mark.parametrize("name,case", list(_recorded()), ids=lambda x: x if isinstance(x, str) else x["case"])
+def test_estimate_within_10_percent_of_h200(shape, name, case):
+    if "role" in case:
+        est = train_step_peak(shape, case["role"], case["dtype"], case["attn"], case["grad_ckpt"],
+                              case["micro_batch"], case["seq_len"])
+    else:
+        est = generate_peak(shape, case["batch"], case["prompt_len"], case["new_tokens"],
+                            case["dtype"], case["attn"])
+    measured = case["measured"]["peak"]
+    assert abs(est.peak_mib - measured) / measured <= 0.10, (name, case["case"], est.peak_mib, measured)
