@@ -1,0 +1,133 @@
+"""The Python-env stage on one lab-in-a-box host (venv backend; conda cannot be fetched here and
+is tested at the command level in tests/unit/test_pyenv.py).
+
+Stand-ins (tests/fixtures/standins/pyenv.py): the CPU torch 2.13.0 from /opt/wheels under a
+test catalog profile (torch.cuda = "none"), an Apex-shaped source tree, and the real verl 0.5.0
+sdist as a git repo, all served by the lab mirror; verl's pinned deps come from the real PyPI
+once into the controller's cache and are served to the box as the `pypi` source.
+
+converge -> proofs -> idempotence -> a rebuild made to fail leaves the env as it was -> break
+the env (uninstall torch) -> deploy/rebuild.py restores it (old generation kept as .prev) ->
+idempotence again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.fixtures.standins import pyenv as standin
+from tests.lab import BoxSpec
+
+LAB_ROOT = "/opt/verl-lab"
+ENV = f"{LAB_ROOT}/envs/verl"
+PY = f"{ENV}/bin/python"
+MARKER = f"{LAB_ROOT}/markers/pyenv.done"
+VERL_SRC = f"{LAB_ROOT}/src/verl"
+BOX = "envbox"
+TIMINGS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def lab(lab_factory):
+    lab = lab_factory([BoxSpec(BOX, gpu="p40")])
+    started = time.monotonic()
+    overrides = standin.publish(lab.mirror.root)
+    TIMINGS["publish"] = time.monotonic() - started
+    lab.pyenv_overrides = overrides
+    return lab
+
+
+def deploy(lab, deploy_file="deploy/env.py", torch_requirements=None):
+    overrides = json.loads(json.dumps(lab.pyenv_overrides))
+    if torch_requirements:
+        overrides["torch"]["requirements"] = torch_requirements
+    data = {"mirror_urls": {**lab.mirror_urls, "pypi": standin.pypi_base(lab.mirror_url)},
+            "catalog_overrides": overrides, "env_backend": "venv", "venv_python": "python3"}
+    started = time.monotonic()
+    res = lab.deploy(deploy_file, data=data, timeout=900)
+    TIMINGS.setdefault(deploy_file, 0.0)
+    TIMINGS[deploy_file] += time.monotonic() - started
+    print(f"{deploy_file}: {time.monotonic() - started:.0f}s {res}")
+    return res
+
+
+def ssh(lab, cmd, check=True):
+    return lab.box(BOX).ssh(cmd, check=check, timeout=300)
+
+
+def link(lab, path):
+    return ssh(lab, f"readlink {path}", check=False).stdout.strip()
+
+
+def marker(lab):
+    text = lab.box(BOX).read_text(MARKER)
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def proofs(lab):
+    expect = {"torch": "2.13.0", "cuda": "none", "gpu_cc": "6.1", "vllm": None, "vllm_skip": "test",
+              "verl": "0.5.0", "verl_src": VERL_SRC, "compose": True, "overrides": []}
+    out = ssh(lab, f"{PY} {LAB_ROOT}/pyenv/prove-env.py '{json.dumps(expect)}'", check=False)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_converge_builds_a_proven_env(lab):
+    res = deploy(lab)
+    res.assert_ok()
+    assert link(lab, ENV) == "verl.gen1"
+    m = marker(lab)
+    assert m["generation"] == "verl.gen1" and m["torch"] == "2.13.0" and m["cuda"] == "none"
+    assert m["vllm"] == "skipped" and "6.1 < 7.0" in m["vllm_reason"]    # a P40: no vLLM, with the reason
+    assert m["torch_cuda_arch_list"] == "6.1"
+    # every proof, again by hand
+    p = proofs(lab)
+    assert p["healthy"], p
+    assert p["checks"]["torch_cuda"]["detail"].startswith("CPU torch stand-in")
+    assert p["checks"]["gpu"]["detail"].startswith("skipped: CPU torch stand-in")
+    # Apex: the stand-in's extensions were built with this box's arch, the bounded jobs and gcc-11
+    info = ssh(lab, f"cd / && {PY} -c 'import amp_C, fused_layer_norm_cuda, apex_C; print(amp_C.build_info())'").stdout
+    assert "cpp_ext=1;cuda_ext=1" in info and "TORCH_CUDA_ARCH_LIST=6.1" in info and "CC=gcc-11" in info
+    assert "MAX_JOBS=" + m["max_jobs"] in info
+    # the constraints file pins torch for every later install
+    constraints = ssh(lab, f"cat {ENV}/verl-lab-constraints.txt").stdout
+    assert "torch==2.13.0" in constraints.splitlines() and "transformers==4.54.1" in constraints.splitlines()
+    # verl: editable from the patched clone at v0.5.0; the Hydra config composes
+    where = ssh(lab, f"cd / && {PY} -c 'import verl, os; print(verl.__version__, os.path.dirname(verl.__file__))'").stdout.split()
+    assert where == ["0.5.0", f"{VERL_SRC}/verl"]
+    assert "autocast_dtype_of" in ssh(lab, f"cat {VERL_SRC}/verl/workers/actor/dp_actor.py").stdout
+    tag = ssh(lab, f"git -C {VERL_SRC} describe --tags --exact-match").stdout.strip()
+    assert tag == "v0.5.0"
+    job = ssh(lab, f"cd / && {PY} -m verl.trainer.main_ppo actor_rollout_ref.rollout.name=hf "
+                   "+critic.model.override_config._attn_implementation=sdpa --cfg job").stdout
+    assert "_attn_implementation: sdpa" in job and "name: hf" in job
+
+
+def test_rerun_changes_nothing(lab):
+    deploy(lab).assert_idempotent()
+
+
+def test_failed_rebuild_leaves_the_env_as_it_was(lab):
+    before = marker(lab)
+    res = deploy(lab, "deploy/rebuild.py", torch_requirements=["torch==0.0.1"])
+    assert not res.ok and BOX in res.failed_hosts
+    assert link(lab, ENV) == "verl.gen1"
+    assert marker(lab) == before
+    assert proofs(lab)["healthy"]
+
+
+def test_broken_env_is_rebuilt_and_the_old_one_kept(lab):
+    ssh(lab, f"{PY} -m pip uninstall -y -q torch")
+    broken = proofs(lab)
+    assert not broken["healthy"] and "torch" in broken["broken"]
+    deploy(lab, "deploy/rebuild.py").assert_ok()
+    new = link(lab, ENV)
+    assert new.startswith("verl.gen") and new != "verl.gen1"
+    assert link(lab, f"{ENV}.prev") == "verl.gen1" and lab.box(BOX).exists(f"{ENV}.gen1")
+    assert proofs(lab)["healthy"]
+    assert marker(lab)["generation"] == new
+    # the stage itself now finds a healthy env built from its plan: nothing to do
+    deploy(lab).assert_idempotent()
+    print("timings (s):", {k: round(v) for k, v in TIMINGS.items()})
