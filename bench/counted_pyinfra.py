@@ -1,0 +1,76 @@
+"""Run the real pyinfra CLI, recording every remote command it sends to a host.
+
+    VERL_LAB_COMMAND_LOG=/tmp/cmds.jsonl python bench/counted_pyinfra.py -y INV deploy/full.py
+
+Same arguments as ``python -m pyinfra``. Each ``Host.run_shell_command`` and ``Host.put_file``
+(the single doorway every fact and operation goes through to the connector) appends one JSON
+line: host, kind ("fact", "op" or "upload"), the fact class when a fact asked for it, the
+stage (the tasks/<stage>.py module whose code led to the call) and the command text. Nothing
+else changes: the command still runs exactly as it would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = str(REPO / "tasks") + os.sep
+DEPLOY = str(REPO / "deploy") + os.sep
+
+
+def _origin() -> tuple[str | None, str | None]:
+    """(fact name, stage) from the current call stack."""
+    fact = stage = None
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if fact is None and code.co_name == "_get_fact" and "pyinfra" in code.co_filename:
+            fact = frame.f_locals.get("name")
+        fn = code.co_filename
+        if stage is None and fn.startswith(TASKS) and os.sep + "facts" + os.sep not in fn[len(TASKS) - 1:]:
+            stage = Path(fn).stem
+        frame = frame.f_back
+    return fact, stage
+
+
+def install(log_path: str) -> None:
+    from pyinfra.api.host import Host
+
+    lock = threading.Lock()
+    out = open(log_path, "a", buffering=1)
+    run_shell_command, put_file = Host.run_shell_command, Host.put_file
+
+    def write(rec: dict) -> None:
+        with lock:
+            out.write(json.dumps(rec) + "\n")
+
+    def counted_run(self, command, *args, **kwargs):
+        fact, stage = _origin()
+        try:
+            text = command.get_raw_value() if hasattr(command, "get_raw_value") else str(command)
+        except Exception:  # noqa: BLE001 - a command that cannot render is still counted
+            text = repr(command)
+        write({"host": self.name, "kind": "fact" if fact else "op", "fact": fact, "stage": stage,
+               "command": text[:400]})
+        return run_shell_command(self, command, *args, **kwargs)
+
+    def counted_put(self, filename_or_io, remote_filename, *args, **kwargs):
+        _, stage = _origin()
+        write({"host": self.name, "kind": "upload", "fact": None, "stage": stage, "command": str(remote_filename)})
+        return put_file(self, filename_or_io, remote_filename, *args, **kwargs)
+
+    Host.run_shell_command = counted_run
+    Host.put_file = counted_put
+
+
+if __name__ == "__main__":
+    path = os.environ.get("VERL_LAB_COMMAND_LOG")
+    if path:
+        install(path)
+    sys.argv[0] = "pyinfra"
+    from pyinfra_cli.main import main
+    main()

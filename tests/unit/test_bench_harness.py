@@ -1,0 +1,57 @@
+"""The bench scripts' statistics, tables, interleaving and command counting (bench/harness.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.harness import CommandLog, count_commands, interleave, ratio, render_table, summary
+
+
+def test_summary_is_the_median_of_odd_and_even_counts():
+    assert summary([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert summary([4.0, 1.0, 2.0, 3.0])["median"] == 2.5
+    with pytest.raises(ValueError):
+        summary([])
+
+
+def test_ratio_refuses_a_zero_baseline():
+    assert ratio(3.0, 1.5) == 2.0
+    with pytest.raises(ValueError):
+        ratio(1.0, 0.0)
+
+
+def test_table_aligns_columns_and_formats_floats():
+    text = render_table(["what", "s", "x"], [["floor", 1.23456, 0.5], ["no-op deploy", 12.0, 2]])
+    lines = text.splitlines()
+    assert lines[0].split() == ["what", "s", "x"]
+    assert lines[2].split() == ["floor", "1.23", "0.500"]
+    assert lines[3].startswith("no-op deploy") and lines[3].split()[-2:] == ["12.00", "2"]
+    assert len({len(line) for line in lines}) == 1
+
+
+def test_interleave_alternates_arms_and_uses_reported_seconds():
+    order = []
+    ticks = iter(range(100))
+    arms = {"a": lambda: order.append("a"), "b": lambda: (order.append("b"), {"seconds": 7.5})[1]}
+    times = interleave(arms, 3, clock=lambda: float(next(ticks)))
+    assert order == ["a", "b"] * 3
+    assert times["a"] == [1.0, 1.0, 1.0] and times["b"] == [7.5, 7.5, 7.5]
+
+
+def test_count_commands_per_host_stage_and_fact(tmp_path):
+    recs = [
+        {"host": "b1", "kind": "fact", "fact": "verl_lab.Marker", "stage": "cuda", "command": "cat m"},
+        {"host": "b1", "kind": "fact", "fact": "verl_lab.Marker", "stage": "hfdata", "command": "cat m"},
+        {"host": "b1", "kind": "fact", "fact": "server.Hostname", "stage": None, "command": "uname -n"},
+        {"host": "b1", "kind": "upload", "fact": None, "stage": "artifacts", "command": "/x.part"},
+        {"host": "b2", "kind": "op", "fact": None, "stage": "base", "command": "mkdir -p /x"},
+    ]
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = count_commands(CommandLog.read(path))
+    assert got["b1"] == {"commands": 3, "uploads": 1, "by_stage": {"cuda": 1, "hfdata": 1, "?": 1},
+                         "by_fact": {"verl_lab.Marker": 2, "server.Hostname": 1}}
+    assert got["b2"]["commands"] == 1 and got["b2"]["by_fact"] == {}
+    assert count_commands(CommandLog.read(tmp_path / "missing.jsonl")) == {}
