@@ -5,7 +5,8 @@
 Same arguments as ``python -m pyinfra``. Each ``Host.run_shell_command`` and ``Host.put_file``
 (the single doorway every fact and operation goes through to the connector) appends one JSON
 line: host, kind ("fact", "op" or "upload"), the fact class when a fact asked for it, the
-stage (the tasks/<stage>.py module whose code led to the call) and the command text. Nothing
+stage (the tasks/<stage>.py module whose code led to the call), the command text and how
+long the call took. Nothing
 else changes: the command still runs exactly as it would.
 """
 
@@ -15,6 +16,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,14 +56,21 @@ def install(log_path: str) -> None:
             text = command.get_raw_value() if hasattr(command, "get_raw_value") else str(command)
         except Exception:  # noqa: BLE001 - a command that cannot render is still counted
             text = repr(command)
-        write({"host": self.name, "kind": "fact" if fact else "op", "fact": fact, "stage": stage,
-               "command": text[:400]})
-        return run_shell_command(self, command, *args, **kwargs)
+        started = time.monotonic()
+        try:
+            return run_shell_command(self, command, *args, **kwargs)
+        finally:
+            write({"host": self.name, "kind": "fact" if fact else "op", "fact": fact, "stage": stage,
+                   "command": text[:400], "seconds": round(time.monotonic() - started, 4)})
 
     def counted_put(self, filename_or_io, remote_filename, *args, **kwargs):
         _, stage = _origin()
-        write({"host": self.name, "kind": "upload", "fact": None, "stage": stage, "command": str(remote_filename)})
-        return put_file(self, filename_or_io, remote_filename, *args, **kwargs)
+        started = time.monotonic()
+        try:
+            return put_file(self, filename_or_io, remote_filename, *args, **kwargs)
+        finally:
+            write({"host": self.name, "kind": "upload", "fact": None, "stage": stage,
+                   "command": str(remote_filename), "seconds": round(time.monotonic() - started, 4)})
 
     Host.run_shell_command = counted_run
     Host.put_file = counted_put

@@ -128,15 +128,19 @@ def count_commands(log_: CommandLog) -> dict[str, dict[str, Any]]:
         by_stage: dict[str, int] = {}
         by_fact: dict[str, int] = {}
         shells = uploads = 0
+        shell_s = upload_s = 0.0
         for r in recs:
             if r["kind"] == "upload":
                 uploads += 1
+                upload_s += r.get("seconds", 0.0)
                 continue
             shells += 1
+            shell_s += r.get("seconds", 0.0)
             by_stage[r.get("stage") or "?"] = by_stage.get(r.get("stage") or "?", 0) + 1
             if r.get("fact"):
                 by_fact[r["fact"]] = by_fact.get(r["fact"], 0) + 1
-        result[host] = {"commands": shells, "uploads": uploads, "by_stage": by_stage, "by_fact": by_fact}
+        result[host] = {"commands": shells, "uploads": uploads, "by_stage": by_stage, "by_fact": by_fact,
+                        "command_seconds": round(shell_s, 4), "upload_seconds": round(upload_s, 4)}
     return result
 
 
@@ -206,6 +210,7 @@ class Run:
     seconds: float
     result: Any                      # tests.lab.DeployResult
     commands: dict[str, dict] | None = None    # count_commands(...) when counted
+    log: "CommandLog | None" = None            # the raw records when counted
 
 
 def run_pyinfra(lab, args: Sequence[str], data: Mapping[str, Any] | None = None, hosts=None,
@@ -228,8 +233,8 @@ def run_pyinfra(lab, args: Sequence[str], data: Mapping[str, Any] | None = None,
     (lab.dir / f"{stamp}.log").write_text(f"$ {' '.join(cmd)}\n# rc {proc.returncode} {took:.2f}s\n"
                                           f"--- stderr\n{proc.stderr}\n--- stdout\n{proc.stdout}\n")
     res = parse(cmd, proc.returncode, proc.stdout, proc.stderr, names, mode="json")
-    commands = count_commands(CommandLog.read(cmd_log)) if count else None
-    return Run(took, res, commands)
+    records = CommandLog.read(cmd_log) if count else None
+    return Run(took, res, count_commands(records) if count else None, records)
 
 
 def floor_args() -> list[str]:

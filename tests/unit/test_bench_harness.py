@@ -42,16 +42,17 @@ def test_interleave_alternates_arms_and_uses_reported_seconds():
 
 def test_count_commands_per_host_stage_and_fact(tmp_path):
     recs = [
-        {"host": "b1", "kind": "fact", "fact": "verl_lab.Marker", "stage": "cuda", "command": "cat m"},
+        {"host": "b1", "kind": "fact", "fact": "verl_lab.Marker", "stage": "cuda", "command": "cat m", "seconds": 0.25},
         {"host": "b1", "kind": "fact", "fact": "verl_lab.Marker", "stage": "hfdata", "command": "cat m"},
         {"host": "b1", "kind": "fact", "fact": "server.Hostname", "stage": None, "command": "uname -n"},
-        {"host": "b1", "kind": "upload", "fact": None, "stage": "artifacts", "command": "/x.part"},
+        {"host": "b1", "kind": "upload", "fact": None, "stage": "artifacts", "command": "/x.part", "seconds": 2.5},
         {"host": "b2", "kind": "op", "fact": None, "stage": "base", "command": "mkdir -p /x"},
     ]
     path = tmp_path / "log.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     got = count_commands(CommandLog.read(path))
     assert got["b1"] == {"commands": 3, "uploads": 1, "by_stage": {"cuda": 1, "hfdata": 1, "?": 1},
-                         "by_fact": {"verl_lab.Marker": 2, "server.Hostname": 1}}
+                         "by_fact": {"verl_lab.Marker": 2, "server.Hostname": 1},
+                         "command_seconds": 0.25, "upload_seconds": 2.5}
     assert got["b2"]["commands"] == 1 and got["b2"]["by_fact"] == {}
     assert count_commands(CommandLog.read(tmp_path / "missing.jsonl")) == {}

@@ -1,0 +1,110 @@
+"""Fleet scale: a fresh converge and the no-op re-run on 1, 2, 4 and 8 boxes.
+
+    python bench/fleet_scale.py [--boxes 8] [--repeat K] [--stages nonenv|full]
+
+For each fleet size n (1, 2, 4, ... up to --boxes) it boots n fresh P40 boxes, times the fresh
+converge, then K interleaved rounds of the floor (`fact server.Hostname`) and the no-op re-run
+on the same n boxes, then stops them. Stages: "nonenv" (default: base, CUDA, data, training
+through bench/deploy_without_env.py; each box gets the small venv the data stage needs,
+installed offline before the clock starts) because building verl's env on 15 boxes does not
+fit in ten minutes on 2 cores; "full" runs deploy/env.py then deploy/full.py (timed together).
+Target: the no-op re-run on 8 boxes <= 1.5x the one on 1 box.
+Needs root (lab in a box). Writes bench/results/fleet_scale.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import (Pipeline, floor_args, interleave, log, render_table, run_pyinfra, summary,  # noqa: E402
+                           write_result)
+from tests.lab import BoxSpec, Lab  # noqa: E402
+
+TARGET = 1.5
+
+
+def sizes_up_to(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def one_size(pipe: Pipeline, n: int, repeat: int) -> dict:
+    lab = pipe.lab
+    hosts = [f"fleet{n}x{i + 1}" for i in range(n)]
+    lab.boot([BoxSpec(h, gpu="p40") for h in hosts])
+    try:
+        for h in hosts:
+            pipe.prepare_box(h)
+        fresh = 0.0
+        if pipe.stages == "full":
+            run = run_pyinfra(lab, ["deploy/env.py"], pipe.data, hosts, tag=f"fresh-env-{n}", timeout=3600)
+            run.result.assert_ok()
+            fresh += run.seconds
+        run = run_pyinfra(lab, [pipe.deploy_file], pipe.data, hosts, tag=f"fresh-{n}", timeout=3600)
+        run.result.assert_ok()
+        fresh += run.seconds
+        fresh_changed = run.result.changed
+        changed = []
+
+        def floor():
+            r = run_pyinfra(lab, floor_args(), pipe.data, hosts, tag=f"floor-{n}")
+            r.result.assert_ok()
+            return {"seconds": r.seconds}
+
+        def noop():
+            r = run_pyinfra(lab, [pipe.deploy_file], pipe.data, hosts, tag=f"noop-{n}")
+            r.result.assert_ok()
+            changed.append(r.result.changed)
+            return {"seconds": r.seconds}
+
+        times = interleave({"floor": floor, "noop": noop}, repeat)
+        log(f"{n} boxes: fresh {fresh:.1f}s, no-op {times['noop']}, floor {times['floor']}, changed {changed}")
+        return {"boxes": n, "fresh_s": fresh, "fresh_changed": fresh_changed, "samples": times,
+                "floor": summary(times["floor"]), "noop": summary(times["noop"]), "noop_changed": changed}
+    finally:
+        for h in hosts:
+            lab.stop_box(h)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--boxes", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--stages", choices=("nonenv", "full"), default="nonenv")
+    args = ap.parse_args(argv)
+    results = []
+    with Lab() as lab:
+        pipe = Pipeline(lab, args.stages)
+        try:
+            for n in sizes_up_to(args.boxes):
+                results.append(one_size(pipe, n, args.repeat))
+        finally:
+            pipe.close()
+    one = results[0]
+    rows = []
+    for r in results:
+        rows.append([r["boxes"], r["fresh_s"], r["fresh_s"] / one["fresh_s"], r["floor"]["median"],
+                     r["noop"]["median"], r["noop"]["median"] / one["noop"]["median"],
+                     r["noop"]["median"] / r["floor"]["median"], max(r["noop_changed"])])
+    print(f"\nFleet scale, {pipe.deploy_file}, {args.repeat} interleaved rounds per size (seconds, medians)")
+    print(render_table(["boxes", "fresh", "x 1 box", "floor", "no-op", "x 1 box", "x floor", "changed"], rows))
+    last = results[-1]
+    x = last["noop"]["median"] / one["noop"]["median"]
+    ok = x <= TARGET and all(max(r["noop_changed"]) == 0 for r in results)
+    print(f"target: no-op on {last['boxes']} boxes <= {TARGET}x 1 box -> {'MET' if ok else 'MISSED'} ({x:.2f}x)")
+    path = write_result("fleet_scale", {"stages": args.stages, "deploy_file": pipe.deploy_file,
+                                        "repeat": args.repeat, "sizes": results, "noop_x_one": x,
+                                        "target": TARGET, "met": ok})
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
