@@ -34,6 +34,7 @@ OVERRIDABLE = {
     "version": str,
     "requirements": list,
     "files": dict,
+    "splits": dict,
     "no_checksum": str,
     "cuda": str,
 }
@@ -232,10 +233,10 @@ class Catalog:
                     raise CatalogError(f"catalog_overrides.{name}.{key} must be {want.__name__}")
                 if key == "sha256" and not SHA256_RE.match(value):
                     raise CatalogError(f"catalog_overrides.{name}.sha256 {value!r} is not 64 lowercase hex digits")
-                if key in ("requirements", "files", "cuda"):
-                    extra[key] = value
-                else:
+                if key in Artifact.__dataclass_fields__:
                     changes[key] = value
+                else:  # requirements, files, splits, cuda, ... live in extra
+                    extra[key] = value
             arts[name] = replace(art, extra=extra, **changes)
         return replace(self, artifacts=arts)
 

@@ -289,6 +289,8 @@ def build_script_context(settings: LabSettings, plan: EnvPlan, vllm_wheel: str |
         ("cuda", plan.cuda), ("apex", plan.apex_ref), ("torch_cuda_arch_list", plan.arch_list),
         ("max_jobs", plan.max_jobs), ("vllm", plan.vllm_version if plan.vllm else "skipped"),
         ("vllm_reason", plan.vllm_reason), ("verl", plan.verl_version),
+        # verl-lab installs no flash-attn: the training plan reads this and keeps sdpa.
+        ("flash_attn", 0),
     ]
     return {
         "q": q,
