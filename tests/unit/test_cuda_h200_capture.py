@@ -1,0 +1,114 @@
+"""Real output of the CUDA stage's fact commands on the lent H200 box (Ubuntu 24.04, driver
+ 580.159.04, CUDA 13.0 installed through update-alternatives), captured 2026-12-02 by running
+ the commands of tasks/facts/{nvidia,disk}.py there; replayed through the facts and the planner."""
+
+from __future__ import annotations
+
+from tasks.cuda import CudaFacts, cuda_want, plan_cuda
+from tasks.facts.disk import FreeDisk
+from tasks.facts.nvidia import CudaHostCompiler, CudaToolkits, NvidiaDriver
+from tasks.settings import load_settings
+
+H200_DRIVER = """\
+@@ smi-query
+580.159.04, NVIDIA H200, 9.0
+@@ smi-banner
+Wed Dec  2 14:40:08 2026       
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 580.159.04             Driver Version: 580.159.04     CUDA Version: 13.0     |
++-----------------------------------------+------------------------+----------------------+
+| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |
+@@ proc
+NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (nixbld@)  
+GCC version:  gcc version 15.3.0 (GCC) 
+"""
+
+H200_TOOLKITS = """\
+@@ link
+/etc/alternatives/cuda
+@@ toolkit /usr/local/cuda-13
+nvcc: NVIDIA (R) Cuda compiler driver
+Copyright (c) 2005-2025 NVIDIA Corporation
+Built on Wed_Aug_20_01:58:59_PM_PDT_2025
+Cuda compilation tools, release 13.0, V13.0.88
+Build cuda_13.0.r13.0/compiler.36424714_0
+@@ cudnn /usr/local/cuda-13
+@@ toolkit /usr/local/cuda-13.0
+nvcc: NVIDIA (R) Cuda compiler driver
+Copyright (c) 2005-2025 NVIDIA Corporation
+Built on Wed_Aug_20_01:58:59_PM_PDT_2025
+Cuda compilation tools, release 13.0, V13.0.88
+Build cuda_13.0.r13.0/compiler.36424714_0
+@@ cudnn /usr/local/cuda-13.0
+"""
+
+H200_DISK_PREFIX = """\
+@@ /usr/local
+Filesystem     1048576-blocks  Used Available Capacity Mounted on
+/dev/vda               258020 16487     65519      21% /
+"""
+
+H200_DISK_TMP = """\
+@@ /var/tmp
+Filesystem     1048576-blocks  Used Available Capacity Mounted on
+/dev/vda               258020 16487     65519      21% /
+"""
+
+H200_COMPILER = """\
+gcc=13.3.0
+gcc-11=
+g++-11=
+"""
+H200_OS_RELEASE = {"ID": "ubuntu", "VERSION_ID": "24.04", "PRETTY_NAME": "Ubuntu 24.04.3 LTS"}
+
+
+def lines(text: str) -> list[str]:
+    return text.splitlines()
+
+
+def test_driver_fact_on_real_h200():
+    got = NvidiaDriver().process(lines(H200_DRIVER))
+    assert got == {"version": "580.159.04", "source": "nvidia-smi", "error": None,
+                   "gpus": [{"driver": "580.159.04", "name": "NVIDIA H200", "compute_cap": "9.0"}]}
+
+
+def test_proc_fallback_on_real_h200_open_module():
+    # the same box with nvidia-smi's query unusable: the /proc section alone gives the driver
+    only_proc = [line for line in lines(H200_DRIVER) if not line.startswith("580.159.04, ")]
+    only_proc = [line for line in only_proc if "Driver Version" not in line]
+    got = NvidiaDriver().process(only_proc)
+    assert got["version"] == "580.159.04" and got["source"] == "proc"
+
+
+def test_toolkits_fact_on_real_h200():
+    got = CudaToolkits().process(lines(H200_TOOLKITS))
+    assert got["link"] == "/etc/alternatives/cuda"   # Ubuntu's alternatives chain, not a direct link
+    assert got["toolkits"] == {
+        "/usr/local/cuda-13": {"nvcc": {"release": "13.0", "version": "13.0.88"}, "cudnn": None, "in_progress": False},
+        "/usr/local/cuda-13.0": {"nvcc": {"release": "13.0", "version": "13.0.88"}, "cudnn": None, "in_progress": False},
+    }
+
+
+def test_disk_and_compiler_facts_on_real_h200():
+    prefix = FreeDisk().process(lines(H200_DISK_PREFIX))
+    assert prefix == {"path": "/usr/local", "filesystem": "/dev/vda", "mount": "/", "size_mib": 258020, "free_mib": 65519}
+    assert FreeDisk().process(lines(H200_DISK_TMP))["path"] == "/var/tmp"
+    assert CudaHostCompiler().process(lines(H200_COMPILER)) == {"gcc": "13.3.0", "gcc-11": None, "g++-11": None}
+
+
+def test_plan_for_the_real_h200_box():
+    want = cuda_want(load_settings("h200", {}))
+    disk = FreeDisk().process(lines(H200_DISK_PREFIX))
+    facts = CudaFacts(
+        os_release=H200_OS_RELEASE,
+        driver=NvidiaDriver().process(lines(H200_DRIVER)),
+        toolkits=CudaToolkits().process(lines(H200_TOOLKITS)),
+        disk={want.tmpdir: disk, want.prefix: disk, want.box_cache: disk},
+        compiler=CudaHostCompiler().process(lines(H200_COMPILER)),
+        marker=None,
+    )
+    plan = plan_cuda(want, facts)
+    # driver 580 >= 520.61.05, Hopper is not limited to branch <= 580, 65 GB free > 23.4 GB needed;
+    # gcc 13 is too new for nvcc 11.8, so gcc-11/g++-11 get installed
+    assert plan.action == "install" and not plan.problems
+    assert plan.install_compiler and plan.host_cc == "/usr/bin/gcc-11"
