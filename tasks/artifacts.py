@@ -10,7 +10,7 @@ from pyinfra.api import FileUploadCommand, StringCommand, operation
 
 from tasks.catalog import Artifact
 from tasks.facts.files import VerifiedArtifact
-from tasks.fetch import Expected, box_fetch_script, box_verify_script, download
+from tasks.fetch import Expected, FetchError, box_fetch_script, box_verify_script, download
 from tasks.settings import LabSettings
 
 
@@ -32,6 +32,11 @@ def controller_copy(settings: LabSettings, art: Artifact):
     dest = settings.controller_cache / "artifacts" / art.name / art.version / art.filename
     with _copy_lock(dest):
         return download(art.url(settings.mirrors), dest, Expected(art.sha256, art.size))
+
+
+def failing_command(message: str) -> StringCommand:
+    """A command that fails its host with ``message`` on stderr (no secrets: messages name URLs)."""
+    return StringCommand("sh", "-c", shlex.quote(f"echo {shlex.quote('verl-lab: ' + message)} >&2; exit 1"))
 
 
 def box_path(settings: LabSettings, art: Artifact) -> str:
@@ -60,7 +65,13 @@ def artifact_file(settings: LabSettings, artifact: str, dest: str | None = None)
         host.noop(f"{art.name} {art.version} already verified at {dest}")
         return
     if settings.artifact_mode == "relay":
-        local = controller_copy(settings, art)
+        try:
+            local = controller_copy(settings, art)
+        except FetchError as exc:
+            # Fail this host only (every host needing the artifact fails the same way),
+            # with the fetcher's message; the run goes on for hosts that don't need it.
+            yield failing_command(f"relay download of {art.name} failed on the controller: {exc}")
+            return
         part = dest + ".part"
         yield StringCommand("mkdir", "-p", shlex.quote(dest.rsplit("/", 1)[0]))
         yield FileUploadCommand(str(local), part)

@@ -20,6 +20,7 @@ import hashlib
 import os
 import shlex
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,20 @@ def _check(url: str, path: Path, want: Expected) -> None:
             raise ChecksumMismatch(url, path, want.sha256, actual)
 
 
+# pyinfra prepares hosts concurrently in one process (gevent greenlets). flock() is per open
+# file: a second greenlet asking for the lock of a file the first one holds blocks the whole
+# process, and the first can never finish. So greenlets/threads queue on an in-process lock
+# per path first (gevent makes threading.Lock cooperative), and flock only guards against
+# other processes (two deploys on one controller).
+_PATH_LOCKS: dict[str, threading.Lock] = {}
+_PATH_LOCKS_GUARD = threading.Lock()
+
+
+def _path_lock(path: Path) -> threading.Lock:
+    with _PATH_LOCKS_GUARD:
+        return _PATH_LOCKS.setdefault(str(path), threading.Lock())
+
+
 def _verified_stamp(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
@@ -90,7 +105,7 @@ def download(url: str, dest: Path, want: Expected, *, session: requests.Session 
     dest.parent.mkdir(parents=True, exist_ok=True)
     stamp = _verified_stamp(dest)
     lock_path = dest.with_name(dest.name + ".lock")
-    with open(lock_path, "w") as lock:
+    with _path_lock(lock_path), open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if dest.is_file() and stamp.is_file() and stamp.read_text().strip() == _stamp_text(dest, want):
             return dest

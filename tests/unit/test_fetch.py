@@ -3,6 +3,8 @@
 import hashlib
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +112,25 @@ def test_direct_mode_script_verifies_before_naming_the_file(mirror, tmp_path):
     bad = run_box_script(box_fetch_script(f"{mirror.url}/{REL}", str(tmp_path / "box" / "other"), "1" * 64, None))
     assert bad.returncode != 0 and "sha256 mismatch" in bad.stderr and SHA in bad.stderr
     assert not os.path.exists(tmp_path / "box" / "other")
+
+
+GREENLETS = r"""
+from gevent import monkey; monkey.patch_all()
+import sys, gevent
+from pathlib import Path
+from tasks.fetch import Expected, download
+url, dest, sha, size = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+jobs = [gevent.spawn(download, url, dest, Expected(sha, size), progress=False) for _ in range(3)]
+gevent.joinall(jobs, timeout=30, raise_error=True)
+print("done" if all(j.successful() for j in jobs) else "stuck")
+"""
+
+
+def test_concurrent_hosts_in_one_pyinfra_process_share_one_download(mirror, tmp_path):
+    """pyinfra prepares hosts as gevent greenlets: they must queue, not deadlock on flock."""
+    run = subprocess.run(
+        [sys.executable, "-c", GREENLETS, f"{mirror.url}/{REL}", str(tmp_path / "blob"), SHA, str(len(PAYLOAD))],
+        capture_output=True, text=True, timeout=45, cwd=Path(__file__).resolve().parents[2],
+    )
+    assert run.stdout.strip() == "done", run.stderr
+    assert mirror.bytes_served == len(PAYLOAD)  # fetched once for all three
