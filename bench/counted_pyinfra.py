@@ -5,8 +5,9 @@
 Same arguments as ``python -m pyinfra``. Each ``Host.run_shell_command`` and ``Host.put_file``
 (the single doorway every fact and operation goes through to the connector) appends one JSON
 line: host, kind ("fact", "op" or "upload"), the fact class when a fact asked for it, the
-stage (the tasks/<stage>.py module whose code led to the call), the command text and how
-long the call took. Nothing
+stage (the top-level @deploy it belongs to), the tasks/ module whose code led to the call (when
+the call comes from a stage's own code rather than a pyinfra operation), the operation running
+(while executing), the command text and how long the call took. Nothing
 else changes: the command still runs exactly as it would.
 """
 
@@ -24,8 +25,21 @@ TASKS = str(REPO / "tasks") + os.sep
 DEPLOY = str(REPO / "deploy") + os.sep
 
 
+def _stage(host) -> str | None:
+    """The top-level @deploy the call belongs to ("verl-lab CUDA 11.8 + cuDNN 8.9", ...): while
+    operations are prepared, the host's current deploy; while they execute, the operation's name."""
+    name = host.current_deploy_name
+    if not name and host.current_op_hash:
+        try:
+            names = sorted(host.state.get_op_meta(host.current_op_hash).names)
+            name = names[0] if names else None
+        except Exception:  # noqa: BLE001 - attribution only
+            name = None
+    return name.split(" | ")[0] if name else None
+
+
 def _origin() -> tuple[str | None, str | None]:
-    """(fact name, stage) from the current call stack."""
+    """(fact name, tasks module) from the current call stack."""
     fact = stage = None
     frame = sys._getframe(2)
     while frame is not None:
@@ -37,6 +51,16 @@ def _origin() -> tuple[str | None, str | None]:
             stage = Path(fn).stem
         frame = frame.f_back
     return fact, stage
+
+
+def _op_name(host) -> str | None:
+    if not host.current_op_hash:
+        return None
+    try:
+        names = sorted(host.state.get_op_meta(host.current_op_hash).names)
+    except Exception:  # noqa: BLE001 - attribution only
+        return None
+    return names[0] if names else None
 
 
 def install(log_path: str) -> None:
@@ -51,7 +75,8 @@ def install(log_path: str) -> None:
             out.write(json.dumps(rec) + "\n")
 
     def counted_run(self, command, *args, **kwargs):
-        fact, stage = _origin()
+        fact, module = _origin()
+        stage, op = _stage(self), _op_name(self)
         try:
             text = command.get_raw_value() if hasattr(command, "get_raw_value") else str(command)
         except Exception:  # noqa: BLE001 - a command that cannot render is still counted
@@ -61,16 +86,18 @@ def install(log_path: str) -> None:
             return run_shell_command(self, command, *args, **kwargs)
         finally:
             write({"host": self.name, "kind": "fact" if fact else "op", "fact": fact, "stage": stage,
-                   "command": text[:400], "seconds": round(time.monotonic() - started, 4)})
+                   "module": module, "op": op, "command": text[:400],
+                   "seconds": round(time.monotonic() - started, 4)})
 
     def counted_put(self, filename_or_io, remote_filename, *args, **kwargs):
-        _, stage = _origin()
+        _, module = _origin()
+        stage, op = _stage(self), _op_name(self)
         started = time.monotonic()
         try:
             return put_file(self, filename_or_io, remote_filename, *args, **kwargs)
         finally:
-            write({"host": self.name, "kind": "upload", "fact": None, "stage": stage,
-                   "command": str(remote_filename), "seconds": round(time.monotonic() - started, 4)})
+            write({"host": self.name, "kind": "upload", "fact": None, "stage": stage, "module": module,
+                   "op": op, "command": str(remote_filename), "seconds": round(time.monotonic() - started, 4)})
 
     Host.run_shell_command = counted_run
     Host.put_file = counted_put

@@ -8,6 +8,8 @@ of its own and reports its own time (no interpreter start-up in the figure):
   curl+sha256   : the same, then sha256sum (what a verified download costs with curl)
   fetch         : tasks.fetch.download(url, dest, Expected(sha256, size)): transfer, size and
                   sha256 check, rename, stamp
+  fetch, size check only: the same with Expected(None, size): the transfer without the sha256
+                  pass (what the fetch's own transfer costs)
 K interleaved rounds, medians. Target: fetch >= 0.8x curl's throughput.
 Then the resume drill: the mirror cuts the connection once after half the file
 (mirror.faulty("cut:N", times=1)); the fetch retries with a Range request, and the bench
@@ -40,7 +42,7 @@ FETCH_CHILD = """
 import json, sys, time
 from pathlib import Path
 from tasks.fetch import Expected, download
-url, dest, sha, size = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+url, dest, sha, size = sys.argv[1], Path(sys.argv[2]), sys.argv[3] or None, int(sys.argv[4])
 t = time.monotonic()
 download(url, dest, Expected(sha, size), progress=False)
 print(json.dumps({"seconds": time.monotonic() - t}))
@@ -101,14 +103,17 @@ def main(argv=None) -> int:
                                   text=True).stdout.split()[0] == sha
             return {"seconds": got["seconds"] + time.monotonic() - t}
 
-        def fetch():
-            clean(dest)
-            out = subprocess.run([sys.executable, "-c", FETCH_CHILD, url, str(dest), sha, str(size)],
-                                 check=True, capture_output=True, text=True, env=env).stdout
-            assert dest.stat().st_size == size
-            return json.loads(out.strip().splitlines()[-1])
+        def fetch(want_sha):
+            def arm():
+                clean(dest)
+                out = subprocess.run([sys.executable, "-c", FETCH_CHILD, url, str(dest), want_sha, str(size)],
+                                     check=True, capture_output=True, text=True, env=env).stdout
+                assert dest.stat().st_size == size
+                return json.loads(out.strip().splitlines()[-1])
+            return arm
 
-        times = interleave({"curl": curl, "curl+sha256": curl_sha, "fetch": fetch}, args.repeat)
+        times = interleave({"curl": curl, "curl+sha256": curl_sha, "fetch": fetch(sha),
+                            "fetch, size check only": fetch("")}, args.repeat)
         med = {k: summary(v) for k, v in times.items()}
         mib_s = {k: args.size_mib / v["median"] for k, v in med.items()}
         vs_curl = mib_s["fetch"] / mib_s["curl"]

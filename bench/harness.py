@@ -121,8 +121,8 @@ class CommandLog:
         return out
 
 
-def count_commands(log_: CommandLog) -> dict[str, dict[str, Any]]:
-    """Per host: total remote commands, uploads, and commands per stage and per fact."""
+def count_commands(log_: CommandLog, slow: int = 8) -> dict[str, dict[str, Any]]:
+    """Per host: total remote commands, uploads, commands per stage and per fact, the slowest."""
     result = {}
     for host, recs in sorted(log_.commands.items()):
         by_stage: dict[str, int] = {}
@@ -139,8 +139,10 @@ def count_commands(log_: CommandLog) -> dict[str, dict[str, Any]]:
             by_stage[r.get("stage") or "?"] = by_stage.get(r.get("stage") or "?", 0) + 1
             if r.get("fact"):
                 by_fact[r["fact"]] = by_fact.get(r["fact"], 0) + 1
+        slowest = sorted((r for r in recs if r["kind"] != "upload"), key=lambda r: -r.get("seconds", 0.0))[:slow]
         result[host] = {"commands": shells, "uploads": uploads, "by_stage": by_stage, "by_fact": by_fact,
-                        "command_seconds": round(shell_s, 4), "upload_seconds": round(upload_s, 4)}
+                        "command_seconds": round(shell_s, 4), "upload_seconds": round(upload_s, 4),
+                        "slowest": [{k: r.get(k) for k in ("seconds", "stage", "fact", "command")} for r in slowest]}
     return result
 
 

@@ -53,6 +53,10 @@ def test_count_commands_per_host_stage_and_fact(tmp_path):
     got = count_commands(CommandLog.read(path))
     assert got["b1"] == {"commands": 3, "uploads": 1, "by_stage": {"cuda": 1, "hfdata": 1, "?": 1},
                          "by_fact": {"verl_lab.Marker": 2, "server.Hostname": 1},
-                         "command_seconds": 0.25, "upload_seconds": 2.5}
+                         "command_seconds": 0.25, "upload_seconds": 2.5,
+                         "slowest": [{"seconds": 0.25, "stage": "cuda", "fact": "verl_lab.Marker", "command": "cat m"},
+                                     {"seconds": None, "stage": "hfdata", "fact": "verl_lab.Marker", "command": "cat m"},
+                                     {"seconds": None, "stage": None, "fact": "server.Hostname",
+                                      "command": "uname -n"}]}
     assert got["b2"]["commands"] == 1 and got["b2"]["by_fact"] == {}
     assert count_commands(CommandLog.read(tmp_path / "missing.jsonl")) == {}
