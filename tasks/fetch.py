@@ -108,7 +108,14 @@ def download(url: str, dest: Path, want: Expected, *, session: requests.Session 
     with _path_lock(lock_path), open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if dest.is_file() and stamp.is_file() and stamp.read_text().strip() == _stamp_text(dest, want):
-            return dest
+            if dest.stat().st_mtime_ns <= stamp.stat().st_mtime_ns:
+                return dest
+            # written to after it was verified (same size): trusted only if it still checks out
+            if not want.sha256 or sha256_of(dest) == want.sha256:
+                stamp.write_text(_stamp_text(dest, want) + "\n")
+                return dest
+            dest.unlink()
+            stamp.unlink()
         part = dest.with_name(dest.name + ".part")
         http = session or requests.Session()
         last_error: Exception | None = None

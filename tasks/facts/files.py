@@ -10,25 +10,33 @@ from pyinfra.api import FactBase
 class VerifiedArtifact(FactBase):
     """The verified-checksum stamp of an artifact file, if the file is still as stamped.
 
-    Returns ``{"sha256": str, "size": int}`` when ``path`` and ``path.sha256`` exist and the
-    file's size matches the stamp, else ``None``. Costs a ``stat``, not a re-hash.
+    Returns ``{"sha256": str, "size": int}`` when ``path`` and ``path.sha256`` exist, the file's
+    size matches the stamp and the file was not written to after the stamp was (a copy changed
+    in place, same size, is not trusted); else ``None``. Costs a ``stat``, not a re-hash.
     """
 
     def command(self, path: str) -> str:
         p = shlex.quote(path)
         s = shlex.quote(path + ".sha256")
-        return f"if [ -f {p} ] && [ -f {s} ]; then cat {s}; stat -c %s {p}; else echo none; fi"
+        return f"if [ -f {p} ] && [ -f {s} ]; then cat {s}; stat -c '%s %.9Y' {p} {s}; else echo none; fi"
 
     def process(self, output):
         lines = [line.strip() for line in output if line.strip()]
         if not lines or lines[0] == "none" or len(lines) < 2:
             return None
         parts = lines[0].split()
-        if len(parts) != 2 or not parts[1].isdigit() or not lines[1].isdigit():
+        size = lines[1].split()
+        if len(parts) != 2 or not parts[1].isdigit() or not size or not size[0].isdigit():
             return None
-        if int(parts[1]) != int(lines[1]):
+        if int(parts[1]) != int(size[0]):
             return None
-        return {"sha256": parts[0], "size": int(lines[1])}
+        if len(lines) >= 3 and len(size) == 2 and len(lines[2].split()) == 2:
+            try:
+                if float(size[1]) > float(lines[2].split()[1]):
+                    return None          # written to after it was verified
+            except ValueError:
+                pass                     # a stat without %.9Y: size only
+        return {"sha256": parts[0], "size": int(size[0])}
 
 
 class Marker(FactBase):

@@ -279,7 +279,10 @@ def probe(lab, name: str) -> dict:
     want = {"markers": MARKERS, "prefix": PREFIX, "toolkit_files": [f for f, size in cuda_standin.TOOLKIT_FILES if size],
             "model_dir": MODEL_DIR, "model_files": sorted(model.files), "data_dir": DATA_DIR,
             "train_dir": f"{LAB_ROOT}/train", "unit": UNIT}
-    res = lab.box(name).ssh(f"{ENV_PREFIX}/bin/python - '{json.dumps(want)}'", input=PROBE, timeout=120)
+    # the data venv's python reads the parquet files; a box without it has no data to prove
+    py = f"{ENV_PREFIX}/bin/python"
+    res = lab.box(name).ssh(f"py={py}; [ -x $py ] || py=python3; $py - '{json.dumps(want)}'", input=PROBE,
+                            timeout=120)
     return json.loads(res.stdout)
 
 
@@ -434,3 +437,90 @@ def test_killed_at_a_random_operation_converges_next_run(lab):
         run(lab, CHEAP, [name], data_for(lab, controller_cache=str(lab.dir / "controller-cache-kill-10")),
             per_host).assert_idempotent()
     shut(lab, boxes)
+
+
+# ------------------------------------------------------------------ 2. a cached artifact corrupted or truncated
+
+def controller_copy_path(cache: Path, name: str) -> Path:
+    art = cuda_standin.default_catalog().artifact(name)
+    return cache / "artifacts" / art.name / art.version / art.filename
+
+
+def url_path(name: str) -> str:
+    art = cuda_standin.default_catalog().artifact(name)
+    return f"/{art.source}/{art.path}"
+
+
+def box_cache_path(name: str) -> str:
+    art = cuda_standin.default_catalog().artifact(name)
+    return f"{LAB_ROOT}/cache/{art.name}/{art.filename}"
+
+
+def spoil(path: Path) -> None:
+    """Corrupt in place, same size: the stand-in runfile's nvcc would say V11.8.88 (so an
+    install from this copy shows in the marker), or one byte flipped for anything else."""
+    data = bytearray(path.read_bytes())
+    at = data.find(b"V11.8.89")
+    if at >= 0:
+        data[at:at + 8] = b"V11.8.88"
+    else:
+        data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    with open(path, "r+b") as fh:
+        fh.truncate(path.stat().st_size // 2)
+
+
+def test_controller_cache_truncated_or_corrupted_is_fetched_again(lab):
+    """The relay copies in the controller's cache: cuDNN cut to half its size, the runfile
+    changed in place (same size); a box that needs both gets good copies, fetched again."""
+    first, second = boot(lab, [BoxSpec("cachec1", gpu="t4"), BoxSpec("cachec2", gpu="t4")])
+    cache = lab.dir / "controller-cache-drill2"
+    data = data_for(lab, controller_cache=str(cache))
+    run(lab, ("deploy/cuda.py",), [first], data).assert_ok()
+    sizes = {name: overrides(lab)[name]["size"] for name in (RUNFILE, CUDNN)}
+    truncate(controller_copy_path(cache, CUDNN))
+    spoil(controller_copy_path(cache, RUNFILE))
+    lab.mirror.reset_counters()
+    res = run(lab, ("deploy/cuda.py",), [second], data)
+    assert res.ok, res.tail(60)
+    for name in (RUNFILE, CUDNN):
+        assert lab.mirror.served(url_path(name)) == sizes[name], f"{name} was not fetched again"
+        local = controller_copy_path(cache, name)
+        assert hashlib.sha256(local.read_bytes()).hexdigest() == overrides(lab)[name]["sha256"]
+    assert proven_markers(lab, second, overrides(lab)) == {"cuda"}
+    run(lab, ("deploy/cuda.py",), [first, second], data).assert_idempotent()
+    shut(lab, [first, second])
+
+
+def test_box_cache_truncated_or_corrupted_is_fetched_again(lab):
+    """The box's own cache (direct mode): a run killed after both downloads leaves them verified
+    there; then cuDNN is cut to half and the runfile changed in place. The next run must fetch
+    both again and install only good copies."""
+    (name,) = boot(lab, [BoxSpec("cacheb", gpu="t4")])
+    box = lab.box(name)
+    data = data_for(lab, artifact_mode="direct")
+    killed = run(lab, ("deploy/cuda.py",), [name], data, trigger=at_line("| CUDA install script"))
+    assert isinstance(killed, Killed)
+    for art in (RUNFILE, CUDNN):
+        assert box.exists(box_cache_path(art)) and box.exists(box_cache_path(art) + ".sha256"), art
+    assert not box.exists(PREFIX) and read_marker_text(box, "cuda") is None
+    truncate(box.root / box_cache_path(CUDNN).lstrip("/"))
+    spoil(box.root / box_cache_path(RUNFILE).lstrip("/"))
+    lab.mirror.reset_counters()
+    res = run(lab, ("deploy/cuda.py",), [name], data)
+    assert res.ok, res.tail(60)
+    for art in (RUNFILE, CUDNN):
+        assert lab.mirror.served(url_path(art)) == overrides(lab)[art]["size"], f"{art} was not fetched again"
+    marker = marker_dict(read_marker_text(box, "cuda"))
+    assert marker["nvcc_version"] == "11.8.89", "the corrupted runfile was installed"
+    assert proven_markers(lab, name, overrides(lab)) == {"cuda"}
+    run(lab, ("deploy/cuda.py",), [name], data).assert_idempotent()
+    shut(lab, [name])
+
+
+def read_marker_text(box, stage: str) -> str | None:
+    path = f"{MARKERS}/{stage}.done"
+    return box.read_text(path) if box.exists(path) else None
