@@ -122,7 +122,8 @@ class CommandLog:
 
 
 def count_commands(log_: CommandLog, slow: int = 8) -> dict[str, dict[str, Any]]:
-    """Per host: total remote commands, uploads, commands per stage and per fact, the slowest."""
+    """Per host: total remote commands, uploads, commands per stage and per fact, the slowest,
+    and the facts asked more than once with the very same command (``repeated_facts``)."""
     result = {}
     for host, recs in sorted(log_.commands.items()):
         by_stage: dict[str, int] = {}
@@ -139,9 +140,16 @@ def count_commands(log_: CommandLog, slow: int = 8) -> dict[str, dict[str, Any]]
             by_stage[r.get("stage") or "?"] = by_stage.get(r.get("stage") or "?", 0) + 1
             if r.get("fact"):
                 by_fact[r["fact"]] = by_fact.get(r["fact"], 0) + 1
+        seen: dict[str, int] = {}
+        for r in recs:
+            if r["kind"] == "fact":
+                key = f"{r.get('fact')}: {r.get('command')}"
+                seen[key] = seen.get(key, 0) + 1
+        repeated = {k: n for k, n in seen.items() if n > 1}
         slowest = sorted((r for r in recs if r["kind"] != "upload"), key=lambda r: -r.get("seconds", 0.0))[:slow]
         result[host] = {"commands": shells, "uploads": uploads, "by_stage": by_stage, "by_fact": by_fact,
                         "command_seconds": round(shell_s, 4), "upload_seconds": round(upload_s, 4),
+                        "repeated_facts": repeated,
                         "slowest": [{k: r.get(k) for k in ("seconds", "stage", "fact", "command")} for r in slowest]}
     return result
 

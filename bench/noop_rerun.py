@@ -14,12 +14,13 @@ Needs root (lab in a box). Writes bench/results/noop_rerun.json.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import (Pipeline, floor_args, interleave, log, ratio, render_table, run_pyinfra,  # noqa: E402
+from bench.harness import (RESULTS, Pipeline, floor_args, interleave, log, ratio, render_table, run_pyinfra,  # noqa: E402
                            summary, write_result)
 from tests.lab import BoxSpec, Lab  # noqa: E402
 
@@ -69,6 +70,11 @@ def noop_vs_floor(pipe: Pipeline, hosts: list[str], repeat: int) -> dict:
 def counted(pipe: Pipeline, hosts: list[str]) -> dict:
     noop = run_pyinfra(pipe.lab, [pipe.deploy_file], pipe.data, hosts, count=True, tag="counted-noop")
     noop.result.assert_ok()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / "noop_rerun-commands.jsonl", "w") as fh:      # every command, for reading
+        for host in hosts:
+            for rec in noop.log.commands.get(host, []):
+                fh.write(json.dumps(rec) + "\n")
     floor = run_pyinfra(pipe.lab, floor_args(), pipe.data, hosts, count=True, tag="counted-floor")
     return {"noop": noop.commands, "floor": floor.commands, "noop_changed": noop.result.changed}
 
@@ -108,7 +114,11 @@ def main(argv=None) -> int:
     print(render_table(["fact", "commands"], sorted(per.get("by_fact", {}).items(), key=lambda kv: -kv[1])))
     print(f"slowest commands on {host0} (their sum: {per.get('command_seconds')}s):")
     print(render_table(["s", "stage", "fact", "command"],
-                       [[r["seconds"], r["stage"], r["fact"], (r["command"] or "")[:90]] for r in per.get("slowest", [])]))
+                       [[r["seconds"], r["stage"], r["fact"], " ".join((r["command"] or "").split())[:90]]
+                        for r in per.get("slowest", [])]))
+    print(f"facts asked more than once with the same command on {host0}:")
+    print(render_table(["times", "fact: command"], [[n, " ".join(k.split())[:110]]
+                                                    for k, n in sorted(per.get("repeated_facts", {}).items())]))
     path = write_result("noop_rerun", {
         "boxes": len(hosts), "repeat": args.repeat, "stages": args.stages, "deploy_file": pipe.deploy_file,
         "converge_s": conv, "floor": floor_s, "noop": noop_s, "ratio": x, "target_ratio": TARGET_RATIO,

@@ -54,6 +54,7 @@ def test_count_commands_per_host_stage_and_fact(tmp_path):
     assert got["b1"] == {"commands": 3, "uploads": 1, "by_stage": {"cuda": 1, "hfdata": 1, "?": 1},
                          "by_fact": {"verl_lab.Marker": 2, "server.Hostname": 1},
                          "command_seconds": 0.25, "upload_seconds": 2.5,
+                         "repeated_facts": {"verl_lab.Marker: cat m": 2},
                          "slowest": [{"seconds": 0.25, "stage": "cuda", "fact": "verl_lab.Marker", "command": "cat m"},
                                      {"seconds": None, "stage": "hfdata", "fact": "verl_lab.Marker", "command": "cat m"},
                                      {"seconds": None, "stage": None, "fact": "server.Hostname",
