@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import threading
 
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, StringCommand, operation
@@ -14,24 +13,10 @@ from tasks.fetch import Expected, FetchError, box_fetch_script, box_verify_scrip
 from tasks.settings import LabSettings
 
 
-# One lock per controller copy, held around download()'s file lock. pyinfra runs every host's
-# operations as greenlets of one process (gevent patches threading, so this lock yields): a
-# second host waits here for the first host's download, instead of blocking the whole process
-# in flock() while the first host's download can never resume.
-_COPY_LOCKS: dict[str, threading.Lock] = {}
-_COPY_LOCKS_GUARD = threading.Lock()
-
-
-def _copy_lock(dest) -> threading.Lock:
-    with _COPY_LOCKS_GUARD:
-        return _COPY_LOCKS.setdefault(str(dest), threading.Lock())
-
-
 def controller_copy(settings: LabSettings, art: Artifact):
     """Download (once, cached, verified) an artifact into the controller cache; return its path."""
     dest = settings.controller_cache / "artifacts" / art.name / art.version / art.filename
-    with _copy_lock(dest):
-        return download(art.url(settings.mirrors), dest, Expected(art.sha256, art.size))
+    return download(art.url(settings.mirrors), dest, Expected(art.sha256, art.size))
 
 
 def failing_command(message: str) -> StringCommand:

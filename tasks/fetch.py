@@ -15,6 +15,7 @@ Two halves:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -86,9 +87,15 @@ _PATH_LOCKS: dict[str, threading.Lock] = {}
 _PATH_LOCKS_GUARD = threading.Lock()
 
 
-def _path_lock(path: Path) -> threading.Lock:
+@contextlib.contextmanager
+def locked(path: Path):
+    """Hold ``path``.lock against other greenlets/threads of this process and other processes."""
+    lock_path = path.with_name(path.name + ".lock")
     with _PATH_LOCKS_GUARD:
-        return _PATH_LOCKS.setdefault(str(path), threading.Lock())
+        in_process = _PATH_LOCKS.setdefault(str(lock_path), threading.Lock())
+    with in_process, open(lock_path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
 
 
 def _verified_stamp(path: Path) -> Path:
@@ -104,9 +111,7 @@ def download(url: str, dest: Path, want: Expected, *, session: requests.Session 
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     stamp = _verified_stamp(dest)
-    lock_path = dest.with_name(dest.name + ".lock")
-    with _path_lock(lock_path), open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(dest):
         if dest.is_file() and stamp.is_file() and stamp.read_text().strip() == _stamp_text(dest, want):
             if dest.stat().st_mtime_ns <= stamp.stat().st_mtime_ns:
                 return dest

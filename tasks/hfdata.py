@@ -276,12 +276,17 @@ def install_data(settings: LabSettings):
 
     mods = host.get_fact(PythonModules, python=plan.env_python, modules=plan.box_modules())
     if not mods or not all(mods.values()):
-        lacking = ", ".join(m for m in plan.box_modules() if not (mods or {}).get(m))
-        why = "does not exist" if mods is None else f"cannot import {lacking}"
-        _fail("Data stage needs the env", f"{plan.env_python} {why}; run the env stage first "
-              f"(the data stage runs after it: it converts GSM8K with the env's pyarrow"
-              + (", and downloads with its huggingface_hub in direct mode)" if plan.mode == "direct" else ")"))
-        return
+        # In deploy/full.py the env stage runs just before this one, so an env missing while
+        # preparing may exist by the time these operations run: check when they run.
+        need = ", ".join(plan.box_modules())
+        why = (f"{plan.env_python} cannot import {need}; run the env stage first (the data stage runs "
+               f"after it: it converts GSM8K with the env's pyarrow"
+               + (", and downloads with its huggingface_hub in direct mode)" if plan.mode == "direct" else ")"))
+        server.shell(
+            name="Data stage needs the env",
+            commands=[f"{shlex.quote(plan.env_python)} -c {shlex.quote('import ' + need)} 2>/dev/null || "
+                      f"{{ echo {shlex.quote('verl-lab data: ' + why)} >&2; exit 1; }}"],
+        )
 
     snapshots = ((plan.model, plan.model_dir, "Model"), (plan.dataset, plan.source_dir, "Dataset"))
     local: dict[str, Path] = {}

@@ -40,6 +40,7 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -367,12 +368,22 @@ def swap_in(staging: Path, dest: Path, spec: RepoSpec, verified: dict[str, dict]
     os.replace(tmp, stamp)
 
 
+# On the controller, pyinfra prepares every host as a greenlet of one process (gevent makes
+# threading.Lock cooperative): hosts queue on this in-process lock first, since a second
+# flock() of the same file in the same process would block the whole process for good.
+_IN_PROCESS: dict[str, threading.Lock] = {}
+_IN_PROCESS_GUARD = threading.Lock()
+
+
 @contextlib.contextmanager
 def _locked(dest: Path):
     import fcntl
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest.with_name(dest.name + ".lock"), "w") as lock:
+    lock_path = dest.with_name(dest.name + ".lock")
+    with _IN_PROCESS_GUARD:
+        in_process = _IN_PROCESS.setdefault(str(lock_path), threading.Lock())
+    with in_process, open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
