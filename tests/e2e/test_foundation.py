@@ -1,6 +1,7 @@
 """The Foundation issue's must-shows, on real boxes over SSH (Molecule's order):
-create -> converge (deploy/full.py) -> verify on each box -> idempotence (zero changed
-operations) -> a bad inventory fails before any host changes -> destroy (the fixture)."""
+create -> converge (deploy/full.py, every stage, with every stage's stand-ins) -> verify on
+each box -> idempotence (zero changed operations) -> a bad inventory fails before any host
+changes -> destroy (the fixture)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 
 import pytest
 
+from tests.fixtures.standins import fleet
 from tests.lab import BoxSpec
 
 BOXES = ["p40", "t4", "rtx3090"]
@@ -21,8 +23,14 @@ def lab(lab_factory):
 
 
 @pytest.fixture(scope="module")
-def converged(lab):
-    res = lab.deploy("deploy/full.py", hosts=BOXES)
+def fleet_data(lab):
+    with fleet.published(lab) as data:
+        yield data
+
+
+@pytest.fixture(scope="module")
+def converged(lab, fleet_data):
+    res = lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES)
     res.assert_ok()
     return res
 
@@ -96,18 +104,39 @@ def test_verify_base_layout(lab, converged, name):
     assert denied.returncode != 0 and "Permission denied" in denied.stderr
 
 
-def test_second_run_changes_nothing(lab, converged):
-    lab.deploy("deploy/full.py", hosts=BOXES).assert_idempotent()
+STAGES = ("cuda", "pyenv", "data", "train")
+PLANS = {  # what each stand-in GPU must get (tasks/plan.py decides; FACTS.md says why)
+    "p40": {"rollout": "hf", "train_dtype": "fp32"},
+    "t4": {"rollout": "vllm", "train_dtype": "fp32"},
+    "rtx3090": {"rollout": "vllm", "train_dtype": "bf16"},
+}
 
 
-def test_text_mode_sees_one_drifted_box(lab, converged):
+@pytest.mark.parametrize("name", BOXES)
+def test_verify_every_stage_on_each_box(lab, converged, name):
+    box = lab.box(name)
+    for stage in STAGES:
+        assert box.exists(f"/opt/verl-lab/markers/{stage}.done"), f"{name}: no {stage} marker"
+    assert "release 11.8" in box.ssh("/usr/local/cuda-11.8/bin/nvcc --version").stdout
+    plan = box.ssh("cat /opt/verl-lab/train/plan.json").stdout
+    for key, value in PLANS[name].items():
+        assert f'"{key}": "{value}"' in plan, (name, key, plan[:400])
+    assert box.ssh("/opt/verl-lab/envs/verl/bin/python -c 'import verl, torch; print(verl.__version__)'").stdout.strip() == "0.5.0"
+    assert box.ssh("systemctl is-enabled verl-lab-train.service").stdout.strip() == "enabled"
+
+
+def test_second_run_changes_nothing(lab, fleet_data, converged):
+    lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES).assert_idempotent()
+
+
+def test_text_mode_sees_one_drifted_box(lab, fleet_data, converged):
     """The plain (no --json) output is parsed too: drift on one box = changes on that box only."""
     lab.box("t4").ssh("chmod 700 /opt/verl-lab/cache")
-    res = lab.deploy("deploy/full.py", hosts=BOXES, mode="text").assert_ok()
+    res = lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES, mode="text").assert_ok()
     assert res.changed_by_host == {"p40": 0, "t4": 1, "rtx3090": 0}, res
     assert res.changed == 1
     assert lab.box("t4").stat("/opt/verl-lab/cache")[0] == "750"
-    lab.deploy("deploy/full.py", hosts=BOXES, mode="text").assert_idempotent()
+    lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES, mode="text").assert_idempotent()
 
 
 # ---------------------------------------------------------------- a bad inventory touches nothing
