@@ -37,10 +37,14 @@ from pathlib import Path
 
 import pytest
 
+from tasks.facts.pyenv import PythonEnv
+from tests.e2e import test_pyenv
 from tests.fixtures.standins import cuda as cuda_standin
 from tests.fixtures.standins import fleet
+from tests.fixtures.standins import pyenv as pyenv_standin
 from tests.fixtures.standins.hf_endpoint import DATASET_REPO, MODEL_REPO
 from tests.lab import BoxSpec
+from tests.lab.mirror import CAPTIVE_PAGE
 from tests.lab.results import DeployResult, parse, strip_ansi
 
 REPO = Path(__file__).resolve().parents[2]
@@ -524,3 +528,197 @@ def test_box_cache_truncated_or_corrupted_is_fetched_again(lab):
 def read_marker_text(box, stage: str) -> str | None:
     path = f"{MARKERS}/{stage}.done"
     return box.read_text(path) if box.exists(path) else None
+
+
+# ------------------------------------------------------------------ 3. the mirror fails
+
+def faulted(lab, path: str, fault: str) -> int:
+    return sum(1 for r in lab.mirror.requests if r.path == path and r.fault == fault)
+
+
+def nothing_kept(lab, name: str, cache: Path | None) -> None:
+    box = lab.box(name)
+    dest = box_cache_path(RUNFILE)
+    for path in (dest, dest + ".sha256", PREFIX, f"{MARKERS}/cuda.done"):
+        assert not box.exists(path), f"{name}: {path} is there after a failed download"
+    if cache is not None:
+        local = controller_copy_path(cache, RUNFILE)
+        assert not local.exists() and not local.with_name(local.name + ".sha256").exists()
+
+
+MIRROR_FAULTS = {
+    # fault: (relay message, direct message, tries relay, tries direct)
+    "500": ("relay download of cuda_runfile failed on the controller: download of {url} failed after 3 tries",
+            "download failed: {url} (partial file kept for resume)", 3, 4),
+    "html": ("relay download of cuda_runfile failed on the controller: {url} answered an HTML page",
+             "size mismatch for {url}: expected {size}, got %d; deleted" % len(CAPTIVE_PAGE), 1, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def mirror_boxes(lab):
+    """A fresh relay box, a fresh direct box, and a bystander whose CUDA is already installed."""
+    names = boot(lab, [BoxSpec("mirr", gpu="t4"), BoxSpec("mird", gpu="p40"), BoxSpec("mirok", gpu="t4")])
+    run(lab, ("deploy/cuda.py",), ["mirok"], data_for(lab)).assert_ok()
+    yield names[:2]
+    shut(lab, names)
+
+
+@pytest.mark.parametrize("fault", sorted(MIRROR_FAULTS))
+@pytest.mark.parametrize("mode", ["relay", "direct"])
+def test_mirror_error_fails_clearly_and_keeps_nothing(lab, mirror_boxes, fault, mode):
+    name = dict(zip(("relay", "direct"), mirror_boxes))[mode]
+    cache = lab.dir / f"controller-cache-mirror-{fault}-{mode}"
+    path = url_path(RUNFILE)
+    url = lab.mirror_url + path
+    relay_msg, direct_msg, relay_tries, direct_tries = MIRROR_FAULTS[fault]
+    message = (relay_msg if mode == "relay" else direct_msg).format(url=url, size=overrides(lab)[RUNFILE]["size"])
+    lab.mirror.reset_counters()
+    with lab.mirror.faulty(fault, prefix=path):
+        res = run(lab, ("deploy/cuda.py",), [name, "mirok"],
+                  data_for(lab, artifact_mode=mode, controller_cache=str(cache)))
+    # the box that needs the file fails; the bystander (nothing to fetch) runs to the end
+    assert res.ran_operations, f"the run stopped before any operation, for every host:\n{res.tail(40)}"
+    assert res.failed_hosts == [name], res.tail(40)
+    assert message in res.output, res.tail(40)
+    assert faulted(lab, path, fault) == (relay_tries if mode == "relay" else direct_tries), lab.mirror.requests
+    nothing_kept(lab, name, cache if mode == "relay" else None)
+
+
+def test_stalled_mirror_is_retried_and_both_modes_converge(lab, mirror_boxes):
+    """The first request of each mode stalls (headers, then no body): the controller's read
+    timeout and the box's curl --speed-time end it within a minute, the retry gets the file."""
+    per_host = dict(zip(mirror_boxes, ({"artifact_mode": "relay"}, {"artifact_mode": "direct"})))
+    path = url_path(RUNFILE)
+    data = data_for(lab, controller_cache=str(lab.dir / "controller-cache-mirror-stall"))
+    lab.mirror.reset_counters()
+    started = time.monotonic()
+    with lab.mirror.faulty("stall", prefix=path, times=2):
+        res = run(lab, ("deploy/cuda.py",), mirror_boxes, data, per_host)
+        stalled_both = lab.mirror.fault is None        # both stalls were handed out (times=2 used up)
+    took = time.monotonic() - started
+    assert res.ok, res.tail(60)
+    assert stalled_both
+    # a stalled request is logged only when the mirror lets go of it (after stall_s); the
+    # retries are logged at once: exactly one per mode
+    retries = [r for r in lab.mirror.requests if r.path == path and r.fault is None and r.method == "GET"]
+    assert len(retries) == 2 and all(r.status in (200, 206) for r in retries), retries
+    assert 55 < took < 200, f"the stalls were not cut short after the read timeout: {took:.0f}s"
+    for name in mirror_boxes:
+        assert proven_markers(lab, name, overrides(lab)) == {"cuda"}
+        assert not lab.box(name).exists(box_cache_path(RUNFILE) + ".part")
+    run(lab, ("deploy/cuda.py",), mirror_boxes, data, per_host).assert_idempotent()
+
+
+# ------------------------------------------------------------------ 4. one bad box among good ones
+
+def test_bad_boxes_fail_alone_with_their_reason(lab):
+    """Six boxes in one run of the cheap stages: a driver too old for CUDA 11.8, an install
+    tmpdir on a 64 MiB tmpfs, no GPU (no driver at all); the three others finish every stage."""
+    names = boot(lab, [BoxSpec("good1", gpu="t4"), BoxSpec("good2", gpu="rtx3090"), BoxSpec("good3", gpu="a100"),
+                       BoxSpec("olddrv", gpu="p40", driver="470.82.01"), BoxSpec("tinydisk", gpu="t4"),
+                       BoxSpec("nogpu", driver=None)], data_env=True)
+    lab.box("tinydisk").ssh("mkdir -p /mnt/tiny && mount -t tmpfs -o size=64m tmpfs /mnt/tiny")
+    per_host = {"good2": {"artifact_mode": "direct"}, "tinydisk": {"install_tmpdir": "/mnt/tiny/tmp"}}
+    res = run(lab, CHEAP, names, data_for(lab), per_host)
+    assert res.failed_hosts == sorted(FLEET_BAD), res
+    lines = res.output.splitlines()
+    for name, reason in FLEET_BAD.items():
+        assert any(f"[{name}]" in line and reason in line for line in lines), f"{name}: no '{reason}'\n{res.tail(80)}"
+        assert proven_markers(lab, name, overrides(lab)) == set(), f"{name} has markers after failing"
+    for name in FLEET_GOOD:
+        assert proven_markers(lab, name, overrides(lab)) == {"cuda", "data", "train"}, name
+    run(lab, CHEAP, FLEET_GOOD, data_for(lab), per_host).assert_idempotent()
+    shut(lab, names)
+
+
+# ------------------------------------------------------------------ 5. the env broken three ways
+
+ENV = test_pyenv.ENV
+PATCH_0001 = f"{LAB_ROOT}/patches/verl-0.5.0/0001-autocast-dtype-follows-param-dtype.diff"
+
+
+@pytest.fixture(scope="module")
+def env_lab(lab_factory):
+    """test_pyenv's setup (its box name, its stand-ins, its deploy helper), in a lab of its own."""
+    lab = lab_factory([BoxSpec(test_pyenv.BOX, gpu="p40")])
+    lab.pyenv_overrides = pyenv_standin.publish(lab.mirror.root)
+    test_pyenv.deploy(lab).assert_ok()
+    return lab
+
+
+def health(lab) -> dict:
+    """The PythonEnv fact the env stage decides from: its own command, run on the box, and its
+    own parser."""
+    fact = PythonEnv()
+    expect = {"torch": "2.13.0", "cuda": "none", "gpu_cc": "6.1", "vllm": None,
+              "vllm_skip": "compute capability 6.1 < 7.0", "verl": "0.5.0", "verl_src": test_pyenv.VERL_SRC,
+              "compose": True, "overrides": []}
+    out = test_pyenv.ssh(lab, fact.command(prefix=ENV, expect=expect)).stdout
+    return fact.process(out.splitlines())
+
+
+def env_python(lab, code: str) -> str:
+    return test_pyenv.ssh(lab, f"cd / && {test_pyenv.PY} -c {json.dumps(code)}").stdout.strip()
+
+
+def test_env_broken_three_ways_is_named_and_rebuilt(env_lab):
+    lab = env_lab
+    assert health(lab)["healthy"]
+    before = test_pyenv.link(lab, ENV)
+    # 1. an Apex extension deleted
+    ext = env_python(lab, "import amp_C; print(amp_C.__file__)")
+    test_pyenv.ssh(lab, f"rm -f {ext}")
+    h = health(lab)
+    assert h["broken"] == ["apex"], h
+    assert "amp_C" in h["checks"]["apex"]["detail"]
+    # 2. a project patch reverted in the verl checkout
+    test_pyenv.ssh(lab, f"git -C {test_pyenv.VERL_SRC} apply -R {PATCH_0001}")
+    h = health(lab)
+    assert "verl" in h["broken"] and "apex" in h["broken"], h
+    assert "autocast_dtype_of" in h["checks"]["verl"]["detail"], h["checks"]["verl"]
+    # 3. verl's install removed from the env
+    test_pyenv.ssh(lab, f"{test_pyenv.PY} -m pip uninstall -y -q verl")
+    h = health(lab)
+    assert {"apex", "verl", "compose"} <= set(h["broken"]), h
+    assert "No module named 'verl'" in h["checks"]["verl"]["detail"], h["checks"]["verl"]
+    # the marker still names the old generation: the stage decides from the fact, not the marker
+    assert test_pyenv.marker(lab)["generation"] == before
+
+    test_pyenv.deploy(lab, "deploy/rebuild.py").assert_ok()
+    after = test_pyenv.link(lab, ENV)
+    assert after != before and test_pyenv.link(lab, f"{ENV}.prev") == before
+    h = health(lab)
+    assert h["healthy"], h
+    assert test_pyenv.marker(lab)["generation"] == after
+    test_pyenv.ssh(lab, f"git -C {test_pyenv.VERL_SRC} apply -R --check {PATCH_0001}")    # applied again
+    test_pyenv.deploy(lab).assert_idempotent()
+
+
+def test_killed_rebuild_leaves_the_old_env_working(env_lab):
+    """deploy/rebuild.py killed while pip fills the new generation: the env link, the marker
+    and the env itself are as they were; the next run of the stage has nothing to do."""
+    lab = env_lab
+    current = test_pyenv.link(lab, ENV)
+    marker = test_pyenv.marker(lab)
+    nxt = f"{ENV}.gen{int(current.rsplit('gen', 1)[1]) + 1}"
+    state = {"last": 0.0, "since": None}
+
+    def filling(line):
+        now = time.monotonic()
+        if state["since"] is None and now - state["last"] > 1.0:
+            state["last"] = now
+            probe_cmd = f"ls -d {nxt}/lib/python3*/site-packages/torch 2>/dev/null"
+            if test_pyenv.ssh(lab, probe_cmd, check=False).stdout.strip():
+                state["since"] = now
+        return state["since"] is not None and now - state["since"] > 2.0
+
+    data = {"mirror_urls": {**lab.mirror_urls, "pypi": pyenv_standin.pypi_base(lab.mirror_url)},
+            "catalog_overrides": lab.pyenv_overrides, "env_backend": "venv", "venv_python": "python3"}
+    killed = run(lab, ("deploy/rebuild.py",), [test_pyenv.BOX], data, trigger=filling, timeout=600)
+    assert isinstance(killed, Killed) and state["since"] is not None, "the rebuild was not caught filling its env"
+    assert lab.box(test_pyenv.BOX).exists(nxt), "no half-built generation: the kill came too late"
+    assert test_pyenv.link(lab, ENV) == current
+    assert test_pyenv.marker(lab) == marker
+    assert health(lab)["healthy"]
+    test_pyenv.deploy(lab).assert_idempotent()
