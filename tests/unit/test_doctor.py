@@ -47,6 +47,12 @@ EXCERPTS = {
     "hf-html-page": "safetensors_rust.SafetensorError: Error while deserializing header: HeaderTooLarge",
     "checksum-mismatch": "sha256 mismatch for http://mirror/x.tar.xz: expected aaaa, got bbbb; deleted, not installed",
     "vllm-old-gpu": "ValueError: vLLM only supports GPUs with compute capability >= 7.0",
+    "plan-gpu-mismatch": "  FAIL  gpu: the plan is for NVIDIA H100 80GB HBM3, nvidia-smi lists Tesla T4; GPU 0 has "
+                         "15360 MiB, the plan assumed 81559 MiB (re-run deploy/train.py to plan for this GPU)",
+    "gpu-memory-short": "  FAIL  gpu memory: 15360 MiB free on a GPU, the plan's predicted peak is 40210 MiB "
+                        "(another process holds GPU memory: nvidia-smi shows which)",
+    "stage-not-finished": "  FAIL  env marker: /opt/verl-lab/markers/pyenv.done missing: the Python env stage has "
+                          "not finished on this box",
 }
 
 # Lines that share words with a rule but are not that failure.
@@ -57,6 +63,9 @@ NOT_MATCHES = {
     "hf-html-page": "# <!DOCTYPE html> is what a captcha page starts with",
     "flash-attn-unsupported": "attn_implementation=sdpa (flash_attention_2 needs Ampere)",
     "driver-too-old": "driver 535.104.05 is new enough for CUDA 11.8",
+    "gpu-memory-short": "  ok    gpu memory: 23000 MiB free >= predicted peak 19018 MiB",
+    "plan-gpu-mismatch": "  ok    gpu: 1 x Tesla T4, 15360 MiB, driver 535.104.05",
+    "stage-not-finished": "  ok    env marker: /opt/verl-lab/markers/pyenv.done",
 }
 
 
