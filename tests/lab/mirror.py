@@ -57,6 +57,17 @@ class Request:
     fault: str | None
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client that hangs up early (pip probing, a cut download) is normal here, not a traceback."""
+
+    def handle_error(self, request, client_address):
+        import sys
+
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return
+        super().handle_error(request, client_address)
+
+
 # A route handler gets (handler, path, query) and returns (status, headers, body) or None to
 # fall through to the file tree.
 Route = Callable[[BaseHTTPRequestHandler, str, dict], "tuple[int, dict, bytes] | None"]
@@ -88,7 +99,7 @@ class Mirror:
             pass
 
         Handler.mirror = mirror
-        self._server = ThreadingHTTPServer((self.host, self._port), Handler)
+        self._server = _QuietServer((self.host, self._port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="lab-mirror", daemon=True)
