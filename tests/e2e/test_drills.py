@@ -60,9 +60,6 @@ UNIT = "/etc/systemd/system/verl-lab-train.service"
 RUNFILE = "cuda_runfile"
 CUDNN = "cudnn_archive"
 
-KILL_BOXES = {"killr": "relay", "killd": "direct"}
-CACHE_BOXES = ["cachec1", "cachec2", "cacheb"]
-MIRROR_BOXES = {"mirr": "relay", "mird": "direct"}
 FLEET_GOOD = ["good1", "good2", "good3"]
 FLEET_BAD = {"olddrv": "NVIDIA driver 470.82.01 is too old for CUDA 11.8",
              "tinydisk": "not enough free disk on /mnt/tiny (tmpfs)",
