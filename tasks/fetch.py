@@ -63,7 +63,8 @@ class Expected:
     size: int | None
 
 
-def _check(url: str, path: Path, want: Expected) -> None:
+def _check(url: str, path: Path, want: Expected, actual: str | None = None) -> None:
+    """Size, then sha256 (``actual``: the digest computed while downloading, if any)."""
     size = path.stat().st_size
     if want.size is not None and size != want.size:
         path.unlink()
@@ -72,7 +73,7 @@ def _check(url: str, path: Path, want: Expected) -> None:
             f"The file was deleted ({path}); the next run downloads it again."
         )
     if want.sha256:
-        actual = sha256_of(path)
+        actual = actual or sha256_of(path)
         if actual != want.sha256:
             path.unlink()
             raise ChecksumMismatch(url, path, want.sha256, actual)
@@ -124,9 +125,10 @@ def download(url: str, dest: Path, want: Expected, *, session: requests.Session 
         part = dest.with_name(dest.name + ".part")
         http = session or requests.Session()
         last_error: Exception | None = None
+        digest = None
         for attempt in range(1, RETRIES + 1):
             try:
-                _download_once(http, url, part, want, progress, timeout)
+                digest = _download_once(http, url, part, want, progress, timeout)
                 break
             except FetchError:
                 raise
@@ -139,7 +141,7 @@ def download(url: str, dest: Path, want: Expected, *, session: requests.Session 
                 f"download of {url} failed after {RETRIES} tries: {last_error}. "
                 f"The partial file {part} is kept and resumed on the next run."
             )
-        _check(url, part, want)
+        _check(url, part, want, digest)
         os.replace(part, dest)
         stamp.write_text(_stamp_text(dest, want) + "\n")
         return dest
@@ -151,7 +153,9 @@ def _stamp_text(path: Path, want: Expected) -> str:
 
 
 def _download_once(http: requests.Session, url: str, part: Path, want: Expected, progress: bool | None,
-                   timeout: tuple[float, float]) -> None:
+                   timeout: tuple[float, float]) -> str | None:
+    """Append the rest of ``url`` to ``part``; return the sha256 of the whole part file, hashed
+    while writing (one pass over the bytes, not a second read), or None when nothing was sent."""
     have = part.stat().st_size if part.exists() else 0
     if want.size is not None and have > want.size:
         part.unlink()
@@ -160,7 +164,7 @@ def _download_once(http: requests.Session, url: str, part: Path, want: Expected,
     with http.get(url, stream=True, headers=headers, timeout=timeout, allow_redirects=True) as resp:
         if resp.status_code == 416 and have:
             # Range not satisfiable: the part file is already complete (or wrong); check it.
-            return
+            return None
         if resp.status_code >= 500:
             raise requests.HTTPError(f"{url} answered HTTP {resp.status_code}")
         if resp.status_code >= 400:
@@ -174,6 +178,11 @@ def _download_once(http: requests.Session, url: str, part: Path, want: Expected,
         mode = "ab"
         if have and resp.status_code != 206:
             mode, have = "wb", 0  # server ignored Range: start over
+        digest = hashlib.sha256()
+        if have:  # resuming: the bytes already on disk are part of the file's hash
+            with open(part, "rb") as done:
+                for block in iter(lambda: done.read(CHUNK), b""):
+                    digest.update(block)
         total = resp.headers.get("Content-Length")
         total_bytes = (int(total) + have) if total and total.isdigit() else want.size
         show = sys.stderr.isatty() if progress is None else progress
@@ -183,9 +192,11 @@ def _download_once(http: requests.Session, url: str, part: Path, want: Expected,
         ) as bar:
             for block in resp.iter_content(64 * 1024):
                 out.write(block)
+                digest.update(block)
                 bar.update(len(block))
         if total and total.isdigit() and part.stat().st_size != int(total) + have:
             raise requests.ConnectionError(f"{url}: connection closed early")
+        return digest.hexdigest()
 
 
 def box_fetch_script(url: str, dest: str, sha256: str | None, size: int | None) -> str:
