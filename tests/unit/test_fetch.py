@@ -47,7 +47,9 @@ def test_cut_connection_resumes_without_refetching(mirror, tmp_path):
     # the retry asked only for the rest
     first, second = mirror.requests
     assert first.fault == "cut:1000000" and second.status == 206 and second.range.startswith("bytes=")
-    assert mirror.bytes_served < len(PAYLOAD) + 100_000
+    resumed_at = int(second.range.split("=")[1].rstrip("-"))
+    assert 0 < resumed_at <= 1_000_000
+    assert mirror.bytes_served == len(PAYLOAD) + (1_000_000 - resumed_at)
 
 
 def test_partial_file_from_an_earlier_run_is_resumed(mirror, tmp_path):
