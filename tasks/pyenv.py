@@ -367,12 +367,13 @@ def env_generation(settings: LabSettings, plan: EnvPlan, script: str, force: boo
     """
     marker = host.get_fact(Marker, path=settings.marker("pyenv"))
     expect = expect_for(settings, plan)
-    if not force and marker and marker.get("stamp") == plan.stamp:
-        # This env passed every proof, the config compose included, when it was built from
-        # this plan. A re-run re-checks what breaks in place (installs, imports, versions,
-        # extensions, verl's source and patches) but not the 5 s compose, which only a change
-        # of plan (a new stamp) or a rebuild can alter. deploy/rebuild.py proves everything.
-        expect = {**expect, "compose": False}
+    if not force and marker and marker.get("stamp") == plan.stamp and settings.env_health_check == "quick":
+        # This env passed every proof (imports, GPU, config compose) when it was built from
+        # this plan. A re-run re-checks what breaks in place without importing anything:
+        # versions, every installed file against its RECORD, Apex's extension files, verl's
+        # patched source (files/templates/pyenv-prove.py, "quick"). A change of plan (a new
+        # stamp), deploy/rebuild.py and env_health_check = "full" prove everything again.
+        expect = {**expect, "quick": True}
     env = host.get_fact(PythonEnv, prefix=settings.env_prefix, expect=expect)
     action, why = env_decision(env, plan, marker, force)
     if action == "ok":

@@ -35,7 +35,8 @@ DEFAULTS: dict[str, Any] = {
     "env_backend": "conda",            # conda | venv
     "env_prefix": "/opt/verl-lab/envs/verl",
     "conda_prefix": "/opt/verl-lab/miniforge3",
-    "venv_python": "python3",         # interpreter for the venv backend (>= 3.10)
+    "venv_python": "python3",
+    "env_health_check": "quick",       # quick | full: how a re-run re-checks a proven env         # interpreter for the venv backend (>= 3.10)
     # training
     "train_user": "verl",
     "train_unit_state": "enabled",     # installed | enabled | started
@@ -77,6 +78,7 @@ class LabSettings:
     install_tmpdir: str
     allow_no_driver: bool
     env_backend: str
+    env_health_check: str
     env_prefix: str
     conda_prefix: str
     venv_python: str
@@ -167,6 +169,7 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
 
     artifact_mode = choice("artifact_mode", ARTIFACT_MODES)
     env_backend = choice("env_backend", ENV_BACKENDS)
+    env_health_check = choice("env_health_check", ("quick", "full"))
     unit_state = choice("train_unit_state", UNIT_STATES)
 
     base = catalog or default_catalog()
@@ -236,6 +239,7 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         install_tmpdir=_abs_path(host, "install_tmpdir", merged["install_tmpdir"]),
         allow_no_driver=merged["allow_no_driver"],
         env_backend=env_backend,
+        env_health_check=env_health_check,
         env_prefix=_abs_path(host, "env_prefix", merged["env_prefix"]),
         conda_prefix=_abs_path(host, "conda_prefix", merged["conda_prefix"]),
         venv_python=str(merged["venv_python"]),
