@@ -25,7 +25,6 @@ them; a repair fetches them again (relay mode: from the controller's cache, whic
 from __future__ import annotations
 
 import shlex
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -35,7 +34,7 @@ from pyinfra.api import StringCommand, deploy, operation
 from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import apt, files, server
 
-from tasks.artifacts import artifact_file, box_path, controller_copy
+from tasks.artifacts import artifact_file, box_path
 from tasks.facts.disk import FreeDisk
 from tasks.facts.files import Marker, VerifiedArtifact
 from tasks.facts.nvidia import (
@@ -372,21 +371,6 @@ def refuse(message: str):
     yield StringCommand("sh", "-c", shlex.quote(f"printf '%s\\n' {shlex.quote(message)} >&2; exit 1"))
 
 
-# pyinfra prepares every host's operations in its own greenlet (gevent patches threading, so
-# this lock is cooperative). tasks/fetch.py's flock is not: two greenlets waiting on the same
-# artifact's lock file block the whole process. Relay downloads go one host at a time here.
-_RELAY_DOWNLOADS = threading.Lock()
-
-
-def relay_prefetch(settings: LabSettings, names: tuple[str, ...]) -> None:
-    """Download (once, verified) the relay copies of ``names`` into the controller cache."""
-    if settings.artifact_mode != "relay":
-        return
-    with _RELAY_DOWNLOADS:
-        for name in names:
-            controller_copy(settings, settings.catalog.artifact(name))
-
-
 def gather_facts(settings: LabSettings, want: CudaWant) -> CudaFacts:
     distro = host.get_fact(LinuxDistribution) or {}
     cached = set()
@@ -426,7 +410,6 @@ def install_cuda(settings: LabSettings):
         host.noop(plan.reason)
         return
 
-    relay_prefetch(settings, plan.fetch)
     for name in plan.fetch:
         artifact_file(name=f"Fetch {name} (verified)", settings=settings, artifact=name)
 
