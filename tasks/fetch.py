@@ -210,8 +210,12 @@ def box_fetch_script(url: str, dest: str, sha256: str | None, size: int | None) 
     lines = [
         "set -e",
         f"mkdir -p {q(os.path.dirname(dest))}",
-        f"curl -fL --retry 3 --retry-delay 2 --connect-timeout 15 --speed-limit 1024 --speed-time 60 "
-        f"-C - -o {q(part)} {q(url)} || {{ echo 'download failed: {url} (partial file kept for resume)' >&2; exit 1; }}",
+        f"ctype=$(curl -fL --retry 3 --retry-delay 2 --connect-timeout 15 --speed-limit 1024 --speed-time 60 "
+        f"-w '%{{content_type}}' -C - -o {q(part)} {q(url)}) || "
+        f"{{ echo 'download failed: {url} (partial file kept for resume)' >&2; exit 1; }}",
+        f"case \"$ctype\" in text/html*) rm -f {q(part)}; echo \"{url} answered an HTML page "
+        f"(Content-Type $ctype), not the file: the mirror is probably showing a login, error or captcha "
+        f"page; deleted\" >&2; exit 1;; esac",
     ]
     if size is not None:
         lines.append(

@@ -184,6 +184,13 @@ def install_training(settings: LabSettings):
     values = layout.values()
     user = settings.train_user
     digest = layout.digest()
+    marker_path = settings.marker("train")
+    marker = host.get_fact(Marker, path=marker_path)
+    proven = bool(marker) and marker.get("digest") == digest
+    if marker and not proven:
+        # new inputs: the old marker goes first, so a run killed below never leaves it
+        # beside files it did not prove
+        files.file(name="Old training marker removed (re-proving)", path=marker_path, present=False)
 
     files.directory(name=f"Directory {layout.train_dir}", path=layout.train_dir, mode="750",
                     user="root", group=user)
@@ -208,9 +215,7 @@ def install_training(settings: LabSettings):
         systemd.service(name=f"Restart {UNIT_NAME} for the changed unit", service=UNIT_NAME,
                         running=True, restarted=True, _if=unit.did_change)
 
-    marker_path = settings.marker("train")
-    marker = host.get_fact(Marker, path=marker_path)
-    if marker and marker.get("digest") == digest:
+    if proven:
         host.noop(f"training launcher and unit already proven for {target.count} x {target.name}")
         return
     q = shlex.quote

@@ -136,3 +136,11 @@ def test_concurrent_hosts_in_one_pyinfra_process_share_one_download(mirror, tmp_
     )
     assert run.stdout.strip() == "done", run.stderr
     assert mirror.bytes_served == len(PAYLOAD)  # fetched once for all three
+
+
+def test_direct_mode_script_names_an_html_answer(mirror, tmp_path):
+    dest = str(tmp_path / "box" / "blob")
+    with mirror.faulty("html"):
+        bad = run_box_script(box_fetch_script(f"{mirror.url}/{REL}", dest, SHA, len(PAYLOAD)))
+    assert bad.returncode != 0 and "answered an HTML page" in bad.stderr, bad.stderr
+    assert not os.path.exists(dest) and not os.path.exists(dest + ".part")
