@@ -667,8 +667,10 @@ def test_env_broken_three_ways_is_named_and_rebuilt(env_lab):
     ext = env_python(lab, "import amp_C; print(amp_C.__file__)")
     test_pyenv.ssh(lab, f"rm -f {ext}")
     h = health(lab)
-    assert h["broken"] == ["apex"], h
+    # the proof names it, and so does the RECORD check of the installed files
+    assert h["broken"] == ["apex", "files"], h
     assert "amp_C" in h["checks"]["apex"]["detail"]
+    assert "amp_C" in h["checks"]["files"]["detail"], h["checks"]["files"]
     # 2. a project patch reverted in the verl checkout
     test_pyenv.ssh(lab, f"git -C {test_pyenv.VERL_SRC} apply -R {PATCH_0001}")
     h = health(lab)
