@@ -381,7 +381,10 @@ def overrides(lab) -> dict:
 
 RESET = (f"rm -rf {MARKERS} {LAB_ROOT}/cache {LAB_ROOT}/models {LAB_ROOT}/data {LAB_ROOT}/train "
          f"{LAB_ROOT}/libexec {LAB_ROOT}/secrets {PREFIX} /var/tmp/verl-lab {UNIT} "
-         "/etc/systemd/system/multi-user.target.wants/verl-lab-train.service && systemctl daemon-reload")
+         "/etc/systemd/system/multi-user.target.wants/verl-lab-train.service && systemctl daemon-reload"
+         # the base stage decides from facts: without its user it runs the same operations as on
+         # the fresh box the operation list was taken from
+         " && (userdel -r verl >/dev/null 2>&1 || true)")
 STAGE_OF = {"CUDA": "CUDA 11.8 toolkit", "base": "verl-lab base layout", "data": "verl-lab model and dataset",
             "train": "verl-lab training plan"}
 TRIAL_STAGES = ("CUDA", "data", "train", "base", "CUDA", "data", "train", "CUDA", "data", "train")
