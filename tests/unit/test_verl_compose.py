@@ -21,10 +21,10 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.errors import ConfigCompositionException  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from tasks.plan import GpuTarget, PlanError, Workload, load_model_config, make_plan  # noqa: E402
+from tasks.plan import GpuTarget, PlanError, make_plan  # noqa: E402
 from tasks.verl_config import ADDED_KEYS, CONFIG_NAME, VERL_VERSION  # noqa: E402
 
-from tests.unit.test_plan import GPU_TABLE  # noqa: E402
+from tests.unit.test_plan import GPU_TABLE, workload  # noqa: E402
 
 CACHE = Path(os.environ.get("VERL_LAB_TEST_CACHE", Path.home() / ".cache" / "verl-lab-test")) / f"verl-{VERL_VERSION}"
 
@@ -60,16 +60,6 @@ def base_config(verl_config_dir):
     return _compose(verl_config_dir, [])
 
 
-def _workload(**kw):
-    base = dict(model_path="/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct",
-                train_files="/opt/verl-lab/data/gsm8k/train.parquet",
-                val_files="/opt/verl-lab/data/gsm8k/test.parquet",
-                checkpoint_dir="/opt/verl-lab/train/checkpoints", total_training_steps=20,
-                model_config=load_model_config())
-    base.update(kw)
-    return Workload(**base)
-
-
 _MISSING = object()
 
 
@@ -86,7 +76,7 @@ def _plans():
 @pytest.mark.parametrize("label,gpu,extra", _plans(), ids=[c[0] for c in _plans()])
 def test_plan_composes_with_verl_config(verl_config_dir, base_config, label, gpu, extra):
     try:
-        plan = make_plan(gpu, _workload(**extra))
+        plan = make_plan(gpu, workload(**extra))
     except PlanError:
         pytest.skip(f"{label}: no plan fits this GPU (tested in test_plan.py)")
     lines = plan.override_lines
