@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pyinfra import host
 from pyinfra.api import deploy
-from pyinfra.operations import files, server
+from pyinfra.operations import server
 
-from tasks.facts.files import PasswdEntry, PathModes
+from tasks.facts.files import PasswdEntry, PathStates
+from tasks.placed import place, wanted_dir
 from tasks.settings import LabSettings
 
 SHELL = "/usr/sbin/nologin"
@@ -20,13 +21,13 @@ def base_layout(settings: LabSettings):
     as it should be issues no operation at all.
     """
     home = f"{settings.lab_root}/home"
-    dirs = ((settings.lab_root, "755", "root", "root"),
-            (settings.marker_dir, "755", "root", "root"),
-            (settings.box_cache, "750", "root", "root"))
-    modes = host.get_fact(PathModes, paths=[home] + [d[0] for d in dirs])
+    dirs = [wanted_dir(settings.lab_root), wanted_dir(settings.marker_dir),
+            wanted_dir(settings.box_cache, mode="750")]
+    states = host.get_fact(PathStates, paths=[home] + [d.path for d in dirs])
+    home_state = states.get(home)
     entry = host.get_fact(PasswdEntry, user=settings.train_user)
     if (entry and entry["uid"] != 0 and entry["home"] == home and entry["shell"] == SHELL
-            and modes.get(home) and modes[home][1] == settings.train_user):
+            and home_state and home_state.get("kind") == "dir" and home_state.get("user") == settings.train_user):
         host.noop(f"training user {settings.train_user} exists (uid {entry['uid']}, home {home})")
     else:
         server.user(
@@ -37,7 +38,4 @@ def base_layout(settings: LabSettings):
             home=home,
             create_home=True,
         )
-    for path, mode, user, group in dirs:
-        if modes.get(path) == (mode, user, group):
-            continue
-        files.directory(name=f"Directory {path}", path=path, mode=mode, user=user, group=group)
+    place(dirs, states)

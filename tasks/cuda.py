@@ -263,6 +263,19 @@ def marker_matches(want: CudaWant, marker: Mapping[str, str] | None) -> bool:
     )
 
 
+def toolkit_proven(want: CudaWant, toolkits: Mapping) -> bool:
+    """The CudaToolkits fact shows nvcc and cuDNN of the wanted releases at the prefix."""
+    tk = (toolkits.get("toolkits") or {}).get(want.prefix)
+    nvcc = (tk or {}).get("nvcc") or {}
+    return bool(tk) and nvcc.get("release") == want.cuda_release and tk.get("cudnn") == want.cudnn_header
+
+
+def installed(want: CudaWant, toolkits: Mapping, marker: Mapping[str, str] | None) -> bool:
+    """Proven toolkit, no install in progress, and the stage's marker for it: nothing to do."""
+    tk = (toolkits.get("toolkits") or {}).get(want.prefix) or {}
+    return toolkit_proven(want, toolkits) and not tk.get("in_progress") and marker_matches(want, marker)
+
+
 def plan_cuda(want: CudaWant, facts: CudaFacts) -> CudaPlan:
     problems = [p for p in (
         check_distro(facts.os_release),
@@ -277,11 +290,11 @@ def plan_cuda(want: CudaWant, facts: CudaFacts) -> CudaPlan:
 
     tk = (facts.toolkits.get("toolkits") or {}).get(want.prefix)
     nvcc = (tk or {}).get("nvcc") or {}
-    proven = bool(tk) and nvcc.get("release") == want.cuda_release and tk.get("cudnn") == want.cudnn_header
+    proven = toolkit_proven(want, facts.toolkits)
     action, reason, wipe = "install", f"nothing at {want.prefix} yet", False
     if tk and tk.get("in_progress"):
         reason, wipe = f"an interrupted install was found at {want.prefix}; it is removed and redone", True
-    elif proven and not tk.get("in_progress") and marker_matches(want, facts.marker):
+    elif installed(want, facts.toolkits, facts.marker):
         action, reason = "done", f"CUDA {want.cuda_version} and cuDNN {want.cudnn_version} at {want.prefix}, proven"
     elif proven:
         action, reason = "adopt", (f"{want.prefix} already holds nvcc {nvcc.get('version')} and cuDNN "
@@ -372,20 +385,27 @@ def refuse(message: str):
 
 
 def gather_facts(settings: LabSettings, want: CudaWant) -> CudaFacts:
+    """The box's facts for plan_cuda. Free disk and the cached archives matter only to an
+    install: a box whose toolkit is installed and marked is not asked for them (5 commands
+    fewer on a re-run)."""
     distro = host.get_fact(LinuxDistribution) or {}
-    cached = set()
-    for name, path, sha in ((RUNFILE, want.runfile_path, want.runfile_sha256),
-                            (CUDNN, want.cudnn_path, want.cudnn_sha256)):
-        stamp = host.get_fact(VerifiedArtifact, path=path)
-        if stamp and stamp["sha256"] == (sha or "no-sha256"):
-            cached.add(name)
+    toolkits = host.get_fact(CudaToolkits, prefixes=[want.prefix]) or {}
+    marker = host.get_fact(Marker, path=want.marker)
+    cached, disk = set(), {}
+    if not installed(want, toolkits, marker):
+        for name, path, sha in ((RUNFILE, want.runfile_path, want.runfile_sha256),
+                                (CUDNN, want.cudnn_path, want.cudnn_sha256)):
+            stamp = host.get_fact(VerifiedArtifact, path=path)
+            if stamp and stamp["sha256"] == (sha or "no-sha256"):
+                cached.add(name)
+        disk = {path: host.get_fact(FreeDisk, path=path) for path in (want.tmpdir, want.prefix, want.box_cache)}
     return CudaFacts(
         os_release=distro.get("release_meta") or {},
         driver=host.get_fact(NvidiaDriver),
-        toolkits=host.get_fact(CudaToolkits, prefixes=[want.prefix]) or {},
-        disk={path: host.get_fact(FreeDisk, path=path) for path in (want.tmpdir, want.prefix, want.box_cache)},
+        toolkits=toolkits,
+        disk=disk,
         compiler=host.get_fact(CudaHostCompiler) or {},
-        marker=host.get_fact(Marker, path=want.marker),
+        marker=marker,
         cached=frozenset(cached),
     )
 

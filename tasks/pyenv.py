@@ -326,12 +326,13 @@ def env_decision(env: dict | None, plan: EnvPlan, marker: dict | None, force: bo
 
 from pyinfra import host  # noqa: E402
 from pyinfra.api import StringCommand, deploy, operation  # noqa: E402
-from pyinfra.operations import apt, files, server  # noqa: E402
+from pyinfra.operations import apt  # noqa: E402
 
 from tasks.artifacts import artifact_file, box_path  # noqa: E402
-from tasks.facts.files import Marker  # noqa: E402
+from tasks.facts.files import Marker, PathStates  # noqa: E402
 from tasks.facts.pyenv import BuildHost, PythonEnv  # noqa: E402
-from tasks.verl_source import verl_source  # noqa: E402
+from tasks.placed import place, rendered, wanted_dir, wanted_file  # noqa: E402
+from tasks.verl_source import patch_wanted, verl_source  # noqa: E402
 
 
 def _gpu_inventory():
@@ -404,8 +405,29 @@ def python_env(settings: LabSettings, force_rebuild: bool = False):
         box_problem(name="Python env prerequisites", message="; ".join(plan.problems))
         return
     d = pyenv_dir(settings)
-    for path in (d, settings.install_tmpdir, f"{settings.box_cache}/pip", str(Path(settings.env_prefix).parent)):
-        files.directory(name=f"Directory {path}", path=path, mode="755", user="root", group="root")
+    vllm_wheel = box_path(settings, settings.catalog.artifact("vllm")) if plan.vllm else None
+    script = f"{d}/build-env.sh"
+    wanted = [
+        *(wanted_dir(path) for path in (d, settings.install_tmpdir, f"{settings.box_cache}/pip",
+                                        str(Path(settings.env_prefix).parent))),
+        *patch_wanted(settings),
+        wanted_file(f"{d}/constraints.txt", "Env constraints",
+                    rendered(TEMPLATES / "pyenv-constraints.txt.j2", lines=list(plan.constraints))),
+        wanted_file(f"{d}/verl-requirements.txt", "verl runtime requirements", REQUIREMENTS.read_bytes()),
+        wanted_file(f"{d}/build-tools.txt", "Build tools requirements", BUILD_TOOLS.read_bytes()),
+        wanted_file(f"{d}/prove-env.py", "Env proofs", (TEMPLATES / "pyenv-prove.py").read_bytes()),
+        wanted_file(script, "Env build script", rendered(TEMPLATES / "pyenv-build.sh.j2",
+                                                         **build_script_context(settings, plan, vllm_wheel)),
+                    mode="755"),
+    ]
+    condarc = []
+    if settings.env_backend == "conda":
+        condarc = [wanted_file(f"{settings.conda_prefix}/.condarc", "conda channels (.condarc)",
+                               rendered(TEMPLATES / "condarc.j2", profile=settings.mirror_profile,
+                                        conda_base=settings.mirrors.base("conda")))]
+    # one command for every folder and file of the stage (tasks/placed.py)
+    states = host.get_fact(PathStates, paths=[w.path for w in wanted + condarc])
+    placed = place(wanted, states)
 
     packages = []
     if plan.need_gcc11:
@@ -419,27 +441,14 @@ def python_env(settings: LabSettings, force_rebuild: bool = False):
         installer = box_path(settings, settings.catalog.artifact("miniforge_installer"))
         artifact_file(name="Miniforge installer", settings=settings, artifact="miniforge_installer")
         miniforge(name=f"Miniforge at {settings.conda_prefix}", settings=settings, installer=installer)
-        files.template(name="conda channels (.condarc)", src=str(TEMPLATES / "condarc.j2"),
-                       dest=f"{settings.conda_prefix}/.condarc", mode="644",
-                       profile=settings.mirror_profile, conda_base=settings.mirrors.base("conda"))
+        place(condarc, states)       # after Miniforge: its installer refuses an existing prefix
 
-    verl_source(settings)
+    verl_source(settings, patches_current=all(placed[w.path] is None for w in patch_wanted(settings)))
 
-    files.template(name="Env constraints", src=str(TEMPLATES / "pyenv-constraints.txt.j2"),
-                   dest=f"{d}/constraints.txt", mode="644", lines=list(plan.constraints))
-    files.put(name="verl runtime requirements", src=str(REQUIREMENTS), dest=f"{d}/verl-requirements.txt", mode="644")
-    files.put(name="Build tools requirements", src=str(BUILD_TOOLS), dest=f"{d}/build-tools.txt", mode="644")
-    files.put(name="Env proofs", src=str(TEMPLATES / "pyenv-prove.py"), dest=f"{d}/prove-env.py", mode="644")
-
-    vllm_wheel = None
     if plan.vllm:
-        vllm_wheel = box_path(settings, settings.catalog.artifact("vllm"))
         artifact_file(name="vLLM wheel", settings=settings, artifact="vllm")
     else:
         host.noop(f"vLLM skipped: {plan.vllm_reason}")
 
-    script = f"{d}/build-env.sh"
-    files.template(name="Env build script", src=str(TEMPLATES / "pyenv-build.sh.j2"), dest=script, mode="755",
-                   **build_script_context(settings, plan, vllm_wheel))
     env_generation(name="Python env (build, prove, swap)" if force_rebuild else "Python env",
                    settings=settings, plan=plan, script=script, force=force_rebuild)

@@ -27,7 +27,6 @@ import hashlib
 import json
 import shlex
 from dataclasses import dataclass
-from io import StringIO
 from pathlib import Path
 
 from pyinfra import host
@@ -35,8 +34,9 @@ from pyinfra.api import deploy
 from pyinfra.operations import files, server, systemd
 
 from tasks.facts import gpu as gpufact
-from tasks.facts.files import Marker
+from tasks.facts.files import Marker, UnitState
 from tasks.facts.gpu import NvidiaGpus
+from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.plan import GpuTarget, PlanError, TrainingPlan, Workload, make_plan, workload_for
 from tasks.settings import LabSettings
 
@@ -192,28 +192,31 @@ def install_training(settings: LabSettings):
         # beside files it did not prove
         files.file(name="Old training marker removed (re-proving)", path=marker_path, present=False)
 
-    files.directory(name=f"Directory {layout.train_dir}", path=layout.train_dir, mode="750",
-                    user="root", group=user)
-    for path in (layout.work_dir, layout.checkpoint_dir, layout.cache_dir):
-        files.directory(name=f"Directory {path} (the train user's)", path=path, mode="750", user=user, group=user)
-    files.put(name="Training plan (plan.json)", src=StringIO(layout.plan_json()), dest=layout.plan_file,
-              mode="644", user="root", group="root")
-    files.put(name="GPU reader for the preflight", src=str(GPU_MODULE), dest=f"{layout.train_dir}/verl_lab_gpu.py",
-              mode="644", user="root", group="root")
-    files.template(name="Training launcher", src=str(LAUNCHER_TEMPLATE), dest=layout.launcher,
-                   mode="750", user="root", group=user, **values)
-    files.template(name="Training environment file", src=str(ENV_TEMPLATE), dest=layout.env_file,
-                   mode="640", user="root", group=user, **values)
-    unit = files.template(name=f"Unit {UNIT_NAME}", src=str(UNIT_TEMPLATE), dest=UNIT_PATH,
-                          mode="644", user="root", group="root", **values)
-    systemd.daemon_reload(name="systemd reads the changed unit", _if=unit.did_change)
+    wanted = [
+        wanted_dir(layout.train_dir, mode="750", group=user),
+        *(wanted_dir(path, f"Directory {path} (the train user's)", mode="750", user=user, group=user)
+          for path in (layout.work_dir, layout.checkpoint_dir, layout.cache_dir)),
+        wanted_file(layout.plan_file, "Training plan (plan.json)", layout.plan_json()),
+        wanted_file(f"{layout.train_dir}/verl_lab_gpu.py", "GPU reader for the preflight", GPU_MODULE.read_bytes()),
+        wanted_file(layout.launcher, "Training launcher", rendered(LAUNCHER_TEMPLATE, **values),
+                    mode="750", group=user),
+        wanted_file(layout.env_file, "Training environment file", rendered(ENV_TEMPLATE, **values),
+                    mode="640", group=user),
+        wanted_file(UNIT_PATH, f"Unit {UNIT_NAME}", rendered(UNIT_TEMPLATE, **values)),
+    ]
+    unit_changed = place(wanted)[UNIT_PATH] is not None
+    if unit_changed:
+        systemd.daemon_reload(name="systemd reads the changed unit")
 
     state = settings.train_unit_state
-    systemd.service(name=f"Unit {UNIT_NAME}: {state}", service=UNIT_NAME,
-                    enabled=state != "installed", running=True if state == "started" else None)
-    if state == "started":
+    want_enabled, want_running = state != "installed", state == "started"
+    unit = host.get_fact(UnitState, unit=UNIT_NAME)
+    if unit_changed or unit["enabled"] != want_enabled or (want_running and not unit["active"]):
+        systemd.service(name=f"Unit {UNIT_NAME}: {state}", service=UNIT_NAME,
+                        enabled=want_enabled, running=True if want_running else None)
+    if want_running and unit_changed:
         systemd.service(name=f"Restart {UNIT_NAME} for the changed unit", service=UNIT_NAME,
-                        running=True, restarted=True, _if=unit.did_change)
+                        running=True, restarted=True)
 
     if proven:
         host.noop(f"training launcher and unit already proven for {target.count} x {target.name}")

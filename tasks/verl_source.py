@@ -39,9 +39,9 @@ import shlex  # noqa: E402
 
 from pyinfra import host  # noqa: E402
 from pyinfra.api import StringCommand, deploy, operation  # noqa: E402
-from pyinfra.operations import files  # noqa: E402
 
 from tasks.facts.pyenv import VerlCheckout  # noqa: E402
+from tasks.placed import Wanted, wanted_dir, wanted_file  # noqa: E402
 from tasks.settings import LabSettings  # noqa: E402
 
 
@@ -87,14 +87,30 @@ def verl_patch(settings: LabSettings, patch: str):
     ))
 
 
-@deploy("verl source (pinned tag, version-pinned patches)")
-def verl_source(settings: LabSettings):
+def patch_wanted(settings: LabSettings) -> list[Wanted]:
+    """The patch folder and the patch files on the box (for tasks.placed.place)."""
     art = settings.catalog.artifact("verl")
-    patches = patch_files(art.version)
     box_paths = box_patch_paths(settings, art.version)
-    files.directory(name="Directory for verl patches", path=box_paths[0].rsplit("/", 1)[0], mode="755")
-    for local, remote in zip(patches, box_paths):
-        files.put(name=f"Patch {local.name}", src=str(local), dest=remote, mode="644")
+    return [wanted_dir(box_paths[0].rsplit("/", 1)[0], "Directory for verl patches"),
+            *(wanted_file(remote, f"Patch {local.name}", local.read_bytes())
+              for local, remote in zip(patch_files(art.version), box_paths))]
+
+
+@deploy("verl source (pinned tag, version-pinned patches)")
+def verl_source(settings: LabSettings, patches_current: bool = False):
+    """Clone at the tag and apply the patches (placed before, by the env stage).
+
+    ``patches_current``: the box's patch files were already as wanted before this run. Then one
+    fact (the clone's HEAD and every patch's state) can say all is done; else each operation
+    reads the checkout when it runs, after the new patch files are in place.
+    """
+    art = settings.catalog.artifact("verl")
+    box_paths = box_patch_paths(settings, art.version)
+    if patches_current:
+        have = host.get_fact(VerlCheckout, path=settings.verl_src, ref=art.ref, patches=box_paths)
+        if have and have["at_ref"] and all(have["patches"].get(p.rsplit("/", 1)[-1]) == "applied" for p in box_paths):
+            host.noop(f"verl {art.ref} at {settings.verl_src}, {len(box_paths)} patches applied")
+            return
     verl_clone(name=f"verl {art.ref} at {settings.verl_src}", settings=settings)
     for remote in box_paths:
         verl_patch(name=f"Apply {remote.rsplit('/', 1)[-1]}", settings=settings, patch=remote)

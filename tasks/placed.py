@@ -1,0 +1,116 @@
+"""The folders and files a stage writes, decided from one fact.
+
+pyinfra's ``files.directory`` / ``files.put`` / ``files.template`` ask 1-3 facts per path on
+every run (the parent folder, the file, its sha1). A stage lists what it wants instead
+(``Wanted``: a folder, or a file with its exact bytes, rendered here), asks one
+``PathStates`` fact for all of them, and calls pyinfra's operations only for the paths that
+differ (missing, other bytes, other mode/owner, a link or a folder where a file belongs). A
+re-run on a box as it should be costs one command per stage and changes nothing; drift on the
+box (an edited file, a chmod) is still put right.
+
+The first part is pure (``wanted_file``, ``differs``), unit-tested without pyinfra.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from io import BytesIO
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """A folder (``content`` None) or a file with its bytes, mode and owner."""
+
+    path: str
+    name: str
+    mode: str = "644"
+    user: str = "root"
+    group: str = "root"
+    content: bytes | None = None
+
+    @property
+    def is_dir(self) -> bool:
+        return self.content is None
+
+    @property
+    def sha1(self) -> str | None:
+        return None if self.content is None else hashlib.sha1(self.content).hexdigest()
+
+
+def wanted_dir(path: str, name: str | None = None, mode: str = "755", user: str = "root",
+               group: str = "root") -> Wanted:
+    return Wanted(path=path, name=name or f"Directory {path}", mode=mode, user=user, group=group)
+
+
+def wanted_file(path: str, name: str, content: bytes | str, mode: str = "644", user: str = "root",
+                group: str = "root") -> Wanted:
+    data = content.encode() if isinstance(content, str) else bytes(content)
+    return Wanted(path=path, name=name, mode=mode, user=user, group=group, content=data)
+
+
+def rendered(template: Path, **values) -> str:
+    """A template rendered exactly as pyinfra's files.template renders it (its jinja2 settings)."""
+    from pyinfra.api.util import get_template
+
+    return get_template(str(template)).render(values)
+
+
+def _same_mode(have: str, want: str) -> bool:
+    try:
+        return int(have, 8) == int(want, 8)
+    except ValueError:
+        return False
+
+
+def differs(state: dict | None, want: Wanted) -> str | None:
+    """Why the box's ``state`` (a PathStates entry) is not ``want``; None when it is."""
+    if state is None:
+        return "missing"
+    kind = "dir" if want.is_dir else "file"
+    if state.get("kind") != kind:
+        return f"a {state.get('kind')} where a {kind} belongs"
+    if not want.is_dir and state.get("sha1") != want.sha1:
+        return "other content"
+    if not _same_mode(state.get("mode", ""), want.mode):
+        return f"mode {state.get('mode')} != {want.mode}"
+    if (state.get("user"), state.get("group")) != (want.user, want.group):
+        return f"owner {state.get('user')}:{state.get('group')} != {want.user}:{want.group}"
+    return None
+
+
+# ------------------------------------------------------------------ the pyinfra part
+
+
+def place(wanted: list[Wanted], states: dict | None = None) -> dict[str, str | None]:
+    """Queue pyinfra operations for every wanted path that differs; ``{path: why | None}``.
+
+    Call it from a ``@deploy`` body: the fact is read when the operations are prepared, and
+    the operations queued are pyinfra's own (their facts are read when they run), in the order
+    given, so a folder listed before its files exists before they are written. ``states``: a
+    PathStates answer the caller already has (covering every wanted path), to save the command.
+    """
+    from pyinfra import host
+    from pyinfra.operations import files
+
+    from tasks.facts.files import PathStates
+
+    if states is None:
+        states = host.get_fact(PathStates, paths=[w.path for w in wanted]) if wanted else {}
+    result = {}
+    for want in wanted:
+        why = differs(states.get(want.path), want)
+        result[want.path] = why
+        if why is None:
+            continue
+        state = states.get(want.path)
+        if state is not None and state.get("kind") == "link":
+            # pyinfra's put would write through the link: remove the link itself first
+            files.link(name=f"{want.name}: remove the link in its place", path=want.path, present=False)
+        if want.is_dir:
+            files.directory(name=want.name, path=want.path, mode=want.mode, user=want.user, group=want.group)
+        else:
+            files.put(name=want.name, src=BytesIO(want.content), dest=want.path, mode=want.mode,
+                      user=want.user, group=want.group)
+    return result
