@@ -338,9 +338,10 @@ from tasks.verl_source import patch_wanted, verl_source  # noqa: E402
 def _gpu_inventory():
     try:
         from tasks.facts.gpu import NvidiaGpus
+        from tasks.facts.memo import once
     except ImportError:  # pragma: no cover - the GPU fact ships with the plan stage
         return None
-    return host.get_fact(NvidiaGpus)
+    return once(NvidiaGpus)     # the training stage asks the same: once per run
 
 
 @operation()

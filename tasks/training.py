@@ -36,6 +36,7 @@ from pyinfra.operations import files, server, systemd
 from tasks.facts import gpu as gpufact
 from tasks.facts.files import Marker, UnitState
 from tasks.facts.gpu import NvidiaGpus
+from tasks.facts.memo import once
 from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.plan import GpuTarget, PlanError, TrainingPlan, Workload, make_plan, workload_for
 from tasks.settings import LabSettings
@@ -168,7 +169,7 @@ def _flash_attn(env_marker: dict | None) -> bool:
 @deploy("verl-lab training plan, launcher and unit")
 def install_training(settings: LabSettings):
     """Plan for this box's GPU; launcher, env file, plan.json and the systemd unit; proofs; marker."""
-    inventory = None if settings.gpu_override else host.get_fact(NvidiaGpus)
+    inventory = None if settings.gpu_override else once(NvidiaGpus)
     try:
         target, source = plan_target(settings, inventory)
     except NoTarget as exc:

@@ -5,14 +5,17 @@ changes -> destroy (the fixture)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from tests.fixtures.standins import fleet
 from tests.lab import BoxSpec
 
+REPO = Path(__file__).resolve().parents[2]
 BOXES = ["p40", "t4", "rtx3090"]
 FRESH = "fresh"          # never converged: proves a failed run touched nothing
 
@@ -137,6 +140,41 @@ def test_text_mode_sees_one_drifted_box(lab, fleet_data, converged):
     assert res.changed == 1
     assert lab.box("t4").stat("/opt/verl-lab/cache")[0] == "750"
     lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES, mode="text").assert_idempotent()
+
+
+DRIFTED = {   # file -> (how it is damaged, what the stage puts back: mode, owner, group)
+    "/opt/verl-lab/train/train-launcher": ("echo '# edited by hand' >> {p}", ("750", "root", "verl")),
+    "/opt/verl-lab/train/train.env": ("chmod 644 {p}", ("640", "root", "verl")),
+    "/etc/systemd/system/verl-lab-train.service": ("echo '# edited' >> {p}", ("644", "root", "root")),
+    "/opt/verl-lab/pyenv/build-env.sh": ("chown verl {p}", ("755", "root", "root")),
+    "/opt/verl-lab/patches/verl-0.5.0/0001-autocast-dtype-follows-param-dtype.diff":
+        ("rm -f {p}; ln -s /etc/hostname {p}", ("644", "root", "root")),
+}
+
+
+def test_files_the_stages_render_are_put_back(lab, fleet_data, converged):
+    """The stages decide from one fact per stage (tasks/placed.py) but still repair drift: an
+    edited, re-moded, re-owned or replaced file on one box is rewritten there, and only there."""
+    box = lab.box("p40")
+    reload = "systemctl show -p NeedDaemonReload --value verl-lab-train.service"
+    before = {p: box.ssh(f"sha1sum {p} | cut -d' ' -f1").stdout for p in DRIFTED if not p.endswith(".diff")}
+    patch = next(p for p in DRIFTED if p.endswith(".diff"))
+    assert box.exists(patch), "the patch set's first file is not where the test expects it"
+    for path, (damage, _) in DRIFTED.items():
+        box.ssh(damage.format(p=path))
+    assert box.ssh(reload).stdout.strip() == "yes", "systemd did not notice the edited unit"
+    res = lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES).assert_ok()
+    assert res.changed_by_host["t4"] == 0 and res.changed_by_host["rtx3090"] == 0, res
+    assert res.changed_by_host["p40"] >= len(DRIFTED), res
+    for path, (_, want) in DRIFTED.items():
+        assert box.ssh(f"test -f {path} && ! test -L {path}", check=False).returncode == 0, path
+        assert box.stat(path) == want, path
+    for path, sha in before.items():
+        assert box.ssh(f"sha1sum {path} | cut -d' ' -f1").stdout == sha, path
+    local = REPO / "files" / "patches" / "verl-0.5.0" / patch.rsplit("/", 1)[-1]
+    assert box.ssh(f"sha1sum {patch} | cut -d' ' -f1").stdout.strip() == hashlib.sha1(local.read_bytes()).hexdigest()
+    assert box.ssh(reload).stdout.strip() == "no", "the rewritten unit was not reloaded"
+    lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES).assert_idempotent()
 
 
 # ---------------------------------------------------------------- a bad inventory touches nothing
