@@ -6,6 +6,7 @@ from pyinfra import host
 from pyinfra.api import deploy
 from pyinfra.operations import server
 
+from tasks.facts.bundle import ask
 from tasks.facts.files import PasswdEntry, PathStates
 from tasks.placed import place, wanted_dir
 from tasks.settings import LabSettings
@@ -17,15 +18,15 @@ SHELL = "/usr/sbin/nologin"
 def base_layout(settings: LabSettings):
     """Create lab_root with its markers/ and cache/ folders, and the unprivileged training user.
 
-    Two facts decide (the user's passwd entry, the folders' modes): a re-run on a box that is
-    as it should be issues no operation at all.
+    One command decides (the user's passwd entry, the folders' modes): a re-run on a box that
+    is as it should be issues no operation at all.
     """
     home = f"{settings.lab_root}/home"
     dirs = [wanted_dir(settings.lab_root), wanted_dir(settings.marker_dir),
             wanted_dir(settings.box_cache, mode="750")]
-    states = host.get_fact(PathStates, paths=[home] + [d.path for d in dirs])
-    home_state = states.get(home)
-    entry = host.get_fact(PasswdEntry, user=settings.train_user)
+    states, entry = ask((PathStates, {"paths": [home] + [d.path for d in dirs]}),
+                        (PasswdEntry, {"user": settings.train_user}))
+    home_state = (states or {}).get(home)
     if (entry and entry["uid"] != 0 and entry["home"] == home and entry["shell"] == SHELL
             and home_state and home_state.get("kind") == "dir" and home_state.get("user") == settings.train_user):
         host.noop(f"training user {settings.train_user} exists (uid {entry['uid']}, home {home})")
@@ -38,4 +39,4 @@ def base_layout(settings: LabSettings):
             home=home,
             create_home=True,
         )
-    place(dirs, states)
+    place(dirs, states or {})

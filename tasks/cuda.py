@@ -35,6 +35,7 @@ from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import apt, files, server
 
 from tasks.artifacts import artifact_file, box_path
+from tasks.facts.bundle import ask
 from tasks.facts.disk import FreeDisk
 from tasks.facts.files import Marker, VerifiedArtifact
 from tasks.facts.nvidia import (
@@ -385,12 +386,13 @@ def refuse(message: str):
 
 
 def gather_facts(settings: LabSettings, want: CudaWant) -> CudaFacts:
-    """The box's facts for plan_cuda. Free disk and the cached archives matter only to an
-    install: a box whose toolkit is installed and marked is not asked for them (5 commands
-    fewer on a re-run)."""
-    distro = host.get_fact(LinuxDistribution) or {}
-    toolkits = host.get_fact(CudaToolkits, prefixes=[want.prefix]) or {}
-    marker = host.get_fact(Marker, path=want.marker)
+    """The box's facts for plan_cuda, in one command (tasks/facts/bundle.py). Free disk and the
+    cached archives matter only to an install: a box whose toolkit is installed and marked is
+    not asked for them."""
+    distro, toolkits, marker, driver, compiler = ask(
+        (LinuxDistribution, {}), (CudaToolkits, {"prefixes": [want.prefix]}), (Marker, {"path": want.marker}),
+        (NvidiaDriver, {}), (CudaHostCompiler, {}))
+    distro, toolkits = distro or {}, toolkits or {}
     cached, disk = set(), {}
     if not installed(want, toolkits, marker):
         for name, path, sha in ((RUNFILE, want.runfile_path, want.runfile_sha256),
@@ -401,10 +403,10 @@ def gather_facts(settings: LabSettings, want: CudaWant) -> CudaFacts:
         disk = {path: host.get_fact(FreeDisk, path=path) for path in (want.tmpdir, want.prefix, want.box_cache)}
     return CudaFacts(
         os_release=distro.get("release_meta") or {},
-        driver=host.get_fact(NvidiaDriver),
+        driver=driver,
         toolkits=toolkits,
         disk=disk,
-        compiler=host.get_fact(CudaHostCompiler) or {},
+        compiler=compiler or {},
         marker=marker,
         cached=frozenset(cached),
     )

@@ -42,6 +42,7 @@ from pyinfra.operations import files, server
 from tasks import gsm8k, hfsnapshot
 from tasks.catalog import REPO_ROOT, CatalogError
 from tasks.facts.data import FilesPresent, PythonModules, SnapshotStamp, StagedFiles
+from tasks.facts.bundle import ask
 from tasks.facts.files import Marker
 from tasks.hfsnapshot import RepoSpec, SnapshotError
 from tasks.settings import LabSettings, SettingsError
@@ -268,9 +269,9 @@ def install_data(settings: LabSettings):
     """Model and GSM8K snapshots on the box, GSM8K in verl's format, proofs, then the marker."""
     plan = data_plan(settings)
     marker_path = settings.marker("data")
-    marker = host.get_fact(Marker, path=marker_path)
-    present = host.get_fact(FilesPresent, paths=plan.proof_paths)
-    if marker and marker.get("digest") == plan.digest and all(v is not None for v in present.values()):
+    marker, present = ask((Marker, {"path": marker_path}), (FilesPresent, {"paths": plan.proof_paths}))
+    present = present or {}
+    if marker and marker.get("digest") == plan.digest and all(present.get(p) is not None for p in plan.proof_paths):
         host.noop(f"model {plan.model.repo}@{plan.model.revision[:12]} and {plan.dataset.repo} data already proven")
         return
 

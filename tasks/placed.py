@@ -96,8 +96,10 @@ def place(wanted: list[Wanted], states: dict | None = None) -> dict[str, str | N
 
     from tasks.facts.files import PathStates
 
-    if states is None:
-        states = host.get_fact(PathStates, paths=[w.path for w in wanted]) if wanted else {}
+    states = dict(states or {})
+    unknown = [w.path for w in wanted if w.path not in states]
+    if unknown:       # not in the answer the caller had (or none given): ask for those
+        states.update(host.get_fact(PathStates, paths=unknown) or {})
     result = {}
     for want in wanted:
         why = differs(states.get(want.path), want)

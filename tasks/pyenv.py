@@ -329,19 +329,13 @@ from pyinfra.api import StringCommand, deploy, operation  # noqa: E402
 from pyinfra.operations import apt  # noqa: E402
 
 from tasks.artifacts import artifact_file, box_path  # noqa: E402
+from tasks.facts.bundle import ask  # noqa: E402
 from tasks.facts.files import Marker, PathStates  # noqa: E402
-from tasks.facts.pyenv import BuildHost, PythonEnv  # noqa: E402
+from tasks.facts.gpu import NvidiaGpus  # noqa: E402
+from tasks.facts.memo import remember  # noqa: E402
+from tasks.facts.pyenv import BuildHost, PythonEnv, VerlCheckout  # noqa: E402
 from tasks.placed import place, rendered, wanted_dir, wanted_file  # noqa: E402
-from tasks.verl_source import patch_wanted, verl_source  # noqa: E402
-
-
-def _gpu_inventory():
-    try:
-        from tasks.facts.gpu import NvidiaGpus
-        from tasks.facts.memo import once
-    except ImportError:  # pragma: no cover - the GPU fact ships with the plan stage
-        return None
-    return once(NvidiaGpus)     # the training stage asks the same: once per run
+from tasks.verl_source import box_patch_paths, checkout_done, patch_wanted, verl_source  # noqa: E402
 
 
 @operation()
@@ -393,12 +387,38 @@ def env_generation(settings: LabSettings, plan: EnvPlan, script: str, force: boo
     yield StringCommand("bash", shlex.quote(script))
 
 
+def env_file_paths(settings: LabSettings) -> list[str]:
+    """Every folder and file the env stage places (asked in one fact before the plan is made)."""
+    d = pyenv_dir(settings)
+    paths = [d, settings.install_tmpdir, f"{settings.box_cache}/pip", str(Path(settings.env_prefix).parent),
+             *(w.path for w in patch_wanted(settings)),
+             *(f"{d}/{name}" for name in ("constraints.txt", "verl-requirements.txt", "build-tools.txt",
+                                          "prove-env.py", "build-env.sh"))]
+    if settings.env_backend == "conda":
+        paths.append(f"{settings.conda_prefix}/.condarc")
+    return paths
+
+
 @deploy("verl-lab Python env")
 def python_env(settings: LabSettings, force_rebuild: bool = False):
-    """The env stage: prerequisites, verl source, the build inputs, then env_generation."""
-    build = host.get_fact(BuildHost, venv_python=settings.venv_python, conda_prefix=settings.conda_prefix,
-                          cuda_prefix=settings.cuda_prefix)
-    gpus = _gpu_inventory()
+    """The env stage: prerequisites, verl source, the build inputs, then env_generation.
+
+    A re-run on a box whose env is as planned costs two commands: one fact bundle (the build
+    host, the GPUs, every file the stage places, the verl checkout, the marker), then the env's
+    quick re-check (PythonEnv). Anything else queues the operations, which read the box again
+    when they run.
+    """
+    art = settings.catalog.artifact("verl")
+    build, gpus, states, checkout, marker = ask(
+        (BuildHost, {"venv_python": settings.venv_python, "conda_prefix": settings.conda_prefix,
+                     "cuda_prefix": settings.cuda_prefix}),
+        (NvidiaGpus, {}),
+        (PathStates, {"paths": env_file_paths(settings)}),
+        (VerlCheckout, {"path": settings.verl_src, "ref": art.ref,
+                        "patches": box_patch_paths(settings, art.version)}),
+        (Marker, {"path": settings.marker("pyenv")}),
+    )
+    remember(NvidiaGpus, gpus)          # the training stage plans from the same answer
     plan = plan_env(settings, gpus, build, compose_overrides(gpus))
     for note in plan.notes:
         host.noop(f"pyenv: {note}")
@@ -426,8 +446,7 @@ def python_env(settings: LabSettings, force_rebuild: bool = False):
         condarc = [wanted_file(f"{settings.conda_prefix}/.condarc", "conda channels (.condarc)",
                                rendered(TEMPLATES / "condarc.j2", profile=settings.mirror_profile,
                                         conda_base=settings.mirrors.base("conda")))]
-    # one command for every folder and file of the stage (tasks/placed.py)
-    states = host.get_fact(PathStates, paths=[w.path for w in wanted + condarc])
+    states = states or {}
     placed = place(wanted, states)
 
     packages = []
@@ -442,14 +461,25 @@ def python_env(settings: LabSettings, force_rebuild: bool = False):
         installer = box_path(settings, settings.catalog.artifact("miniforge_installer"))
         artifact_file(name="Miniforge installer", settings=settings, artifact="miniforge_installer")
         miniforge(name=f"Miniforge at {settings.conda_prefix}", settings=settings, installer=installer)
-        place(condarc, states)       # after Miniforge: its installer refuses an existing prefix
+        placed.update(place(condarc, states))     # after Miniforge: its installer refuses an existing prefix
 
-    verl_source(settings, patches_current=all(placed[w.path] is None for w in patch_wanted(settings)))
+    patches_current = all(placed[w.path] is None for w in patch_wanted(settings))
+    verl_done = patches_current and checkout_done(settings, checkout)
+    verl_source(settings, done=verl_done)
 
     if plan.vllm:
         artifact_file(name="vLLM wheel", settings=settings, artifact="vllm")
     else:
         host.noop(f"vLLM skipped: {plan.vllm_reason}")
 
-    env_generation(name="Python env (build, prove, swap)" if force_rebuild else "Python env",
-                   settings=settings, plan=plan, script=script, force=force_rebuild)
+    name = "Python env (build, prove, swap)" if force_rebuild else "Python env"
+    quick = bool(marker) and marker.get("stamp") == plan.stamp and settings.env_health_check == "quick"
+    if quick and verl_done and not force_rebuild and all(why is None for why in placed.values()):
+        # nothing before it changes this run: decide now, and skip the operation when the
+        # quick re-check passes (a failing one leaves the decision to the operation)
+        env = host.get_fact(PythonEnv, prefix=settings.env_prefix, expect={**expect_for(settings, plan), "quick": True})
+        action, why = env_decision(env, plan, marker)
+        if action == "ok":
+            host.noop(f"{name}: {why}")
+            return
+    env_generation(name=name, settings=settings, plan=plan, script=script, force=force_rebuild)

@@ -34,9 +34,10 @@ from pyinfra.api import deploy
 from pyinfra.operations import files, server, systemd
 
 from tasks.facts import gpu as gpufact
-from tasks.facts.files import Marker, UnitState
+from tasks.facts.bundle import ask
+from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.facts.gpu import NvidiaGpus
-from tasks.facts.memo import once
+from tasks.facts.memo import known, remember
 from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.plan import GpuTarget, PlanError, TrainingPlan, Workload, make_plan, workload_for
 from tasks.settings import LabSettings
@@ -157,6 +158,13 @@ class TrainingLayout:
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
+def training_paths(settings: LabSettings) -> list[str]:
+    """Every folder and file the stage places (TrainingLayout's), known before the plan is made."""
+    t = settings.train_dir
+    return [t, f"{t}/work", f"{t}/checkpoints", f"{t}/cache", f"{t}/plan.json", f"{t}/verl_lab_gpu.py",
+            f"{t}/train-launcher", f"{t}/train.env", UNIT_PATH]
+
+
 def _fail(name: str, message: str) -> None:
     """Fail this host only, at run time, with the message on stderr."""
     server.shell(name=name, commands=[f"echo {shlex.quote('verl-lab train: ' + message)} >&2; exit 1"])
@@ -169,13 +177,21 @@ def _flash_attn(env_marker: dict | None) -> bool:
 @deploy("verl-lab training plan, launcher and unit")
 def install_training(settings: LabSettings):
     """Plan for this box's GPU; launcher, env file, plan.json and the systemd unit; proofs; marker."""
-    inventory = None if settings.gpu_override else once(NvidiaGpus)
+    # one command for all this stage reads (tasks/facts/bundle.py); the GPUs only when the env
+    # stage of this run has not read them already
+    have_gpus, inventory = (True, None) if settings.gpu_override else known(NvidiaGpus)
+    marker_path = settings.marker("train")
+    asked = [(Marker, {"path": settings.marker("pyenv")}), (Marker, {"path": marker_path}),
+             (PathStates, {"paths": training_paths(settings)}), (UnitState, {"unit": UNIT_NAME})]
+    answers = ask(*asked, *([] if have_gpus else [(NvidiaGpus, {})]))
+    env_marker, marker, states, unit = answers[:4]
+    if not have_gpus:
+        inventory = remember(NvidiaGpus, answers[4])
     try:
         target, source = plan_target(settings, inventory)
     except NoTarget as exc:
         _fail("Training plan needs a GPU", str(exc))
         return
-    env_marker = host.get_fact(Marker, path=settings.marker("pyenv"))
     try:
         plan = make_plan(target, training_workload(settings, _flash_attn(env_marker)))
     except PlanError as exc:
@@ -185,8 +201,6 @@ def install_training(settings: LabSettings):
     values = layout.values()
     user = settings.train_user
     digest = layout.digest()
-    marker_path = settings.marker("train")
-    marker = host.get_fact(Marker, path=marker_path)
     proven = bool(marker) and marker.get("digest") == digest
     if marker and not proven:
         # new inputs: the old marker goes first, so a run killed below never leaves it
@@ -205,13 +219,13 @@ def install_training(settings: LabSettings):
                     mode="640", group=user),
         wanted_file(UNIT_PATH, f"Unit {UNIT_NAME}", rendered(UNIT_TEMPLATE, **values)),
     ]
-    unit_changed = place(wanted)[UNIT_PATH] is not None
+    unit_changed = place(wanted, states)[UNIT_PATH] is not None
     if unit_changed:
         systemd.daemon_reload(name="systemd reads the changed unit")
 
     state = settings.train_unit_state
     want_enabled, want_running = state != "installed", state == "started"
-    unit = host.get_fact(UnitState, unit=UNIT_NAME)
+    unit = unit or {"enabled": False, "active": False}
     if unit_changed or unit["enabled"] != want_enabled or (want_running and not unit["active"]):
         systemd.service(name=f"Unit {UNIT_NAME}: {state}", service=UNIT_NAME,
                         enabled=want_enabled, running=True if want_running else None)

@@ -96,21 +96,25 @@ def patch_wanted(settings: LabSettings) -> list[Wanted]:
               for local, remote in zip(patch_files(art.version), box_paths))]
 
 
+def checkout_done(settings: LabSettings, checkout: dict | None) -> bool:
+    """The VerlCheckout answer (asked with every box patch path) shows the tag and every patch applied."""
+    names = [p.rsplit("/", 1)[-1] for p in box_patch_paths(settings, settings.catalog.artifact("verl").version)]
+    return bool(checkout) and checkout["at_ref"] and all(checkout["patches"].get(n) == "applied" for n in names)
+
+
 @deploy("verl source (pinned tag, version-pinned patches)")
-def verl_source(settings: LabSettings, patches_current: bool = False):
+def verl_source(settings: LabSettings, done: bool = False):
     """Clone at the tag and apply the patches (placed before, by the env stage).
 
-    ``patches_current``: the box's patch files were already as wanted before this run. Then one
-    fact (the clone's HEAD and every patch's state) can say all is done; else each operation
-    reads the checkout when it runs, after the new patch files are in place.
+    ``done``: the env stage found the clone at the tag with every patch applied, and the box's
+    patch files already as wanted (``checkout_done``). Else each operation reads the checkout
+    when it runs, after the new patch files are in place.
     """
     art = settings.catalog.artifact("verl")
     box_paths = box_patch_paths(settings, art.version)
-    if patches_current:
-        have = host.get_fact(VerlCheckout, path=settings.verl_src, ref=art.ref, patches=box_paths)
-        if have and have["at_ref"] and all(have["patches"].get(p.rsplit("/", 1)[-1]) == "applied" for p in box_paths):
-            host.noop(f"verl {art.ref} at {settings.verl_src}, {len(box_paths)} patches applied")
-            return
+    if done:
+        host.noop(f"verl {art.ref} at {settings.verl_src}, {len(box_paths)} patches applied")
+        return
     verl_clone(name=f"verl {art.ref} at {settings.verl_src}", settings=settings)
     for remote in box_paths:
         verl_patch(name=f"Apply {remote.rsplit('/', 1)[-1]}", settings=settings, patch=remote)

@@ -14,14 +14,37 @@ import json
 _ANSWERS: dict[tuple, tuple] = {}
 
 
+def _key(real, fact, kwargs) -> tuple:
+    return (id(real), fact.__module__, fact.__name__, json.dumps(kwargs, sort_keys=True, default=str))
+
+
+def _real_host():
+    from pyinfra import host
+
+    return host._get_module()          # the Host behind pyinfra's context proxy
+
+
+def known(fact, **kwargs) -> tuple[bool, object]:
+    """(True, answer) when this run already asked ``fact`` of the current host, else (False, None)."""
+    real = _real_host()
+    held = _ANSWERS.get(_key(real, fact, kwargs))
+    if held is None or held[0] is not real:     # an id reused by a later Host object
+        return False, None
+    return True, held[1]
+
+
+def remember(fact, answer, **kwargs):
+    """Keep an answer got another way (in a tasks.facts.bundle.Bundle) for ``once``/``known``."""
+    real = _real_host()
+    _ANSWERS[_key(real, fact, kwargs)] = (real, answer)
+    return answer
+
+
 def once(fact, **kwargs):
     """``host.get_fact(fact, **kwargs)``, asked once per host of this run."""
     from pyinfra import host
 
-    real = host._get_module()          # the Host behind pyinfra's context proxy
-    key = (id(real), fact.__module__, fact.__name__, json.dumps(kwargs, sort_keys=True, default=str))
-    held = _ANSWERS.get(key)
-    if held is None or held[0] is not real:     # an id reused by a later Host object: ask again
-        held = (real, host.get_fact(fact, **kwargs))
-        _ANSWERS[key] = held
-    return held[1]
+    have, answer = known(fact, **kwargs)
+    if have:
+        return answer
+    return remember(fact, host.get_fact(fact, **kwargs), **kwargs)
