@@ -8,9 +8,11 @@ of its own and reports its own time (no interpreter start-up in the figure):
   curl+sha256   : the same, then sha256sum (what a verified download costs with curl)
   fetch         : tasks.fetch.download(url, dest, Expected(sha256, size)): transfer, size and
                   sha256 check, rename, stamp
-  fetch, size check only: the same with Expected(None, size): the transfer without the sha256
-                  pass (what the fetch's own transfer costs)
-K interleaved rounds, medians. Target: fetch >= 0.8x curl's throughput.
+  fetch, 1 MiB reads: the same with tasks.fetch.READ_CHUNK at 1 MiB (the alternative tried)
+  fetch, size check only: the same with Expected(None, size) (the hash still runs while
+                  downloading; the check after it is skipped)
+K interleaved rounds, each starting one arm later (every arm runs after every other one:
+whichever arm followed curl+sha256 was always ~1.6x slower, whatever its code), medians. Target: fetch >= 0.8x curl's throughput.
 Then the resume drill: the mirror cuts the connection once after half the file
 (mirror.faulty("cut:N", times=1)); the fetch retries with a Range request, and the bench
 checks the file is complete and verified and how many bytes the mirror sent in all.
@@ -41,8 +43,11 @@ REL = "nvidia/bench/artifact.bin"
 FETCH_CHILD = """
 import json, sys, time
 from pathlib import Path
+import tasks.fetch
 from tasks.fetch import Expected, download
 url, dest, sha, size = sys.argv[1], Path(sys.argv[2]), sys.argv[3] or None, int(sys.argv[4])
+if sys.argv[5] != "default":       # another block size, to compare with READ_CHUNK
+    tasks.fetch.READ_CHUNK = int(sys.argv[5])
 t = time.monotonic()
 download(url, dest, Expected(sha, size), progress=False)
 print(json.dumps({"seconds": time.monotonic() - t}))
@@ -106,17 +111,18 @@ def main(argv=None) -> int:
                                   text=True).stdout.split()[0] == sha
             return {"seconds": got["seconds"] + time.monotonic() - t}
 
-        def fetch(want_sha):
+        def fetch(want_sha, chunk="default"):
             def arm():
                 clean(dest)
-                out = subprocess.run([sys.executable, "-c", FETCH_CHILD, url, str(dest), want_sha, str(size)],
+                out = subprocess.run([sys.executable, "-c", FETCH_CHILD, url, str(dest), want_sha, str(size), chunk],
                                      check=True, capture_output=True, text=True, env=env).stdout
                 assert dest.stat().st_size == size
                 return json.loads(out.strip().splitlines()[-1])
             return arm
 
         times = interleave({"curl": curl, "curl+sha256": curl_sha, "fetch": fetch(sha),
-                            "fetch, size check only": fetch("")}, args.repeat)
+                            "fetch, 1 MiB reads": fetch(sha, str(1 << 20)),
+                            "fetch, size check only": fetch("")}, args.repeat, rotate=True)
         med = {k: summary(v) for k, v in times.items()}
         mib_s = {k: args.size_mib / v["median"] for k, v in med.items()}
         vs_curl = mib_s["fetch"] / mib_s["curl"]

@@ -62,15 +62,20 @@ def render_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 
 def interleave(arms: Mapping[str, Callable[[], Any]], repeat: int,
-               clock: Callable[[], float] = time.monotonic) -> dict[str, list[float]]:
+               clock: Callable[[], float] = time.monotonic, rotate: bool = False) -> dict[str, list[float]]:
     """Run each arm once per round, ``repeat`` rounds (a b a b ...), timing each call.
 
     An arm may return a dict with ``"seconds"`` to report its own timing (e.g. a transfer
-    measured without its setup); else the wall time of the call counts.
+    measured without its setup); else the wall time of the call counts. ``rotate``: each round
+    starts one arm later (a b c, b c a, c a b, ...), so an arm that slows whichever arm runs
+    after it (a big file written, the page cache filled) does not always hit the same one.
     """
+    names = list(arms)
     times: dict[str, list[float]] = {name: [] for name in arms}
-    for _ in range(repeat):
-        for name, fn in arms.items():
+    for round_ in range(repeat):
+        shift = round_ % len(names) if rotate and names else 0
+        for name in names[shift:] + names[:shift]:
+            fn = arms[name]
             started = clock()
             got = fn()
             took = clock() - started

@@ -31,11 +31,10 @@ import requests
 from tqdm import tqdm
 
 CHUNK = 1 << 20
-# Bytes per read from the socket: 1 MiB blocks keep Python's per-block cost (and the hand-off to
-# the writer thread, see _Sink) small next to the transfer (bench/download.py: 256 KiB was
-# ~10% slower, 64 KiB half the speed); a cut connection loses at most the block in flight,
-# which the resume asks for again.
-READ_CHUNK = 1 << 20
+# Bytes per read from the socket: large enough that Python's per-block cost stays small next
+# to the transfer (bench/download.py), small enough that a cut connection loses little of what
+# was received (the part file holds every whole block; the resume asks for the rest).
+READ_CHUNK = 256 * 1024
 RETRIES = 3
 TIMEOUT = (15, 60)  # connect, read (a stalled mirror fails within a minute)
 
@@ -102,60 +101,6 @@ def locked(path: Path):
     with in_process, open(lock_path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         yield
-
-
-def _background_runner():
-    """``submit(fn, arg) -> waitable`` running ``fn`` in a real OS thread, and a ``close()``.
-
-    Under pyinfra (gevent has patched ``threading``, so a Thread would be a greenlet on the
-    same core) that is gevent's own thread pool, whose results a greenlet waits for without
-    blocking the other hosts; anywhere else a one-thread executor.
-    """
-    try:
-        from gevent import monkey
-        patched = monkey.is_module_patched("threading")
-    except ImportError:
-        patched = False
-    if patched:
-        import gevent
-
-        pool = gevent.get_hub().threadpool
-        return (lambda fn, arg: pool.spawn(fn, arg)), (lambda: None)
-    from concurrent.futures import ThreadPoolExecutor
-
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verl-lab-fetch")
-    return executor.submit, (lambda: executor.shutdown(wait=True))
-
-
-class _Sink:
-    """Writes and hashes each received block in another OS thread while the next block is
-    received: the sha256 (hashlib releases the GIL on large blocks) overlaps the transfer
-    instead of following it. One block in flight at most, so blocks stay in order and memory
-    stays at two blocks; an error of the writer is raised at the next block or at close."""
-
-    def __init__(self, out, digest):
-        self.out, self.digest, self.pending = out, digest, None
-        self.submit, self.shutdown = _background_runner()
-
-    def _consume(self, block: bytes) -> int:
-        self.out.write(block)
-        self.digest.update(block)
-        return len(block)
-
-    def _wait(self) -> None:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            (pending.result if hasattr(pending, "result") else pending.get)()
-
-    def feed(self, block: bytes) -> None:
-        self._wait()
-        self.pending = self.submit(self._consume, block)
-
-    def close(self) -> None:
-        try:
-            self._wait()
-        finally:
-            self.shutdown()
 
 
 def _verified_stamp(path: Path) -> Path:
@@ -249,13 +194,10 @@ def _download_once(http: requests.Session, url: str, part: Path, want: Expected,
             total=total_bytes, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
             desc=part.name.removesuffix(".part"), disable=not show, leave=False,
         ) as bar:
-            sink = _Sink(out, digest)
-            try:
-                for block in resp.iter_content(READ_CHUNK):
-                    sink.feed(block)
-                    bar.update(len(block))
-            finally:
-                sink.close()      # every received block is on disk before the size check
+            for block in resp.iter_content(READ_CHUNK):
+                out.write(block)
+                digest.update(block)
+                bar.update(len(block))
         if total and total.isdigit() and part.stat().st_size != int(total) + have:
             raise requests.ConnectionError(f"{url}: connection closed early")
         return digest.hexdigest()

@@ -388,7 +388,8 @@ def env_generation(settings: LabSettings, plan: EnvPlan, script: str, force: boo
 
 
 def env_file_paths(settings: LabSettings) -> list[str]:
-    """Every folder and file the env stage places (asked in one fact before the plan is made)."""
+    """The paths of ``env_wanted``, known before the plan is made (asked in the stage's one
+    bundle; tests/unit/test_placed.py checks the two agree)."""
     d = pyenv_dir(settings)
     paths = [d, settings.install_tmpdir, f"{settings.box_cache}/pip", str(Path(settings.env_prefix).parent),
              *(w.path for w in patch_wanted(settings)),
@@ -397,6 +398,31 @@ def env_file_paths(settings: LabSettings) -> list[str]:
     if settings.env_backend == "conda":
         paths.append(f"{settings.conda_prefix}/.condarc")
     return paths
+
+
+def env_wanted(settings: LabSettings, plan: EnvPlan, vllm_wheel: str | None) -> tuple[list, list]:
+    """The folders and files the env stage places (tasks/placed.py), and the conda box's .condarc
+    (placed apart: after Miniforge, whose installer refuses an existing prefix)."""
+    d = pyenv_dir(settings)
+    wanted = [
+        *(wanted_dir(path) for path in (d, settings.install_tmpdir, f"{settings.box_cache}/pip",
+                                        str(Path(settings.env_prefix).parent))),
+        *patch_wanted(settings),
+        wanted_file(f"{d}/constraints.txt", "Env constraints",
+                    rendered(TEMPLATES / "pyenv-constraints.txt.j2", lines=list(plan.constraints))),
+        wanted_file(f"{d}/verl-requirements.txt", "verl runtime requirements", REQUIREMENTS.read_bytes()),
+        wanted_file(f"{d}/build-tools.txt", "Build tools requirements", BUILD_TOOLS.read_bytes()),
+        wanted_file(f"{d}/prove-env.py", "Env proofs", (TEMPLATES / "pyenv-prove.py").read_bytes()),
+        wanted_file(f"{d}/build-env.sh", "Env build script",
+                    rendered(TEMPLATES / "pyenv-build.sh.j2", **build_script_context(settings, plan, vllm_wheel)),
+                    mode="755"),
+    ]
+    condarc = []
+    if settings.env_backend == "conda":
+        condarc = [wanted_file(f"{settings.conda_prefix}/.condarc", "conda channels (.condarc)",
+                               rendered(TEMPLATES / "condarc.j2", profile=settings.mirror_profile,
+                                        conda_base=settings.mirrors.base("conda")))]
+    return wanted, condarc
 
 
 @deploy("verl-lab Python env")
@@ -425,27 +451,9 @@ def python_env(settings: LabSettings, force_rebuild: bool = False):
     if plan.problems:
         box_problem(name="Python env prerequisites", message="; ".join(plan.problems))
         return
-    d = pyenv_dir(settings)
     vllm_wheel = box_path(settings, settings.catalog.artifact("vllm")) if plan.vllm else None
-    script = f"{d}/build-env.sh"
-    wanted = [
-        *(wanted_dir(path) for path in (d, settings.install_tmpdir, f"{settings.box_cache}/pip",
-                                        str(Path(settings.env_prefix).parent))),
-        *patch_wanted(settings),
-        wanted_file(f"{d}/constraints.txt", "Env constraints",
-                    rendered(TEMPLATES / "pyenv-constraints.txt.j2", lines=list(plan.constraints))),
-        wanted_file(f"{d}/verl-requirements.txt", "verl runtime requirements", REQUIREMENTS.read_bytes()),
-        wanted_file(f"{d}/build-tools.txt", "Build tools requirements", BUILD_TOOLS.read_bytes()),
-        wanted_file(f"{d}/prove-env.py", "Env proofs", (TEMPLATES / "pyenv-prove.py").read_bytes()),
-        wanted_file(script, "Env build script", rendered(TEMPLATES / "pyenv-build.sh.j2",
-                                                         **build_script_context(settings, plan, vllm_wheel)),
-                    mode="755"),
-    ]
-    condarc = []
-    if settings.env_backend == "conda":
-        condarc = [wanted_file(f"{settings.conda_prefix}/.condarc", "conda channels (.condarc)",
-                               rendered(TEMPLATES / "condarc.j2", profile=settings.mirror_profile,
-                                        conda_base=settings.mirrors.base("conda")))]
+    script = f"{pyenv_dir(settings)}/build-env.sh"
+    wanted, condarc = env_wanted(settings, plan, vllm_wheel)
     states = states or {}
     placed = place(wanted, states)
 

@@ -158,8 +158,26 @@ class TrainingLayout:
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
+def training_wanted(layout: TrainingLayout) -> list:
+    """The folders and files the stage places (tasks/placed.py), in order: folders first."""
+    values, user = layout.values(), layout.settings.train_user
+    return [
+        wanted_dir(layout.train_dir, mode="750", group=user),
+        *(wanted_dir(path, f"Directory {path} (the train user's)", mode="750", user=user, group=user)
+          for path in (layout.work_dir, layout.checkpoint_dir, layout.cache_dir)),
+        wanted_file(layout.plan_file, "Training plan (plan.json)", layout.plan_json()),
+        wanted_file(f"{layout.train_dir}/verl_lab_gpu.py", "GPU reader for the preflight", GPU_MODULE.read_bytes()),
+        wanted_file(layout.launcher, "Training launcher", rendered(LAUNCHER_TEMPLATE, **values),
+                    mode="750", group=user),
+        wanted_file(layout.env_file, "Training environment file", rendered(ENV_TEMPLATE, **values),
+                    mode="640", group=user),
+        wanted_file(UNIT_PATH, f"Unit {UNIT_NAME}", rendered(UNIT_TEMPLATE, **values)),
+    ]
+
+
 def training_paths(settings: LabSettings) -> list[str]:
-    """Every folder and file the stage places (TrainingLayout's), known before the plan is made."""
+    """The paths of ``training_wanted``, known before the plan is made (asked in the stage's one
+    bundle; tests/unit/test_placed.py checks the two agree)."""
     t = settings.train_dir
     return [t, f"{t}/work", f"{t}/checkpoints", f"{t}/cache", f"{t}/plan.json", f"{t}/verl_lab_gpu.py",
             f"{t}/train-launcher", f"{t}/train.env", UNIT_PATH]
@@ -207,18 +225,7 @@ def install_training(settings: LabSettings):
         # beside files it did not prove
         files.file(name="Old training marker removed (re-proving)", path=marker_path, present=False)
 
-    wanted = [
-        wanted_dir(layout.train_dir, mode="750", group=user),
-        *(wanted_dir(path, f"Directory {path} (the train user's)", mode="750", user=user, group=user)
-          for path in (layout.work_dir, layout.checkpoint_dir, layout.cache_dir)),
-        wanted_file(layout.plan_file, "Training plan (plan.json)", layout.plan_json()),
-        wanted_file(f"{layout.train_dir}/verl_lab_gpu.py", "GPU reader for the preflight", GPU_MODULE.read_bytes()),
-        wanted_file(layout.launcher, "Training launcher", rendered(LAUNCHER_TEMPLATE, **values),
-                    mode="750", group=user),
-        wanted_file(layout.env_file, "Training environment file", rendered(ENV_TEMPLATE, **values),
-                    mode="640", group=user),
-        wanted_file(UNIT_PATH, f"Unit {UNIT_NAME}", rendered(UNIT_TEMPLATE, **values)),
-    ]
+    wanted = training_wanted(layout)
     unit_changed = place(wanted, states)[UNIT_PATH] is not None
     if unit_changed:
         systemd.daemon_reload(name="systemd reads the changed unit")

@@ -2,9 +2,9 @@
 
 pyinfra asks a fact again every time a stage calls ``host.get_fact``. Some answers cannot change
 while verl-lab runs (the box's GPUs: no stage touches them), yet two stages need them (the env
-stage for vLLM and the Apex arch list, the training stage for the plan). ``once`` keeps the
-first answer for the host object of this run; a new run (a new pyinfra process or State) asks
-again.
+stage for vLLM and the Apex arch list, the training stage for the plan). ``remember`` keeps an
+answer for the host object of this run and ``known`` gives it back; a new run (a new pyinfra
+process or State) asks again.
 """
 
 from __future__ import annotations
@@ -34,17 +34,7 @@ def known(fact, **kwargs) -> tuple[bool, object]:
 
 
 def remember(fact, answer, **kwargs):
-    """Keep an answer got another way (in a tasks.facts.bundle.Bundle) for ``once``/``known``."""
+    """Keep an answer (got in a tasks.facts.bundle.Bundle) for ``known``."""
     real = _real_host()
     _ANSWERS[_key(real, fact, kwargs)] = (real, answer)
     return answer
-
-
-def once(fact, **kwargs):
-    """``host.get_fact(fact, **kwargs)``, asked once per host of this run."""
-    from pyinfra import host
-
-    have, answer = known(fact, **kwargs)
-    if have:
-        return answer
-    return remember(fact, host.get_fact(fact, **kwargs), **kwargs)

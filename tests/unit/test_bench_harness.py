@@ -61,3 +61,11 @@ def test_count_commands_per_host_stage_and_fact(tmp_path):
                                       "command": "uname -n"}]}
     assert got["b2"]["commands"] == 1 and got["b2"]["by_fact"] == {}
     assert count_commands(CommandLog.read(tmp_path / "missing.jsonl")) == {}
+
+
+def test_interleave_rotates_the_order_each_round():
+    order = []
+    arms = {name: (lambda n=name: order.append(n)) for name in "abc"}
+    times = interleave(arms, 4, clock=lambda: 0.0, rotate=True)
+    assert order == list("abc" "bca" "cab" "abc")
+    assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}

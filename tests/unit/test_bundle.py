@@ -8,7 +8,7 @@ import pytest
 from pyinfra.api import FactBase, StringCommand
 from pyinfra.facts.server import LinuxDistribution
 
-from tasks.facts.bundle import Bundle
+from tasks.facts.bundle import Bundle, _text
 from tasks.facts.data import FilesPresent
 from tasks.facts.files import Marker, PathStates
 from tasks.facts.nvidia import CudaHostCompiler, NvidiaDriver
@@ -48,8 +48,8 @@ def sh(cmd: str) -> subprocess.CompletedProcess:
 
 
 def alone(cls, kwargs):
-    out = sh(cls().command(**kwargs) if not isinstance(cls().command(**kwargs), StringCommand)
-             else cls().command(**kwargs).get_raw_value())
+    """What host.get_fact would give for the fact alone (its command here, pyinfra's rules)."""
+    out = sh(_text(cls().command(**kwargs)))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     return cls().process(lines) if lines else cls().default()

@@ -12,7 +12,9 @@ import pytest
 
 from tasks.facts.files import PathStates, UnitState
 from tasks.placed import differs, rendered, wanted_dir, wanted_file
-from tasks.training import UNIT_TEMPLATE
+from tasks import pyenv, training
+from tests.unit import test_pyenv as pyenv_test
+from tests.unit import test_training_launcher as launcher_test
 
 
 def run_fact(fact, **kwargs):
@@ -84,14 +86,30 @@ def test_differs_against_a_real_file(tmp_path):
 
 def test_rendered_matches_pyinfra_template_rendering(tmp_path):
     """The bytes placed are the bytes pyinfra's files.template would write (trailing newline kept)."""
+    from jinja2 import UndefinedError
     from pyinfra.api.util import get_template
 
     t = tmp_path / "t.j2"
     t.write_text("a={{ a }}\n{% for x in xs %}{{ x }}\n{% endfor %}\n")
     assert rendered(t, a=1, xs=[2, 3]) == get_template(str(t)).render({"a": 1, "xs": [2, 3]}) == "a=1\n2\n3\n\n"
-    with pytest.raises(Exception):
+    with pytest.raises(UndefinedError):
         rendered(t, a=1)              # StrictUndefined, as in files.template
-    assert UNIT_TEMPLATE.exists()
+
+
+@pytest.mark.parametrize("backend", ["venv", "conda"])
+def test_env_stage_asks_for_exactly_the_paths_it_places(backend):
+    """The env stage's bundle asks PathStates for env_file_paths before it has a plan; place()
+    would ask again for any path missing there (one command more on every run)."""
+    s = pyenv_test.settings(env_backend=backend)
+    plan = pyenv.plan_env(s, pyenv_test.gpus(), pyenv_test.BUILD)
+    wanted, condarc = pyenv.env_wanted(s, plan, None)
+    assert [w.path for w in wanted + condarc] == pyenv.env_file_paths(s)
+    assert bool(condarc) == (backend == "conda")
+
+
+def test_training_stage_asks_for_exactly_the_paths_it_places():
+    s = launcher_test.settings_for()
+    assert [w.path for w in training.training_wanted(launcher_test.layout_for(s))] == training.training_paths(s)
 
 
 @pytest.mark.parametrize("lines,enabled,active", [
