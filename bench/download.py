@@ -1,6 +1,6 @@
 """Download: the controller fetch (tasks.fetch.download) from the lab mirror vs curl of the same file.
 
-    python bench/download.py [--size-mib M] [--repeat K]
+    python bench/download.py [--size-mib M] [--repeat K] [--page-reporting as-found|both]
 
 The mirror (tests/lab/mirror.py) runs in this process; each timed download runs in a process
 of its own and reports its own time (no interpreter start-up in the figure):
@@ -8,15 +8,21 @@ of its own and reports its own time (no interpreter start-up in the figure):
   curl+sha256   : the same, then sha256sum (what a verified download costs with curl)
   fetch         : tasks.fetch.download(url, dest, Expected(sha256, size)): transfer, size and
                   sha256 check, rename, stamp
-  fetch, 1 MiB reads: the same with tasks.fetch.READ_CHUNK at 1 MiB (the alternative tried)
-  fetch, size check only: the same with Expected(None, size) (the hash still runs while
-                  downloading; the check after it is skipped)
+  fetch, 256 KiB writes: the same writing each 256 KiB block whole (tasks.fetch.WRITE_CHUNK =
+                  READ_CHUNK), as the fetcher did before it wrote 32 KiB pieces
 K interleaved rounds, each starting one arm later (every arm runs after every other one:
-whichever arm followed curl+sha256 was always ~1.6x slower, whatever its code), medians. Target: fetch >= 0.8x curl's throughput.
+whichever arm followed curl+sha256 was always ~1.6x slower, whatever its code), medians.
+Target: fetch >= 0.8x curl's throughput.
 Then the resume drill: the mirror cuts the connection once after half the file
 (mirror.faulty("cut:N", times=1)); the fetch retries with a Range request, and the bench
 checks the file is complete and verified and how many bytes the mirror sent in all.
-Writes bench/results/download.json. No boxes needed (root not required for this one).
+--page-reporting both (root): the same rounds again with the VM's free page reporting turned off
+(bench.harness.free_page_reporting_off; the order found is put back), after touching all free memory and one
+untimed warm-up round: memory the host took back faults in again when the page cache next uses it, which made
+this bench's page-cache writes slow and noisy on the VM it was written on.
+Then (--link-mbit, default 1000) curl and the fetch again through the mirror paced to a link
+of that speed (its "slow" fault), the case of a lab mirror on a real network.
+Writes bench/results/download.json. No boxes needed (root only for --page-reporting both).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import REPO, interleave, log, render_table, summary, write_result  # noqa: E402
+from bench.harness import (REPO, free_page_reporting, free_page_reporting_off, interleave, log,  # noqa: E402
+                           render_table, summary, touch_free_memory, write_result)  # noqa: E402
 from tasks.fetch import Expected, download  # noqa: E402
 from tests.lab.mirror import Mirror  # noqa: E402
 
@@ -46,8 +53,8 @@ from pathlib import Path
 import tasks.fetch
 from tasks.fetch import Expected, download
 url, dest, sha, size = sys.argv[1], Path(sys.argv[2]), sys.argv[3] or None, int(sys.argv[4])
-if sys.argv[5] != "default":       # another block size, to compare with READ_CHUNK
-    tasks.fetch.READ_CHUNK = int(sys.argv[5])
+if sys.argv[5] != "default":       # another write size, to compare with WRITE_CHUNK
+    tasks.fetch.WRITE_CHUNK = int(sys.argv[5])
 t = time.monotonic()
 download(url, dest, Expected(sha, size), progress=False)
 print(json.dumps({"seconds": time.monotonic() - t}))
@@ -80,10 +87,27 @@ def clean(dest: Path) -> None:
     os.sync()
 
 
+def measure(arms, repeat: int, size_mib: int) -> dict:
+    """``repeat`` rotated rounds of every arm; medians, MiB/s and the fetch's ratios to curl."""
+    times = interleave(arms, repeat, rotate=True)
+    med = {k: summary(v) for k, v in times.items()}
+    mib_s = {k: size_mib / v["median"] for k, v in med.items()}
+    vs_curl = mib_s["fetch"] / mib_s["curl"]
+    return {"free_page_reporting_order": free_page_reporting(), "samples": times, "summary": med,
+            "mib_per_s": mib_s, "fetch_vs_curl": vs_curl,
+            "fetch_vs_curl_sha256": mib_s["fetch"] / mib_s["curl+sha256"] if "curl+sha256" in mib_s else None,
+            "met": vs_curl >= TARGET}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--page-reporting", choices=("as-found", "both"), default="as-found",
+                    help="both: measure again with this VM's free page reporting turned off (root; put back after)")
+    ap.add_argument("--link-mbit", type=int, default=1000,
+                    help="then curl and fetch through a mirror paced to this link speed (0: skip)")
+    ap.add_argument("--link-repeat", type=int, default=3)
     ap.add_argument("--boxes", type=int, default=0, help="unused (no boxes needed); accepted for symmetry")
     args = ap.parse_args(argv)
     size = args.size_mib << 20
@@ -120,13 +144,30 @@ def main(argv=None) -> int:
                 return json.loads(out.strip().splitlines()[-1])
             return arm
 
-        times = interleave({"curl": curl, "curl+sha256": curl_sha, "fetch": fetch(sha),
-                            "fetch, 1 MiB reads": fetch(sha, str(1 << 20)),
-                            "fetch, size check only": fetch("")}, args.repeat, rotate=True)
-        med = {k: summary(v) for k, v in times.items()}
-        mib_s = {k: args.size_mib / v["median"] for k, v in med.items()}
-        vs_curl = mib_s["fetch"] / mib_s["curl"]
-        vs_curl_sha = mib_s["fetch"] / mib_s["curl+sha256"]
+        arms = {"curl": curl, "curl+sha256": curl_sha, "fetch": fetch(sha),
+                "fetch, 256 KiB writes": fetch(sha, str(256 << 10))}
+        runs = {"as found": measure(arms, args.repeat, args.size_mib)}
+        if args.page_reporting == "both":
+            with free_page_reporting_off() as found:
+                if found is None:
+                    log("this kernel does not report free pages: nothing to turn off")
+                else:
+                    log(f"free page reporting off (order {found} -> 11); touching free memory (untimed)")
+                    log(f"touched {touch_free_memory()} MiB; one untimed warm-up round")
+                    for arm in arms.values():
+                        arm()
+                    runs["free page reporting off"] = measure(arms, args.repeat, args.size_mib)
+        if args.link_mbit:
+            # a mirror link of that speed: the mirror's "slow" fault writes rate/10 bytes, then
+            # sleeps 0.1 s (both clients get the same pacing)
+            rate = args.link_mbit * 1_000_000 // 8
+            def paced(arm):
+                def run():
+                    with mirror.faulty(f"slow:{rate}", prefix="/" + REL):
+                        return arm()
+                return run
+            runs[f"paced to {args.link_mbit} Mbit/s"] = measure(
+                {"curl": paced(curl), "fetch": paced(fetch(sha))}, args.link_repeat, args.size_mib)
 
         # resume after a cut connection, in this process (the mirror's fault is ours to set)
         clean(dest)
@@ -145,17 +186,20 @@ def main(argv=None) -> int:
         mirror.stop()
         subprocess.run(["rm", "-rf", str(work)], check=False)
 
-    print(f"\nDownload of {args.size_mib} MiB from the lab mirror (127.0.0.1), {args.repeat} interleaved rounds")
-    rows = [[k, med[k]["median"], med[k]["min"], med[k]["max"], mib_s[k], mib_s[k] / mib_s["curl"]] for k in med]
-    print(render_table(["client", "median s", "min", "max", "MiB/s", "x curl"], rows))
-    print(f"target: fetch >= {TARGET}x curl -> {'MET' if vs_curl >= TARGET else 'MISSED'} ({vs_curl:.2f}x; "
-          f"{vs_curl_sha:.2f}x curl+sha256sum)")
+    for name, run in runs.items():
+        med, mib_s = run["summary"], run["mib_per_s"]
+        print(f"\nDownload of {args.size_mib} MiB from the lab mirror (127.0.0.1), {args.repeat} interleaved "
+              f"rounds, {name} (free page reporting order: {run['free_page_reporting_order']})")
+        rows = [[k, med[k]["median"], med[k]["min"], med[k]["max"], mib_s[k], mib_s[k] / mib_s["curl"]] for k in med]
+        print(render_table(["client", "median s", "min", "max", "MiB/s", "x curl"], rows))
+        vs_sha = run["fetch_vs_curl_sha256"]
+        print(f"target: fetch >= {TARGET}x curl -> {'MET' if run['met'] else 'MISSED'} "
+              f"({run['fetch_vs_curl']:.2f}x" + (f"; {vs_sha:.2f}x curl+sha256sum)" if vs_sha else ")"))
     print(f"\nResume: connection cut once at {cut_at} bytes -> requests {reqs}")
     print(f"mirror sent {served} bytes for a {size}-byte file ({served / size:.3f}x); verified: {resumed_ok}; "
           f"{resume_s:.2f}s")
     path = write_result("download", {
-        "size_bytes": size, "repeat": args.repeat, "samples": times, "summary": med, "mib_per_s": mib_s,
-        "fetch_vs_curl": vs_curl, "fetch_vs_curl_sha256": vs_curl_sha, "target": TARGET, "met": vs_curl >= TARGET,
+        "size_bytes": size, "repeat": args.repeat, "target": TARGET, "runs": runs,
         "resume": {"cut_at": cut_at, "requests": reqs, "bytes_served": served, "seconds": resume_s,
                    "verified": resumed_ok}})
     print(f"\nwrote {path}")

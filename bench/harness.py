@@ -8,7 +8,9 @@ are unit-tested in tests/unit/test_bench_harness.py; the rest needs a lab in a b
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
 import platform
 import statistics
@@ -85,9 +87,55 @@ def interleave(arms: Mapping[str, Callable[[], Any]], repeat: int,
     return times
 
 
+PAGE_REPORTING = Path("/sys/module/page_reporting/parameters/page_reporting_order")
+
+
+def free_page_reporting(param: Path = PAGE_REPORTING) -> int | None:
+    """The order from which this VM's kernel reports free memory to its host (virtio balloon
+    free page reporting), or None where it does not. Memory so reported is dropped by the host
+    and faults in again when next used: page-cache writes of big files get slower and noisier
+    (see docs/benchmarks.md, "Download"), so every result records it."""
+    try:
+        return int(param.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def free_page_reporting_off(param: Path = PAGE_REPORTING):
+    """Stop this VM reporting free memory to its host for the duration (root): the reporting
+    order is raised above the largest buddy order (10 on x86-64), so no free block qualifies;
+    the order found is put back afterwards. Yields the order found (None: nothing to stop)."""
+    found = free_page_reporting(param)
+    if found is None:
+        yield None
+        return
+    param.write_text("11\n")
+    try:
+        yield found
+    finally:
+        param.write_text(f"{found}\n")
+
+
+def touch_free_memory(keep_mib: int = 2048, meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Write every page of this machine's free memory but ``keep_mib`` once, then free it; returns
+    MiB touched. With free page reporting off, memory the host had taken back is backed again
+    after this, so the next page-cache writes do not fault it in (the first touch ran at
+    ~200 MiB/s on the VM these benches were written on)."""
+    free_kib = next(int(line.split()[1]) for line in meminfo.read_text().splitlines()
+                    if line.startswith("MemFree:"))
+    mib = max(0, free_kib // 1024 - keep_mib)
+    block = bytes(1 << 20)
+    with mmap.mmap(-1, max(mib, 1) << 20) as mem:
+        for _ in range(mib):
+            mem.write(block)
+    return mib
+
+
 def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "free_page_reporting_order": free_page_reporting(),
             "boxes": "systemd-nspawn containers on this machine, ssh over 127.0.0.1 (loopback)"}
 
 

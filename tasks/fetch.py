@@ -35,6 +35,14 @@ CHUNK = 1 << 20
 # to the transfer (bench/download.py), small enough that a cut connection loses little of what
 # was received (the part file holds every whole block; the resume asks for the rest).
 READ_CHUNK = 256 * 1024
+# Bytes per write to the part file. Each block is written in 32 KiB pieces (a memoryview, no
+# copy): the kernel gives the page cache folios about the size of each write, and folios of up
+# to 32 KiB (order 3) come from the per-CPU lists of recently freed pages. Larger writes take
+# high-order blocks from the buddy allocator, and in a VM with free page reporting (virtio
+# balloon: Firecracker, QEMU, WSL2) those were handed back to the host and fault in again
+# page by page. bench/download.py on such a VM: 256 KiB writes 0.52x curl, 32 KiB 0.83x; with
+# reporting off the two are the same (docs/benchmarks.md, "Download").
+WRITE_CHUNK = 32 * 1024
 RETRIES = 3
 TIMEOUT = (15, 60)  # connect, read (a stalled mirror fails within a minute)
 
@@ -101,6 +109,17 @@ def locked(path: Path):
     with in_process, open(lock_path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         yield
+
+
+def write_in_pieces(out, block: bytes, piece: int | None = None) -> None:
+    """``out.write(block)`` as writes of at most ``piece`` (default WRITE_CHUNK) bytes."""
+    step = piece or WRITE_CHUNK
+    if len(block) <= step:
+        out.write(block)
+        return
+    view = memoryview(block)
+    for start in range(0, len(view), step):
+        out.write(view[start:start + step])
 
 
 def _verified_stamp(path: Path) -> Path:
@@ -195,7 +214,7 @@ def _download_once(http: requests.Session, url: str, part: Path, want: Expected,
             desc=part.name.removesuffix(".part"), disable=not show, leave=False,
         ) as bar:
             for block in resp.iter_content(READ_CHUNK):
-                out.write(block)
+                write_in_pieces(out, block)
                 digest.update(block)
                 bar.update(len(block))
         if total and total.isdigit() and part.stat().st_size != int(total) + have:

@@ -6,7 +6,8 @@ What it does for tests:
 - byte ranges (``Range: bytes=a-b`` -> 206 with ``Content-Range``), so resuming fetchers resume;
 - correct ``Content-Length``, ``ETag``, ``Last-Modified``, ``Accept-Ranges: bytes``;
 - counters: ``bytes_served`` (all bodies), ``bytes_by_path``, ``requests`` (a log);
-- faults on a path prefix: ``mirror.fault = "500" | "404" | "html" | "stall" | "cut:<bytes>"``
+- faults on a path prefix: ``mirror.fault = "500" | "404" | "html" | "stall" | "cut:<bytes>"
+  | "slow:<bytes per second>"`` (a link of that speed)
   with ``mirror.fault_prefix`` (default "/") and ``mirror.fault_times`` (None = until cleared),
   or ``with mirror.faulty("cut:1000", prefix="/nvidia/", times=1): ...``;
 - git over plain HTTP ("dumb" protocol): ``publish_git()`` makes a bare repo and runs
@@ -337,7 +338,7 @@ class _Handler(BaseHTTPRequestHandler):
         chunks = [body] if isinstance(body, (bytes, bytearray)) else body
         limit = int(fault.split(":")[1]) if fault and fault.startswith("cut:") else None
         rate = int(fault.split(":")[1]) if fault and fault.startswith("slow:") else None
-        sent = 0
+        sent, started = 0, time.monotonic()
         try:
             if fault == "stall":
                 self.wfile.flush()
@@ -348,12 +349,17 @@ class _Handler(BaseHTTPRequestHandler):
                 if limit is not None and sent + len(chunk) > limit:
                     chunk = chunk[: limit - sent]
                 if rate:
-                    for i in range(0, len(chunk), max(1, rate // 10)):
-                        piece = chunk[i:i + max(1, rate // 10)]
+                    # a link of ``rate`` bytes/s: send in pieces of 1/100 s and sleep only while
+                    # ahead of the schedule, so a slower client is not slowed further
+                    step = max(1, rate // 100)
+                    for i in range(0, len(chunk), step):
+                        piece = chunk[i:i + step]
                         self.mirror._add_bytes(path, len(piece))
                         self.wfile.write(piece)
                         sent += len(piece)
-                        time.sleep(0.1)
+                        ahead = started + sent / rate - time.monotonic()
+                        if ahead > 0:
+                            time.sleep(ahead)
                 else:
                     self.mirror._add_bytes(path, len(chunk))
                     self.wfile.write(chunk)

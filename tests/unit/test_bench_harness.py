@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from bench.harness import CommandLog, count_commands, interleave, ratio, render_table, summary
+from bench.harness import (CommandLog, count_commands, free_page_reporting, free_page_reporting_off, interleave, ratio,
+                           render_table, summary, touch_free_memory)
 
 
 def test_summary_is_the_median_of_odd_and_even_counts():
@@ -69,3 +70,25 @@ def test_interleave_rotates_the_order_each_round():
     times = interleave(arms, 4, clock=lambda: 0.0, rotate=True)
     assert order == list("abc" "bca" "cab" "abc")
     assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
+
+
+def test_free_page_reporting_is_read_and_put_back_after_turning_it_off(tmp_path):
+    param = tmp_path / "page_reporting_order"
+    assert free_page_reporting(param) is None          # no such kernel module: nothing reported
+    with free_page_reporting_off(param) as found:
+        assert found is None and not param.exists()    # and nothing written
+    param.write_text("9\n")
+    assert free_page_reporting(param) == 9
+    with pytest.raises(RuntimeError):
+        with free_page_reporting_off(param) as found:
+            assert found == 9 and param.read_text().strip() == "11"
+            raise RuntimeError("a bench arm failed")
+    assert param.read_text().strip() == "9"            # put back even when the bench fails
+
+
+def test_touch_free_memory_leaves_what_it_is_asked_to_keep(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683664 kB\nMemFree:           %d kB\nMemAvailable: 1 kB\n" % (2048 * 1024 + 3 * 1024))
+    assert touch_free_memory(keep_mib=2048, meminfo=meminfo) == 3
+    meminfo.write_text("MemFree:           1024 kB\n")
+    assert touch_free_memory(keep_mib=2048, meminfo=meminfo) == 0

@@ -144,3 +144,47 @@ def test_direct_mode_script_names_an_html_answer(mirror, tmp_path):
         bad = run_box_script(box_fetch_script(f"{mirror.url}/{REL}", dest, SHA, len(PAYLOAD)))
     assert bad.returncode != 0 and "answered an HTML page" in bad.stderr, bad.stderr
     assert not os.path.exists(dest) and not os.path.exists(dest + ".part")
+
+
+class _Recorder:
+    def __init__(self):
+        self.sizes, self.data = [], bytearray()
+
+    def write(self, b):
+        self.sizes.append(len(b))
+        self.data += b
+        return len(b)
+
+
+def test_blocks_are_written_in_pieces_of_at_most_write_chunk_in_order():
+    import tasks.fetch as fetch_mod
+
+    block = os.urandom(fetch_mod.READ_CHUNK + 5)
+    out = _Recorder()
+    fetch_mod.write_in_pieces(out, block)
+    assert bytes(out.data) == block
+    assert max(out.sizes) == fetch_mod.WRITE_CHUNK and out.sizes[-1] == (len(block) % fetch_mod.WRITE_CHUNK)
+    small = _Recorder()
+    fetch_mod.write_in_pieces(small, b"abc", piece=2)
+    assert small.sizes == [2, 1] and bytes(small.data) == b"abc"
+
+
+def test_download_writes_the_part_file_in_write_chunk_pieces(mirror, tmp_path, monkeypatch):
+    import builtins
+
+    import tasks.fetch as fetch_mod
+
+    sizes = []
+    real_open = builtins.open
+
+    def spying_open(file, mode="r", *a, **kw):
+        fh = real_open(file, mode, *a, **kw)
+        if str(file).endswith(".part") and "b" in mode and ("a" in mode or "w" in mode):
+            write = fh.write
+            fh.write = lambda b: (sizes.append(len(b)), write(b))[1]  # type: ignore[method-assign]
+        return fh
+
+    monkeypatch.setattr(builtins, "open", spying_open)
+    dest = tmp_path / "blob"
+    assert fetch(mirror, dest).read_bytes() == PAYLOAD
+    assert sum(sizes) == len(PAYLOAD) and max(sizes) <= fetch_mod.WRITE_CHUNK

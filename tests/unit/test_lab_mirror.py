@@ -92,6 +92,21 @@ def test_cut_then_resume_with_range(mirror):
     assert mirror.fault is None                                 # times=1 used up
 
 
+def test_slow_paces_the_body_to_its_rate(mirror):
+    import time
+
+    big = bytes(range(256)) * 12000                 # 3,072,000 bytes
+    mirror.add_file("nvidia/cuda/big.run", big)
+    start = time.monotonic()
+    with mirror.faulty("slow:10000000"):            # 10 MB/s: ~0.31 s
+        resp, body = get(mirror, "/nvidia/cuda/big.run")
+    took = time.monotonic() - start
+    assert body == big and resp.status == 200
+    # never faster than the rate; and paced by the rate, not by a sleep per 64 KiB file chunk
+    # (which made any rate above ~650 KB/s send at ~650 KB/s: 4.7 s here)
+    assert 0.30 <= took < 2.5, took
+
+
 def test_stall_sends_headers_then_nothing(mirror):
     mirror.stall_s = 30
     mirror.set_fault("stall")
