@@ -8,8 +8,11 @@ of its own and reports its own time (no interpreter start-up in the figure):
   curl+sha256   : the same, then sha256sum (what a verified download costs with curl)
   fetch         : tasks.fetch.download(url, dest, Expected(sha256, size)): transfer, size and
                   sha256 check, rename, stamp
-  fetch, 256 KiB writes: the same writing each 256 KiB block whole (tasks.fetch.WRITE_CHUNK =
-                  READ_CHUNK), as the fetcher did before it wrote 32 KiB pieces
+  fetch, 256 KiB / 32 KiB writes: the same with tasks.fetch.WRITE_CHUNK forced (the fetcher
+                  writes each 256 KiB block whole, or in 32 KiB pieces on a VM that reports
+                  free pages to its host: tasks.fetch.write_size)
+  fetch, no sha256: the same transfer with the sha256 replaced by a digest that does nothing
+                  and Expected(None, size) (measurement only: what the hash costs)
 K interleaved rounds, each starting one arm later (every arm runs after every other one:
 whichever arm followed curl+sha256 was always ~1.6x slower, whatever its code), medians.
 Target: fetch >= 0.8x curl's throughput.
@@ -53,7 +56,14 @@ from pathlib import Path
 import tasks.fetch
 from tasks.fetch import Expected, download
 url, dest, sha, size = sys.argv[1], Path(sys.argv[2]), sys.argv[3] or None, int(sys.argv[4])
-if sys.argv[5] != "default":       # another write size, to compare with WRITE_CHUNK
+if sys.argv[5] == "no-sha256":    # measurement only: the same transfer with a digest that does nothing
+    class _NoDigest:
+        def update(self, _block): pass
+        def hexdigest(self): return ""
+    class _NoHashlib:
+        sha256 = _NoDigest
+    tasks.fetch.hashlib = _NoHashlib
+elif sys.argv[5] != "default":     # another write size, to compare with WRITE_CHUNK
     tasks.fetch.WRITE_CHUNK = int(sys.argv[5])
 t = time.monotonic()
 download(url, dest, Expected(sha, size), progress=False)
@@ -93,7 +103,7 @@ def measure(arms, repeat: int, size_mib: int) -> dict:
     med = {k: summary(v) for k, v in times.items()}
     mib_s = {k: size_mib / v["median"] for k, v in med.items()}
     vs_curl = mib_s["fetch"] / mib_s["curl"]
-    return {"free_page_reporting_order": free_page_reporting(), "samples": times, "summary": med,
+    return {"free_page_reporting_order": free_page_reporting(), "rounds": repeat, "samples": times, "summary": med,
             "mib_per_s": mib_s, "fetch_vs_curl": vs_curl,
             "fetch_vs_curl_sha256": mib_s["fetch"] / mib_s["curl+sha256"] if "curl+sha256" in mib_s else None,
             "met": vs_curl >= TARGET}
@@ -145,7 +155,9 @@ def main(argv=None) -> int:
             return arm
 
         arms = {"curl": curl, "curl+sha256": curl_sha, "fetch": fetch(sha),
-                "fetch, 256 KiB writes": fetch(sha, str(256 << 10))}
+                "fetch, 256 KiB writes": fetch(sha, str(256 << 10)),
+                "fetch, 32 KiB writes": fetch(sha, str(32 << 10)),
+                "fetch, no sha256 (measurement only)": fetch("", "no-sha256")}
         runs = {"as found": measure(arms, args.repeat, args.size_mib)}
         if args.page_reporting == "both":
             with free_page_reporting_off() as found:
@@ -188,7 +200,7 @@ def main(argv=None) -> int:
 
     for name, run in runs.items():
         med, mib_s = run["summary"], run["mib_per_s"]
-        print(f"\nDownload of {args.size_mib} MiB from the lab mirror (127.0.0.1), {args.repeat} interleaved "
+        print(f"\nDownload of {args.size_mib} MiB from the lab mirror (127.0.0.1), {run['rounds']} interleaved "
               f"rounds, {name} (free page reporting order: {run['free_page_reporting_order']})")
         rows = [[k, med[k]["median"], med[k]["min"], med[k]["max"], mib_s[k], mib_s[k] / mib_s["curl"]] for k in med]
         print(render_table(["client", "median s", "min", "max", "MiB/s", "x curl"], rows))

@@ -35,14 +35,17 @@ CHUNK = 1 << 20
 # to the transfer (bench/download.py), small enough that a cut connection loses little of what
 # was received (the part file holds every whole block; the resume asks for the rest).
 READ_CHUNK = 256 * 1024
-# Bytes per write to the part file. Each block is written in 32 KiB pieces (a memoryview, no
-# copy): the kernel gives the page cache folios about the size of each write, and folios of up
-# to 32 KiB (order 3) come from the per-CPU lists of recently freed pages. Larger writes take
-# high-order blocks from the buddy allocator, and in a VM with free page reporting (virtio
-# balloon: Firecracker, QEMU, WSL2) those were handed back to the host and fault in again
-# page by page. bench/download.py on such a VM: 256 KiB writes 0.52x curl, 32 KiB 0.83x; with
-# reporting off the two are the same (docs/benchmarks.md, "Download").
-WRITE_CHUNK = 32 * 1024
+# Bytes per write to the part file on a VM that reports free memory to its host (virtio
+# balloon free page reporting: Firecracker, QEMU, cloud-hypervisor). The kernel gives the page
+# cache folios about the size of each write; folios of up to 32 KiB (order 3) come from the
+# per-CPU lists of recently freed pages, larger ones from high-order free blocks, which such a
+# VM has handed back to its host and must fault in again page by page. Elsewhere each block is
+# written whole (None). bench/download.py, 1 GiB over loopback on such a VM: whole blocks
+# 0.43-0.52x curl, 32 KiB pieces 0.48-0.98x; with reporting off, whole blocks 0.77-0.89x and
+# 32 KiB pieces 0.73-0.78x (docs/benchmarks.md, "Download").
+WRITE_CHUNK_REPORTING_VM = 32 * 1024
+WRITE_CHUNK: int | None = None   # set to force one write size (the download bench compares them)
+SYS = Path("/sys")
 RETRIES = 3
 TIMEOUT = (15, 60)  # connect, read (a stalled mirror fails within a minute)
 
@@ -111,15 +114,43 @@ def locked(path: Path):
         yield
 
 
-def write_in_pieces(out, block: bytes, piece: int | None = None) -> None:
-    """``out.write(block)`` as writes of at most ``piece`` (default WRITE_CHUNK) bytes."""
-    step = piece or WRITE_CHUNK
-    if len(block) <= step:
+def free_pages_reported(sys_root: Path | None = None) -> bool:
+    """True on a Linux VM whose free memory is being reported to its host: a virtio balloon
+    device offering VIRTIO_BALLOON_F_REPORTING (feature bit 5) and a reporting order the buddy
+    allocator can reach (<= 10; a higher one, as bench.harness sets, stops reporting)."""
+    root = sys_root or SYS
+    try:
+        order = int((root / "module/page_reporting/parameters/page_reporting_order").read_text())
+    except (OSError, ValueError):
+        return False
+    if order > 10:
+        return False
+    for dev in (root / "bus/virtio/devices").glob("*"):
+        try:
+            if int((dev / "device").read_text().strip(), 16) == 5:
+                bits = (dev / "features").read_text().strip()
+                if len(bits) > 5 and bits[5] == "1":
+                    return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def write_size() -> int | None:
+    """Bytes per write to a part file (None: each received block whole); see WRITE_CHUNK."""
+    if WRITE_CHUNK is not None:
+        return WRITE_CHUNK
+    return WRITE_CHUNK_REPORTING_VM if free_pages_reported() else None
+
+
+def write_in_pieces(out, block: bytes, piece: int | None) -> None:
+    """``out.write(block)`` as writes of at most ``piece`` bytes (None: one write)."""
+    if piece is None or len(block) <= piece:
         out.write(block)
         return
     view = memoryview(block)
-    for start in range(0, len(view), step):
-        out.write(view[start:start + step])
+    for start in range(0, len(view), piece):
+        out.write(view[start:start + piece])
 
 
 def _verified_stamp(path: Path) -> Path:
@@ -213,8 +244,9 @@ def _download_once(http: requests.Session, url: str, part: Path, want: Expected,
             total=total_bytes, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
             desc=part.name.removesuffix(".part"), disable=not show, leave=False,
         ) as bar:
+            piece = write_size()
             for block in resp.iter_content(READ_CHUNK):
-                write_in_pieces(out, block)
+                write_in_pieces(out, block, piece)
                 digest.update(block)
                 bar.update(len(block))
         if total and total.isdigit() and part.stat().st_size != int(total) + have:

@@ -156,20 +156,52 @@ class _Recorder:
         return len(b)
 
 
-def test_blocks_are_written_in_pieces_of_at_most_write_chunk_in_order():
+def test_blocks_are_written_whole_or_in_pieces_in_order():
     import tasks.fetch as fetch_mod
 
     block = os.urandom(fetch_mod.READ_CHUNK + 5)
     out = _Recorder()
-    fetch_mod.write_in_pieces(out, block)
+    fetch_mod.write_in_pieces(out, block, 32 * 1024)
     assert bytes(out.data) == block
-    assert max(out.sizes) == fetch_mod.WRITE_CHUNK and out.sizes[-1] == (len(block) % fetch_mod.WRITE_CHUNK)
-    small = _Recorder()
-    fetch_mod.write_in_pieces(small, b"abc", piece=2)
-    assert small.sizes == [2, 1] and bytes(small.data) == b"abc"
+    assert max(out.sizes) == 32 * 1024 and out.sizes[-1] == len(block) % (32 * 1024)
+    whole = _Recorder()
+    fetch_mod.write_in_pieces(whole, block, None)
+    assert whole.sizes == [len(block)] and bytes(whole.data) == block
 
 
-def test_download_writes_the_part_file_in_write_chunk_pieces(mirror, tmp_path, monkeypatch):
+def _sysfs(root: Path, order: str | None, devices: dict[str, tuple[str, str]]) -> Path:
+    if order is not None:
+        param = root / "module/page_reporting/parameters/page_reporting_order"
+        param.parent.mkdir(parents=True)
+        param.write_text(order + "\n")
+    for name, (device_id, features) in devices.items():
+        dev = root / "bus/virtio/devices" / name
+        dev.mkdir(parents=True)
+        (dev / "device").write_text(device_id + "\n")
+        (dev / "features").write_text(features + "\n")
+    return root
+
+
+# the features line of this project's bench VM's balloon (bits 1, 2, 5, 7, 32) and of a disk
+BALLOON_REPORTING = "0110010100000000000000000000000010000000000000000000000000000000"
+BALLOON_NO_REPORTING = "0110000100000000000000000000000010000000000000000000000000000000"
+BLK = "0000011000000000000000000000000010000000000000000000000000000000"
+
+
+@pytest.mark.parametrize("order, devices, reported", [
+    ("9", {"virtio0": ("0x0005", BALLOON_REPORTING), "virtio1": ("0x0002", BLK)}, True),
+    ("11", {"virtio0": ("0x0005", BALLOON_REPORTING)}, False),      # reporting stopped (bench)
+    ("9", {"virtio0": ("0x0005", BALLOON_NO_REPORTING)}, False),    # balloon without reporting
+    ("9", {"virtio1": ("0x0002", BLK)}, False),                     # no balloon (bit 5 of a disk)
+    (None, {"virtio0": ("0x0005", BALLOON_REPORTING)}, False),      # kernel without page reporting
+])
+def test_free_page_reporting_is_read_from_sysfs(tmp_path, order, devices, reported):
+    from tasks.fetch import free_pages_reported
+
+    assert free_pages_reported(_sysfs(tmp_path / "sys", order, devices)) is reported
+
+
+def test_download_writes_pieces_only_where_free_pages_are_reported(mirror, tmp_path, monkeypatch):
     import builtins
 
     import tasks.fetch as fetch_mod
@@ -185,6 +217,10 @@ def test_download_writes_the_part_file_in_write_chunk_pieces(mirror, tmp_path, m
         return fh
 
     monkeypatch.setattr(builtins, "open", spying_open)
-    dest = tmp_path / "blob"
-    assert fetch(mirror, dest).read_bytes() == PAYLOAD
-    assert sum(sizes) == len(PAYLOAD) and max(sizes) <= fetch_mod.WRITE_CHUNK
+    monkeypatch.setattr(fetch_mod, "SYS", _sysfs(tmp_path / "vm", "9", {"virtio0": ("0x0005", BALLOON_REPORTING)}))
+    assert fetch(mirror, tmp_path / "a").read_bytes() == PAYLOAD
+    assert sum(sizes) == len(PAYLOAD) and max(sizes) == fetch_mod.WRITE_CHUNK_REPORTING_VM
+    sizes.clear()
+    monkeypatch.setattr(fetch_mod, "SYS", _sysfs(tmp_path / "metal", None, {}))
+    assert fetch(mirror, tmp_path / "b").read_bytes() == PAYLOAD
+    assert sum(sizes) == len(PAYLOAD) and max(sizes) > fetch_mod.WRITE_CHUNK_REPORTING_VM   # whole blocks
