@@ -36,7 +36,13 @@ def sizes_up_to(n: int) -> list[int]:
     return out
 
 
-def one_size(pipe: Pipeline, n: int, repeat: int) -> dict:
+def print_profile(path, top: int = 30) -> None:
+    import pstats
+    stats = pstats.Stats(str(path))
+    stats.sort_stats("tottime").print_stats(top)
+
+
+def one_size(pipe: Pipeline, n: int, repeat: int, profile: bool = False) -> dict:
     lab = pipe.lab
     hosts = [f"fleet{n}x{i + 1}" for i in range(n)]
     lab.boot([BoxSpec(h, gpu="p40") for h in hosts])
@@ -66,8 +72,23 @@ def one_size(pipe: Pipeline, n: int, repeat: int) -> dict:
             return {"seconds": r.seconds}
 
         times = interleave({"floor": floor, "noop": noop}, repeat)
+        # one more no-op with every remote command timed (bench/counted_pyinfra.py): how long the
+        # boxes took to answer, per host, when n of them share this machine's cores
+        counted = run_pyinfra(lab, [pipe.deploy_file], pipe.data, hosts, tag=f"noop-counted-{n}", count=True)
+        counted.result.assert_ok()
+        per_host = [c["command_seconds"] for c in counted.commands.values()]
+        commands = max(c["commands"] for c in counted.commands.values())
+        log(f"{n} boxes: counted no-op {counted.seconds:.2f}s, {commands} commands per host, their time per host "
+            f"median {summary(per_host)['median']:.3f}s")
+        if profile:
+            prof = lab.dir / f"noop-{n}.prof"
+            r = run_pyinfra(lab, [pipe.deploy_file], pipe.data, hosts, tag=f"noop-profiled-{n}", profile=prof)
+            r.result.assert_ok()
+            log(f"{n} boxes: one more no-op under cProfile: {r.seconds:.2f}s (controller CPU, by own time):")
+            print_profile(prof)
         log(f"{n} boxes: fresh {fresh:.1f}s, no-op {times['noop']}, floor {times['floor']}, changed {changed}")
         return {"boxes": n, "fresh_s": fresh, "fresh_changed": fresh_changed, "samples": times,
+                "commands_per_host": commands, "command_seconds_per_host": summary(per_host),
                 "floor": summary(times["floor"]), "noop": summary(times["noop"]), "noop_changed": changed}
     finally:
         for h in hosts:
@@ -80,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--stages", choices=("nonenv", "full"), default="nonenv")
     ap.add_argument("--mode", choices=("direct", "relay"), default="direct", help="artifact_mode")
+    ap.add_argument("--sizes", help="comma-separated fleet sizes instead of 1, 2, 4 ... --boxes")
+    ap.add_argument("--profile", action="store_true", help="then one more no-op per size under cProfile")
     args = ap.parse_args(argv)
     results = []
     with Lab() as lab:
@@ -89,8 +112,9 @@ def main(argv=None) -> int:
         # fetch the same snapshot at once, so a fresh relay converge of n > 1 boxes hangs.
         pipe.data["artifact_mode"] = args.mode
         try:
-            for n in sizes_up_to(args.boxes):
-                results.append(one_size(pipe, n, args.repeat))
+            sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else sizes_up_to(args.boxes)
+            for n in sizes:
+                results.append(one_size(pipe, n, args.repeat, args.profile))
         finally:
             pipe.close()
     one = results[0]
@@ -98,10 +122,12 @@ def main(argv=None) -> int:
     for r in results:
         rows.append([r["boxes"], r["fresh_s"], r["fresh_s"] / one["fresh_s"], r["floor"]["median"],
                      r["noop"]["median"], r["noop"]["median"] / one["noop"]["median"],
-                     r["noop"]["median"] / r["floor"]["median"], max(r["noop_changed"])])
+                     r["noop"]["median"] / r["floor"]["median"], max(r["noop_changed"]), r["commands_per_host"],
+                     r["command_seconds_per_host"]["median"]])
     print(f"\nFleet scale, {pipe.deploy_file} ({args.mode} mode), {args.repeat} interleaved rounds per size "
           "(seconds, medians)")
-    print(render_table(["boxes", "fresh", "x 1 box", "floor", "no-op", "x 1 box", "x floor", "changed"], rows))
+    print(render_table(["boxes", "fresh", "x 1 box", "floor", "no-op", "x 1 box", "x floor", "changed",
+                        "cmds/host", "cmd s/host"], rows))
     last = results[-1]
     x = last["noop"]["median"] / one["noop"]["median"]
     ok = x <= TARGET and all(max(r["noop_changed"]) == 0 for r in results)

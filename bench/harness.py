@@ -277,14 +277,17 @@ class Run:
 
 
 def run_pyinfra(lab, args: Sequence[str], data: Mapping[str, Any] | None = None, hosts=None,
-                count: bool = False, timeout: float = 1800, tag: str = "run") -> Run:
+                count: bool = False, timeout: float = 1800, tag: str = "run", profile: Path | None = None) -> Run:
     """``python -m pyinfra -y --json INV *args`` (or bench/counted_pyinfra.py with ``count``)
-    against the lab's boxes with the same inventory lab.deploy writes; timed end to end."""
+    against the lab's boxes with the same inventory lab.deploy writes; timed end to end.
+    ``profile``: run it under cProfile, stats written there (the controller's own CPU)."""
     from tests.lab.results import parse
     names = list(hosts) if hosts is not None else list(lab.boxes)
     stamp = f"{tag}-{time.monotonic_ns()}"
     inv = lab.write_inventory(data, None, names, path=lab.dir / f"inventory-{stamp}.py")
     entry = [str(REPO / "bench" / "counted_pyinfra.py")] if count else ["-m", "pyinfra"]
+    if profile is not None:
+        entry = ["-m", "cProfile", "-o", str(profile), *entry]
     cmd = [sys.executable, *entry, "-y", "--json", str(inv), *args]
     env = {**os.environ, "PYINFRA_PROGRESS": "off", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     cmd_log = lab.dir / f"commands-{stamp}.jsonl"

@@ -40,9 +40,9 @@ READ_CHUNK = 256 * 1024
 # cache folios about the size of each write; folios of up to 32 KiB (order 3) come from the
 # per-CPU lists of recently freed pages, larger ones from high-order free blocks, which such a
 # VM has handed back to its host and must fault in again page by page. Elsewhere each block is
-# written whole (None). bench/download.py, 1 GiB over loopback on such a VM: whole blocks
-# 0.43-0.52x curl, 32 KiB pieces 0.48-0.98x; with reporting off, whole blocks 0.77-0.89x and
-# 32 KiB pieces 0.73-0.78x (docs/benchmarks.md, "Download").
+# written whole (None). bench/download.py, 1 GiB over loopback on such a VM, same runs: whole
+# blocks 0.47-0.56x curl, 32 KiB pieces 0.63-0.83x; with reporting off, whole blocks 0.77-0.89x,
+# 32 KiB pieces 0.73-0.80x (docs/benchmarks.md, "Download").
 WRITE_CHUNK_REPORTING_VM = 32 * 1024
 WRITE_CHUNK: int | None = None   # set to force one write size (the download bench compares them)
 SYS = Path("/sys")
