@@ -164,14 +164,14 @@ def main(argv=None) -> int:
                 if found is None:
                     log("this kernel does not report free pages: nothing to turn off")
                 else:
-                    log(f"free page reporting off (order {found} -> 11); touching free memory (untimed)")
+                    log(f"free page reporting off (order {found} -> above the largest buddy order); touching free memory (untimed)")
                     log(f"touched {touch_free_memory()} MiB; one untimed warm-up round")
                     for arm in arms.values():
                         arm()
                     runs["free page reporting off"] = measure(arms, args.repeat, args.size_mib)
         if args.link_mbit:
-            # a mirror link of that speed: the mirror's "slow" fault writes rate/10 bytes, then
-            # sleeps 0.1 s (both clients get the same pacing)
+            # a mirror link of that speed: the mirror's "slow" fault paces every body to the rate
+            # (both clients get the same link)
             rate = args.link_mbit * 1_000_000 // 8
             def paced(arm):
                 def run():

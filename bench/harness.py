@@ -87,30 +87,27 @@ def interleave(arms: Mapping[str, Callable[[], Any]], repeat: int,
     return times
 
 
-PAGE_REPORTING = Path("/sys/module/page_reporting/parameters/page_reporting_order")
-
-
-def free_page_reporting(param: Path = PAGE_REPORTING) -> int | None:
-    """The order from which this VM's kernel reports free memory to its host (virtio balloon
-    free page reporting), or None where it does not. Memory so reported is dropped by the host
-    and faults in again when next used: page-cache writes of big files get slower and noisier
-    (see docs/benchmarks.md, "Download"), so every result records it."""
-    try:
-        return int(param.read_text().strip())
-    except (OSError, ValueError):
-        return None
+def free_page_reporting(sys_root: Path | None = None) -> int | None:
+    """This VM's free page reporting order (``tasks.fetch.page_reporting_order``), or None.
+    Memory so reported is dropped by the host and faults in again when next used: page-cache
+    writes of big files get slower and noisier (docs/benchmarks.md, "Download"), so every
+    result records it."""
+    from tasks.fetch import page_reporting_order
+    return page_reporting_order(sys_root)
 
 
 @contextlib.contextmanager
-def free_page_reporting_off(param: Path = PAGE_REPORTING):
+def free_page_reporting_off(sys_root: Path | None = None):
     """Stop this VM reporting free memory to its host for the duration (root): the reporting
-    order is raised above the largest buddy order (10 on x86-64), so no free block qualifies;
-    the order found is put back afterwards. Yields the order found (None: nothing to stop)."""
-    found = free_page_reporting(param)
+    order is raised above the largest buddy order, so no free block qualifies; the order found
+    is put back afterwards. Yields the order found (None: nothing to stop)."""
+    from tasks.fetch import MAX_BUDDY_ORDER, PAGE_REPORTING_ORDER, SYS
+    found = free_page_reporting(sys_root)
     if found is None:
         yield None
         return
-    param.write_text("11\n")
+    param = (sys_root or SYS) / PAGE_REPORTING_ORDER
+    param.write_text(f"{MAX_BUDDY_ORDER + 1}\n")
     try:
         yield found
     finally:

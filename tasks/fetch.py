@@ -46,6 +46,8 @@ READ_CHUNK = 256 * 1024
 WRITE_CHUNK_REPORTING_VM = 32 * 1024
 WRITE_CHUNK: int | None = None   # set to force one write size (the download bench compares them)
 SYS = Path("/sys")
+PAGE_REPORTING_ORDER = "module/page_reporting/parameters/page_reporting_order"   # under SYS
+MAX_BUDDY_ORDER = 10   # the largest free block order on x86-64: a reporting order above it reports nothing
 RETRIES = 3
 TIMEOUT = (15, 60)  # connect, read (a stalled mirror fails within a minute)
 
@@ -114,16 +116,22 @@ def locked(path: Path):
         yield
 
 
+def page_reporting_order(sys_root: Path | None = None) -> int | None:
+    """The order from which this kernel reports free blocks to its host (virtio balloon free
+    page reporting), or None where the kernel has no page reporting."""
+    try:
+        return int(((sys_root or SYS) / PAGE_REPORTING_ORDER).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def free_pages_reported(sys_root: Path | None = None) -> bool:
     """True on a Linux VM whose free memory is being reported to its host: a virtio balloon
     device offering VIRTIO_BALLOON_F_REPORTING (feature bit 5) and a reporting order the buddy
-    allocator can reach (<= 10; a higher one, as bench.harness sets, stops reporting)."""
+    allocator can reach (a higher one, as bench.harness sets, stops reporting)."""
     root = sys_root or SYS
-    try:
-        order = int((root / "module/page_reporting/parameters/page_reporting_order").read_text())
-    except (OSError, ValueError):
-        return False
-    if order > 10:
+    order = page_reporting_order(root)
+    if order is None or order > MAX_BUDDY_ORDER:
         return False
     for dev in (root / "bus/virtio/devices").glob("*"):
         try:

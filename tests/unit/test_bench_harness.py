@@ -73,14 +73,18 @@ def test_interleave_rotates_the_order_each_round():
 
 
 def test_free_page_reporting_is_read_and_put_back_after_turning_it_off(tmp_path):
-    param = tmp_path / "page_reporting_order"
-    assert free_page_reporting(param) is None          # no such kernel module: nothing reported
-    with free_page_reporting_off(param) as found:
+    from tasks.fetch import PAGE_REPORTING_ORDER
+
+    sys_root = tmp_path / "sys"
+    param = sys_root / PAGE_REPORTING_ORDER
+    assert free_page_reporting(sys_root) is None       # no such kernel module: nothing reported
+    with free_page_reporting_off(sys_root) as found:
         assert found is None and not param.exists()    # and nothing written
+    param.parent.mkdir(parents=True)
     param.write_text("9\n")
-    assert free_page_reporting(param) == 9
+    assert free_page_reporting(sys_root) == 9
     with pytest.raises(RuntimeError):
-        with free_page_reporting_off(param) as found:
+        with free_page_reporting_off(sys_root) as found:
             assert found == 9 and param.read_text().strip() == "11"
             raise RuntimeError("a bench arm failed")
     assert param.read_text().strip() == "9"            # put back even when the bench fails

@@ -171,7 +171,8 @@ def test_blocks_are_written_whole_or_in_pieces_in_order():
 
 def _sysfs(root: Path, order: str | None, devices: dict[str, tuple[str, str]]) -> Path:
     if order is not None:
-        param = root / "module/page_reporting/parameters/page_reporting_order"
+        from tasks.fetch import PAGE_REPORTING_ORDER
+        param = root / PAGE_REPORTING_ORDER
         param.parent.mkdir(parents=True)
         param.write_text(order + "\n")
     for name, (device_id, features) in devices.items():
