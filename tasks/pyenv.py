@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +34,9 @@ BUILD_TOOLS = REPO_ROOT / "files" / "requirements" / "build-tools.txt"
 TEMPLATES = REPO_ROOT / "files" / "templates"
 CONDA_PYTHON = "3.10"
 MIN_PYTHON = (3, 10)
+# The Apex build passes two --config-settings of one key: pip < 23.1 refuses the option (22.0.2,
+# Ubuntu 22.04's venv) or keeps only the last value (23.0.1, Debian 12's venv).
+MIN_PIP = (23, 1)
 KIB_PER_BUILD_JOB = 4 * 1024 * 1024          # Apex's nvcc jobs: about 4 GB of RAM each
 # TORCH_CUDA_ARCH_LIST for a box without a GPU: what torch 2.6 cu118 itself is built for (>= 6.0).
 NO_GPU_ARCH_LIST = "6.0;7.0;7.5;8.0;8.6;9.0"
@@ -50,14 +54,25 @@ def requirement_lines(path: Path) -> list[str]:
             if line.split("#", 1)[0].strip()]
 
 
-def pinned_version(requirements: list[str], name: str) -> str:
+def pinned_version(requirements: list[str], name: str, where: str = "the torch artifact's requirements") -> str:
     """The version pinned for ``name`` (``torch==2.6.0+cu118`` -> ``2.6.0+cu118``)."""
     for req in requirements:
         left, sep, version = req.partition("==")
         if sep and left.split("[", 1)[0].strip().lower() == name.lower():
             return version.strip()
-    raise EnvPlanError(f"the torch artifact's requirements {requirements!r} pin no {name}==<version>;"
+    raise EnvPlanError(f"{where} {requirements!r} pin no {name}==<version>;"
                        f" list exact pins such as {name}==2.6.0+cu118")
+
+
+def env_pip_version(build_tools: Path = BUILD_TOOLS) -> str:
+    """The pip every new env is brought to first (build-tools.txt), refused below ``MIN_PIP``."""
+    version = pinned_version(requirement_lines(build_tools), "pip", f"{build_tools.name}'s requirements")
+    have = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if have < MIN_PIP:
+        need = ".".join(map(str, MIN_PIP))
+        raise EnvPlanError(f"{build_tools.name} pins pip=={version}; the Apex build's repeated --config-settings"
+                           f" need pip >= {need}: pin a newer pip")
+    return version
 
 
 def constraint_lines(torch_requirements: list[str], *requirement_files: Path) -> list[str]:
@@ -123,6 +138,7 @@ class EnvPlan:
     torch_index: str
     pypi_index: str
     constraints: tuple[str, ...]
+    pip_version: str                    # brought into the env first (build-tools.txt)
     apex_url: str
     apex_ref: str
     arch_list: str
@@ -225,6 +241,7 @@ def plan_env(settings: LabSettings, gpus, build: dict, overrides: tuple[str, ...
         torch_index=torch.url(settings.mirrors),
         pypi_index=settings.mirrors.base("pypi"),
         constraints=tuple(constraint_lines(reqs, REQUIREMENTS, BUILD_TOOLS)),
+        pip_version=env_pip_version(),
         apex_url=apex.url(settings.mirrors),
         apex_ref=str(apex.ref),
         arch_list=torch_cuda_arch_list(gpu_cc),
@@ -266,6 +283,8 @@ def build_script_context(settings: LabSettings, plan: EnvPlan, vllm_wheel: str |
         "torch_index": plan.torch_index,
         "pip_cache": f"{settings.box_cache}/pip",
         "build_tools": f"{d}/build-tools.txt",
+        "pip_requirement": f"pip=={plan.pip_version}",
+        "min_pip": ".".join(map(str, MIN_PIP)),
         "tmpdir": settings.install_tmpdir,
         "apex_ref": plan.apex_ref,
         "apex_url": plan.apex_url,

@@ -175,8 +175,10 @@ def test_conda_env_create_and_pip_commands():
     assert "--branch 25.09 https://github.com/NVIDIA/apex.git" in text
     assert "pip_install /opt/verl-lab/cache/vllm/vllm-0.8.5+cu118-cp38-abi3-manylinux1_x86_64.whl" in text
     assert "pip_install --no-deps -e /opt/verl-lab/src/verl" in text
-    # order: torch, Apex, verl deps, vLLM, verl; proofs before the swap, marker last
-    order = [text.index(k) for k in ("pip_install torch==", "pip install -v --no-build-isolation",
+    # order: the env's pip, build tools, torch, Apex, verl deps, vLLM, verl; proofs before the swap, marker last
+    assert "PIP_PIN=pip==25.1.1 MIN_PIP=23.1" in text
+    order = [text.index(k) for k in ("conda create", 'pip_install "$PIP_PIN"', "pip_new_enough \"$pip_now\"",
+                                     "pip_install -r /opt/verl-lab/pyenv/build-tools.txt", "pip_install torch==", "pip install -v --no-build-isolation",
                                      "pip_install -r /opt/verl-lab/pyenv/verl-requirements.txt",
                                      "pip_install /opt/verl-lab/cache/vllm", "pip_install --no-deps -e",
                                      "verl-lab-proof.json", "mv -T \"$PREFIX.link-new\" \"$PREFIX\"",
@@ -198,6 +200,19 @@ def test_venv_backend_script():
     s = settings(env_backend="venv", venv_python="/usr/bin/python3")
     text = _build_script(s, pyenv.plan_env(s, gpus(), BUILD))
     assert "/usr/bin/python3 -m venv \"$GEN\"" in text and "conda create" not in text
+    # the venv's bundled pip (22.0.2 on Ubuntu 22.04) is replaced before the Apex build needs it
+    assert text.index('pip_install "$PIP_PIN"') < text.index('--config-settings "--build-option=--cpp_ext"')
+
+
+def test_a_pip_pin_below_23_1_is_refused(tmp_path):
+    old = tmp_path / "build-tools.txt"
+    old.write_text("pip==23.0.1\nsetuptools==80.9.0\n")
+    with pytest.raises(pyenv.EnvPlanError, match="pip==23.0.1.*need pip >= 23.1"):
+        pyenv.env_pip_version(old)
+    old.write_text("setuptools==80.9.0\n")
+    with pytest.raises(pyenv.EnvPlanError, match="pin no pip=="):
+        pyenv.env_pip_version(old)
+    assert pyenv.env_pip_version() == "25.1.1"
 
 
 # ------------------------------------------------------------------ verl source ops
