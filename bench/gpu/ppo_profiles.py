@@ -1,0 +1,217 @@
+"""The GPU harness's profiles: real verl 0.5.0 PPO runs of the product's own rendered launcher on
+the device's H200, each under a memory cap that stands for a smaller card.
+
+Runs here (it needs the project's planning code and pyinfra's jinja2; the device machine has
+neither). ``render`` writes, for each profile, what deploy/train.py would put in a box's
+``<lab_root>/train`` (launcher, plan.json, train.env, the GPU reader) with the profile's lab_root
+``/tmp/vl/<name>``, plus ``profile.json`` (cap, verl tree, extra overrides, what it stands for)
+into ``.gpu/profiles/<name>/``. bench/gpu/run_profile.py runs one on the device.
+
+    .venv/bin/python bench/gpu/ppo_profiles.py render [--only p40,t4] [--today-ref REF]
+    .venv/bin/python bench/gpu/ppo_profiles.py list
+
+Profiles whose plan says vLLM (which cannot run on the device: vLLM 0.8.5 needs torch 2.6 and
+its wheel is far over a call's carry limit) are planned and run with the HF rollout for that
+run only (``rollout_engine='hf'``); their record says so. ``today`` profiles render the launcher
+with the project's code and verl patches as of ``--today-ref`` (a git worktree), for a
+before/after comparison in one session. ``seed`` runs the hand recipe the project replaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+OUT_DEFAULT = REPO / ".gpu" / "profiles"
+TODAY_REF = "7d6e4b8"            # main before the training-path fixes (issue 14)
+OUTSIDE_TORCH_MIB = 1311         # CUDA context etc. per process on the H200 (../shared/design/GPU.md)
+STEPS = 5
+# Every run: no checkpoint (12 GB of fp32 states, ~18 s, not what is measured) and validation
+# after the last step (verl validates at the last step when test_freq > 0).
+RUN_OVERRIDES = ["trainer.save_freq=-1"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    gpu_name: str
+    compute_capability: str
+    memory_mib: int
+    capped: bool = True                  # cap the allocator at memory_mib - OUTSIDE_TORCH_MIB
+    code: str = "current"                # "current" | "today": which planning code and patches
+    rollout_engine: str = "auto"         # "hf" where the plan would use vLLM
+    steps: int = STEPS
+    validate: bool = True
+    stands_for: str = ""
+    seed_recipe: bool = False
+
+    @property
+    def cap_mib(self) -> int | None:
+        return self.memory_mib - OUTSIDE_TORCH_MIB if self.capped else None
+
+
+PROFILES = [
+    Profile("p40", "Tesla P40", "6.1", 24576, stands_for="Tesla P40 (24 GiB), the plan as built now"),
+    Profile("t4", "Tesla T4", "7.5", 15360, rollout_engine="hf",
+            stands_for="Tesla T4 (15 GiB); HF rollout instead of the plan's vLLM, for this run only"),
+    Profile("rtx3090", "NVIDIA GeForce RTX 3090", "8.6", 24576, rollout_engine="hf",
+            stands_for="RTX 3090 (24 GiB); HF rollout instead of the plan's vLLM, for this run only"),
+    Profile("h200", "NVIDIA H200", "9.0", 143771, capped=False, rollout_engine="hf",
+            stands_for="the H200 itself; HF rollout instead of the plan's vLLM, for this run only"),
+    Profile("p40-today", "Tesla P40", "6.1", 24576, code="today", steps=3, validate=False,
+            stands_for="Tesla P40, the plan and verl patches as they were before this work (throughput baseline)"),
+    Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
+            stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),
+]
+BY_NAME = {p.name: p for p in PROFILES}
+
+
+def lab_root(profile: Profile) -> str:
+    return f"/tmp/vl/{profile.name}"
+
+
+def seed_overrides(profile: Profile) -> list[str]:
+    """The hand recipe verl-lab replaces, with only its keys that exist in verl 0.5.0: one prompt
+    per step, 128 + 128 tokens, every micro-batch 1, HF rollout, fp32, sdpa, no offload."""
+    root = lab_root(profile)
+    model = f"{root}/models/Qwen--Qwen2.5-0.5B-Instruct"
+    data = f"{root}/data/gsm8k"
+    keys = [
+        f"data.train_files={data}/train.parquet", f"data.val_files={data}/val_small.parquet",
+        "data.train_batch_size=1", "data.max_prompt_length=128", "data.max_response_length=128",
+        "data.filter_overlong_prompts=True",
+        f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.model.use_remove_padding=False", "critic.model.use_remove_padding=False",
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "+actor_rollout_ref.model.override_config._attn_implementation=sdpa",
+        "+critic.model.override_config._attn_implementation=sdpa",
+    ]
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model"):
+        keys += [f"+{role}.fsdp_config.mixed_precision.param_dtype=fp32",
+                 f"+{role}.fsdp_config.mixed_precision.reduce_dtype=fp32",
+                 f"+{role}.fsdp_config.mixed_precision.buffer_dtype=fp32",
+                 f"+{role}.fsdp_config.model_dtype=fp32"]
+    keys += ["trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.logger=['console']",
+             f"trainer.total_training_steps={profile.steps}", f"trainer.test_freq={profile.steps}",
+             "trainer.val_before_train=False", f"trainer.default_local_dir={root}/train/checkpoints",
+             "trainer.project_name=verl-lab", "trainer.experiment_name=seed-recipe"]
+    return keys
+
+
+def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
+    """Render one profile with the planning code under ``code_root`` (imported here)."""
+    sys.path.insert(0, str(code_root))
+    from tasks.placed import Wanted  # noqa: F401 - proves the tree has the placed-files API
+    from tasks.plan import GpuTarget, make_plan
+    from tasks.settings import load_settings
+    from tasks.training import TrainingLayout, training_wanted, training_workload
+
+    root = lab_root(profile)
+    settings = load_settings(profile.name, {"lab_root": root, "env_prefix": f"{root}/env",
+                                            "train_steps": profile.steps})
+    target = GpuTarget(profile.gpu_name, profile.compute_capability, profile.memory_mib, 1)
+    workload = training_workload(settings)
+    if profile.rollout_engine != "auto":
+        from dataclasses import replace
+
+        workload = replace(workload, rollout_engine=profile.rollout_engine)
+    plan = make_plan(target, workload)
+    layout = TrainingLayout(settings=settings, plan=plan, plan_source="gpu_override")
+    train = out / "train"
+    train.mkdir(parents=True, exist_ok=True)
+    for want in training_wanted(layout):
+        if want.content is None or not want.path.startswith(layout.train_dir + "/"):
+            continue                         # folders, and the unit under /etc/systemd
+        target_path = train / want.path[len(layout.train_dir) + 1:]
+        target_path.write_bytes(want.content)
+        target_path.chmod(0o755 if want.path == layout.launcher else 0o644)
+    d = plan.to_dict()
+    return {"predicted_peak_mib": d["predicted_peak_mib"], "breakdown": d["breakdown"],
+            "budget_mib": d["budget_mib"], "micro_batches": d["micro_batches"], "offload": d["offload"],
+            "gradient_checkpointing": d.get("gradient_checkpointing", True), "rollout": d["rollout"],
+            "train_batch_size": next(int(o.split("=", 1)[1]) for o in d["overrides"]
+                                     if o.startswith("data.train_batch_size="))}
+
+
+def _today_tree(ref: str) -> Path:
+    dest = Path(tempfile.gettempdir()) / f"verl-lab-{ref}"
+    if not (dest / "tasks" / "plan.py").is_file():
+        shutil.rmtree(dest, ignore_errors=True)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(dest), ref], check=True,
+                       capture_output=True)
+    return dest
+
+
+def render(names: list[str], out_root: Path, today_ref: str) -> None:
+    for name in names:
+        profile = BY_NAME[name]
+        out = out_root / name
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        record = {**asdict(profile), "cap_mib": profile.cap_mib, "lab_root": lab_root(profile),
+                  "verl_tree": "today" if profile.code == "today" else "current",
+                  "extra_overrides": list(RUN_OVERRIDES), "code_ref": today_ref if profile.code == "today" else "HEAD"}
+        if profile.seed_recipe:
+            record.update(kind="overrides", overrides=seed_overrides(profile), plan=None)
+            (out / "train").mkdir()
+        else:
+            code_root = _today_tree(today_ref) if profile.code == "today" else REPO
+            res = subprocess.run([sys.executable, __file__, "render-one", name, str(out), "--code-root", str(code_root)],
+                                 capture_output=True, text=True, cwd=code_root)
+            if res.returncode:
+                raise SystemExit(f"render {name} failed:\n{res.stdout}\n{res.stderr}")
+            record.update(kind="launcher", plan=json.loads(res.stdout.strip().splitlines()[-1]))
+            # a launcher older than the `--` passthrough: run its overrides directly
+            if "-- KEY=VALUE" not in (out / "train" / "train-launcher").read_text():
+                record["kind"] = "print-overrides"
+        if profile.validate is False:
+            record["extra_overrides"].append("trainer.test_freq=-1")
+        (out / "profile.json").write_text(json.dumps(record, indent=2) + "\n")
+        plan = record.get("plan") or {}
+        print(f"{name:10} {record['kind']:16} cap {profile.cap_mib or '-':>6} MiB  "
+              f"predicted {plan.get('predicted_peak_mib', '-')} MiB  micro {plan.get('micro_batches', '-')}  "
+              f"ckpt {plan.get('gradient_checkpointing', '-')}  offload "
+              f"{[k for k, v in (plan.get('offload') or {}).items() if v]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("render")
+    r.add_argument("--only", default=",".join(p.name for p in PROFILES))
+    r.add_argument("--out", type=Path, default=OUT_DEFAULT)
+    r.add_argument("--today-ref", default=TODAY_REF)
+    one = sub.add_parser("render-one")
+    one.add_argument("name")
+    one.add_argument("out", type=Path)
+    one.add_argument("--code-root", type=Path, required=True)
+    sub.add_parser("list")
+    args = ap.parse_args(argv)
+    if args.cmd == "list":
+        for p in PROFILES:
+            print(f"{p.name:10} cap {p.cap_mib or '-':>6}  {p.stands_for}")
+        return 0
+    if args.cmd == "render-one":
+        print(json.dumps(render_one(BY_NAME[args.name], args.out, args.code_root)))
+        return 0
+    names = [n for n in args.only.split(",") if n]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown profile(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
+    render(names, args.out, args.today_ref)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

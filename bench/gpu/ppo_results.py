@@ -1,0 +1,193 @@
+"""Summarise GPU-harness runs: the plan's prediction against what the workers measured, speed,
+and the rollout/actor log-prob gap, per profile.
+
+    .venv/bin/python bench/gpu/ppo_results.py RUNS_DIR [--json OUT.json] [--markdown]
+
+RUNS_DIR holds ``<profile>/{profile.json? console.log, run.json, probe/*.jsonl}`` as
+bench/gpu/run_ppo.sh packs them (``runs.tgz``); profile.json is read from ``.gpu/profiles/``
+when the run folder has none.
+
+* measured peak = the largest per-phase ``torch.cuda.max_memory_reserved`` of the worker
+  process plus what that process holds outside torch (NVML), i.e. the GPU memory it needed;
+  the allocated peak is reported beside it. Predicted = the plan's ``predicted_peak_mib``.
+* s/step = the mean of verl's ``timing_s/step`` over steps 2.. (step 1 warms up; the last
+  step's validation is reported apart as ``timing_s/testing``); prompts/s = train batch / s/step;
+  tokens/s = generated tokens per step / s/step.
+* log-prob gap = the largest |rollout log-prob - actor log-prob| of the same sampled tokens
+  (probe), with verl's own ``training/rollout_probs_diff_max``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
+PHASE_ORDER = ("generate_sequences", "compute_log_prob", "compute_values", "update_critic", "update_actor")
+PLAN_PHASE = {"generate_sequences": "phase_rollout", "compute_log_prob": "phase_actor_logprob",
+              "compute_values": "phase_critic_values", "update_critic": "phase_critic_update",
+              "update_actor": "phase_actor_update"}
+
+
+def parse_steps(console: str) -> dict[int, dict[str, float]]:
+    steps: dict[int, dict[str, float]] = {}
+    for line in console.splitlines():
+        m = STEP_LINE.search(line)
+        if not m:
+            continue
+        metrics = {}
+        for part in m.group(2).split(" - "):
+            key, _, value = part.partition(":")
+            try:
+                metrics[key.strip()] = float(value)
+            except ValueError:
+                continue
+        steps[int(m.group(1))] = metrics
+    return steps
+
+
+def read_probe(folder: Path) -> list[dict]:
+    records = []
+    for f in sorted(folder.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def summarise(run: Path) -> dict:
+    name = run.name
+    prof_file = run / "profile.json"
+    if not prof_file.is_file():
+        prof_file = REPO / ".gpu" / "profiles" / name / "profile.json"
+    profile = json.loads(prof_file.read_text()) if prof_file.is_file() else {"name": name}
+    plan = profile.get("plan") or {}
+    console = (run / "console.log").read_text(errors="replace") if (run / "console.log").is_file() else ""
+    result = json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}
+    steps = parse_steps(console)
+    probe = read_probe(run / "probe")
+    phases: dict[str, dict] = {}
+    for r in probe:
+        if r.get("event") != "phase" or r.get("peak_allocated_mib") is None:
+            continue
+        ph = phases.setdefault(r["phase"], {"calls": 0, "peak_allocated_mib": 0.0, "peak_reserved_mib": 0.0,
+                                            "outside_torch_mib": None, "seconds": []})
+        ph["calls"] += 1
+        ph["peak_allocated_mib"] = max(ph["peak_allocated_mib"], r["peak_allocated_mib"])
+        ph["peak_reserved_mib"] = max(ph["peak_reserved_mib"], r["peak_reserved_mib"])
+        if r.get("outside_torch_mib") is not None:
+            ph["outside_torch_mib"] = max(ph["outside_torch_mib"] or 0.0, r["outside_torch_mib"])
+        ph["seconds"].append(r["seconds"])
+        if r.get("oom"):
+            ph["oom"] = r["oom"]
+    outside = [p["outside_torch_mib"] for p in phases.values() if p["outside_torch_mib"] is not None]
+    outside_mib = max(outside) if outside else None
+    train_phases = {k: v for k, v in phases.items() if k in PHASE_ORDER}
+    peak_alloc = max((p["peak_allocated_mib"] for p in train_phases.values()), default=None)
+    peak_res = max((p["peak_reserved_mib"] for p in train_phases.values()), default=None)
+    measured = (peak_res + (outside_mib or 0.0)) if peak_res is not None else None
+    predicted = plan.get("predicted_peak_mib")
+    later = [s for n, s in steps.items() if n >= 2 and "timing_s/step" in s] or list(steps.values())
+    s_step = statistics.mean(s["timing_s/step"] for s in later if "timing_s/step" in s) if later else None
+    batch = plan.get("train_batch_size") or _batch_from_overrides(profile)
+    resp = statistics.mean(s["response_length/mean"] for s in later if "response_length/mean" in s) if later else None
+    gaps = [r for r in probe if r.get("event") == "logprob_gap"]
+    gens = [r for r in probe if r.get("event") == "generate" and r.get("sampled")]
+    val = {k: v for s in steps.values() for k, v in s.items() if k.startswith("val-")}
+    ooms = sorted({p["oom"] for p in phases.values() if p.get("oom")})
+    out = {
+        "profile": name, "stands_for": profile.get("stands_for"), "cap_mib": profile.get("cap_mib"),
+        "rc": result.get("rc"), "timed_out": result.get("timed_out"), "wall_s": result.get("seconds"),
+        "steps_done": max(steps) if steps else 0,
+        "predicted_peak_mib": predicted,
+        "measured_peak_mib": round(measured, 0) if measured is not None else None,
+        "measured_peak_allocated_mib": peak_alloc, "measured_peak_reserved_mib": peak_res,
+        "outside_torch_mib": outside_mib,
+        "ratio_measured_to_predicted": round(measured / predicted, 3) if measured and predicted else None,
+        "under_cap": (peak_res <= profile["cap_mib"]) if peak_res is not None and profile.get("cap_mib") else None,
+        "oom": ooms,
+        "phases": {k: {**v, "seconds": round(statistics.mean(v["seconds"]), 2),
+                       "predicted_mib": (plan.get("breakdown") or {}).get(PLAN_PHASE.get(k, ""))}
+                   for k, v in sorted(phases.items())},
+        "s_per_step": round(s_step, 2) if s_step else None,
+        "gen_s_per_step": _mean(later, "timing_s/gen"),
+        "prompts_per_s": round(batch / s_step, 3) if s_step and batch else None,
+        "tokens_per_s": round(batch * resp / s_step, 1) if s_step and batch and resp else None,
+        "gen_tokens_per_s": round(statistics.mean(g["prompts"] * (g["new_tokens"] or 0) / g["seconds"] for g in gens), 1)
+        if gens else None,
+        "train_batch_size": batch, "response_length_mean": round(resp, 1) if resp else None,
+        "logprob_gap_max": max((g["logprob_gap_max"] for g in gaps), default=None),
+        "prob_gap_max": max((g["prob_gap_max"] for g in gaps), default=None),
+        "verl_rollout_probs_diff_max": max((s["training/rollout_probs_diff_max"] for s in steps.values()
+                                            if "training/rollout_probs_diff_max" in s), default=None),
+        "validation": val, "testing_s": _mean(list(steps.values()), "timing_s/testing"),
+        "plan": {k: plan.get(k) for k in ("micro_batches", "offload", "gradient_checkpointing", "rollout")},
+    }
+    return out
+
+
+def _mean(steps: list[dict], key: str):
+    vals = [s[key] for s in steps if key in s]
+    return round(statistics.mean(vals), 2) if vals else None
+
+
+def _batch_from_overrides(profile: dict):
+    for o in profile.get("overrides") or []:
+        if o.startswith("data.train_batch_size="):
+            return int(o.split("=", 1)[1])
+    return None
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| profile | cap MiB | predicted peak MiB | measured peak MiB (reserved + outside torch) | "
+            "measured / predicted | allocated peak MiB | s/step | prompts/s | tokens/s | log-prob gap max | OOM |")
+    lines = [head, "|" + "---|" * head.count("|")[:-1] if False else "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(f"| {r['profile']} | {r['cap_mib'] or '-'} | {r['predicted_peak_mib'] or '-'} | "
+                     f"{r['measured_peak_mib'] or '-'} | {r['ratio_measured_to_predicted'] or '-'} | "
+                     f"{r['measured_peak_allocated_mib'] or '-'} | {r['s_per_step'] or '-'} | "
+                     f"{r['prompts_per_s'] or '-'} | {r['tokens_per_s'] or '-'} | "
+                     f"{r['logprob_gap_max'] if r['logprob_gap_max'] is not None else '-'} | "
+                     f"{'yes' if r['oom'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def phase_markdown(rows: list[dict]) -> str:
+    lines = ["| profile | phase | calls | predicted MiB (allocated) | peak allocated MiB | peak reserved MiB | s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for k in PHASE_ORDER:
+            p = r["phases"].get(k)
+            if p:
+                lines.append(f"| {r['profile']} | {k} | {p['calls']} | {p['predicted_mib'] or '-'} | "
+                             f"{p['peak_allocated_mib']} | {p['peak_reserved_mib']} | {p['seconds']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", type=Path)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args(argv)
+    rows = [summarise(d) for d in sorted(args.runs.iterdir()) if d.is_dir() and (d / "console.log").is_file()]
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if args.markdown:
+        print(markdown(rows))
+        print()
+        print(phase_markdown(rows))
+    else:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

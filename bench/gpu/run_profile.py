@@ -1,0 +1,127 @@
+"""Run one GPU-harness profile on the device machine (standard library only).
+
+    python3 bench/gpu/run_profile.py NAME --out DIR [--model /tmp/model] [--timeout 540]
+
+Lays out ``/tmp/vl/<NAME>`` as a box's lab_root would be after deploy/full.py (the rendered
+``train/`` from ``.gpu/profiles/<NAME>``, an env whose ``bin/python`` is this machine's python3
+with the payload's packages and the profile's verl tree on PYTHONPATH, the model and the GSM8K
+files), then runs the profile the way a box runs it:
+
+* ``launcher``: ``train-launcher --no-preflight -- <extra overrides>`` (the launcher execs
+  ``verl.trainer.main_ppo`` with the plan's overrides; it reads train.env itself);
+* ``print-overrides`` (a launcher from before the ``--`` passthrough): its
+  ``--print-overrides`` list, train.env, then ``verl.trainer.main_ppo`` with the extras;
+* ``overrides`` (the seed recipe): ``verl.trainer.main_ppo`` with the profile's overrides.
+
+The probe (bench/gpu/probe/sitecustomize.py) caps the allocator at the profile's cap and writes
+per-phase memory into ``DIR/<NAME>/probe/``; the console goes to ``DIR/<NAME>/console.log``;
+``DIR/<NAME>/run.json`` says how it ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PAYLOAD = REPO / ".gpu"
+PROBE = REPO / "bench" / "gpu" / "probe"
+
+
+def load_env_file(path: Path, env: dict) -> None:
+    """The launcher's rule: a value already in the environment wins."""
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            env.setdefault(key, value)
+
+
+def lay_out(profile: dict, src: Path, model: Path) -> Path:
+    root = Path(profile["lab_root"])
+    shutil.rmtree(root, ignore_errors=True)
+    for sub in ("train/work", "train/checkpoints", "train/cache", "home", "env/bin", "models", "data"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    for f in (src / "train").iterdir():
+        shutil.copy2(f, root / "train" / f.name)
+    python = shutil.which("python3") or sys.executable
+    wrapper = root / "env" / "bin" / "python"
+    wrapper.write_text(f"#!/bin/sh\nexec {python} \"$@\"\n")   # a venv's python is found only by its path
+    wrapper.chmod(0o755)
+    (root / "models" / "Qwen--Qwen2.5-0.5B-Instruct").symlink_to(model)
+    (root / "data" / "gsm8k").symlink_to(PAYLOAD / "data")
+    return root
+
+
+def command(profile: dict, root: Path, env: dict) -> list[str]:
+    env_python = str(root / "env" / "bin" / "python")
+    extra = list(profile.get("extra_overrides", []))
+    launcher = root / "train" / "train-launcher"
+    if profile["kind"] == "launcher":
+        return [sys.executable, str(launcher), "--no-preflight", "--", *extra]
+    if profile["kind"] == "print-overrides":
+        out = subprocess.run([sys.executable, str(launcher), "--print-overrides"], capture_output=True, text=True,
+                             check=True)
+        load_env_file(root / "train" / "train.env", env)
+        return [env_python, "-m", "verl.trainer.main_ppo", *out.stdout.split("\n"), *extra]
+    return [env_python, "-m", "verl.trainer.main_ppo", *profile["overrides"], *extra]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("name")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", type=Path, default=Path("/tmp/model"))
+    ap.add_argument("--site", default=os.environ.get("SITE", "/tmp/site"))
+    ap.add_argument("--verl-trees", default=os.environ.get("VERL_TREES", "/tmp/verl-trees"))
+    ap.add_argument("--timeout", type=int, default=540)
+    ap.add_argument("--ray-stop", action="store_true",
+                    help="afterwards stop every Ray process on the machine (runs one at a time)")
+    args = ap.parse_args(argv)
+    src = PAYLOAD / "profiles" / args.name
+    profile = json.loads((src / "profile.json").read_text())
+    out = args.out / args.name
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "probe").mkdir(parents=True)
+    root = lay_out(profile, src, args.model)
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": os.pathsep.join([str(PROBE), f"{args.verl_trees}/{profile['verl_tree']}", args.site]),
+        "VERL_LAB_PROBE_DIR": str(out / "probe"),
+        "PYTHONUNBUFFERED": "1",
+        "RAY_DEDUP_LOGS": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+    })
+    if profile.get("cap_mib"):
+        env["VERL_LAB_GPU_CAP_MIB"] = str(profile["cap_mib"])
+    cmd = [c for c in command(profile, root, env) if c]
+    (out / "command.json").write_text(json.dumps(cmd, indent=1) + "\n")
+    start = time.time()
+    with open(out / "console.log", "w") as log:
+        log.write(f"# {profile['name']}: {profile['stands_for']}\n# cap {profile.get('cap_mib')} MiB\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=root / "train" / "work", env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            rc, timed_out = proc.wait(), True
+    if args.ray_stop:   # a run killed at its timeout leaves its local Ray cluster holding the GPU
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=env,
+                       capture_output=True)
+    result = {"name": args.name, "rc": rc, "timed_out": timed_out, "seconds": round(time.time() - start, 1)}
+    (out / "run.json").write_text(json.dumps(result) + "\n")
+    print(json.dumps(result), flush=True)
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
