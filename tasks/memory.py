@@ -407,6 +407,72 @@ def generate_peak(shape: ModelShape, batch: int = 1, prompt_len: int = 128, new_
 
 # ---- verl on one GPU ------------------------------------------------------------------------
 
+# ---- vLLM 0.8.5 on the training GPU -----------------------------------------------------------
+# How vLLM 0.8.5 turns gpu_memory_utilization into a KV cache (read in the release's files):
+# * V1 (default on compute capability >= 8.0), vllm/v1/worker/gpu_worker.py
+#   Worker.determine_available_memory: KV = total x share - (torch's allocated peak of the
+#   whole process during profile_run + GPU memory in use that torch did not allocate). Everything
+#   the process already holds (verl builds the actor and critic in the same process before
+#   vLLM) and everything else on the GPU counts against the share.
+# * V0 (below 8.0), vllm/worker/worker.py Worker.determine_num_available_blocks with
+#   vllm/utils.py memory_profiling: KV = total x share - (weights + torch's peak increase during
+#   profile_run + the non-torch increase since the worker started): only vLLM's own need counts.
+VLLM_NON_TORCH_MIB = 256.0     # inferred: what vLLM's worker adds outside torch (cuBLAS, NCCL)
+VLLM_KV_MARGIN = 1.1           # inferred: 16-token block rounding and the scheduler's watermark
+
+
+@dataclass(frozen=True)
+class VllmMemory:
+    """vLLM's memory on the training GPU for one share (all MiB)."""
+
+    engine: str                  # "v0" | "v1"
+    share: float                 # gpu_memory_utilization
+    weights_mib: float
+    profile_mib: float           # activations of the profiling forward (the generation peak)
+    non_torch_mib: float
+    kv_wanted_mib: float         # one step's sequences at full length
+    kv_granted_mib: float        # what vLLM's accounting gives the KV cache at this share
+    held_at_start_mib: float     # what the process holds when vLLM starts (V1 counts it)
+
+    @property
+    def rollout_mib(self) -> float:
+        """What vLLM adds on top of the training states while it generates (awake)."""
+        return self.weights_mib + self.kv_granted_mib + self.profile_mib + self.non_torch_mib
+
+
+def vllm_profile_mib(shape: ModelShape, dtype: str, max_num_batched_tokens: int, max_num_seqs: int) -> float:
+    """Activation peak of vLLM's profiling forward: one layer's residual, hidden states, q/k/v,
+    attention output, gate/up and activated MLP over max_num_batched_tokens tokens, with half
+    again for the allocator, plus the sampler's fp32 logits, probabilities, log-probabilities,
+    sorted values, int64 sort indices and masks for max_num_seqs sequences (inferred from the
+    model runner's dummy runs)."""
+    w = _bytes(dtype)
+    layer = max_num_batched_tokens * (2 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 3 * shape.ffn) * w
+    sampler = max_num_seqs * shape.vocab * 4 * 8
+    return (1.5 * layer + sampler) / MIB
+
+
+def vllm_memory(shape: ModelShape, *, engine: str, dtype: str, gpu_memory_mib: int, seqs: int, seq_len: int,
+                max_num_batched_tokens: int, held_at_start_mib: float, share_min: float = 0.05,
+                share_max: float = 0.9) -> VllmMemory:
+    """The smallest share (in 0.01 steps) whose KV cache holds ``seqs`` sequences of ``seq_len``
+    under ``engine``'s accounting; capped at ``share_max`` (then the KV cache may fall short:
+    ``kv_granted_mib < kv_wanted_mib`` says so)."""
+    if engine not in ("v0", "v1"):
+        raise ValueError("engine must be 'v0' or 'v1'")
+    weights = _bytes(dtype) * shape.params("actor") / MIB
+    kv_wanted = VLLM_KV_MARGIN * shape.kv_bytes_per_token(dtype) * seqs * seq_len / MIB
+    profile = vllm_profile_mib(shape, dtype, max_num_batched_tokens, seqs)
+    own = weights + profile + VLLM_NON_TORCH_MIB
+    counted = own + (held_at_start_mib if engine == "v1" else 0.0)
+    share = -(-(counted + kv_wanted) * 100 // gpu_memory_mib) / 100     # round up to 0.01
+    share = float(min(share_max, max(share_min, share)))
+    granted = share * gpu_memory_mib - counted
+    return VllmMemory(engine=engine, share=share, weights_mib=weights, profile_mib=profile,
+                      non_torch_mib=VLLM_NON_TORCH_MIB, kv_wanted_mib=kv_wanted, kv_granted_mib=granted,
+                      held_at_start_mib=held_at_start_mib)
+
+
 @dataclass(frozen=True)
 class VerlWorkload:
     """What a verl 0.5.0 PPO run puts on one GPU (FSDP, one colocated process)."""
@@ -422,7 +488,11 @@ class VerlWorkload:
     prompt_len: int = 128
     response_len: int = 384
     vllm_gpu_memory_utilization: float = 0.4
+    # what vLLM adds while it generates (VllmMemory.rollout_mib); None: the share x GPU memory
+    vllm_rollout_mib: float | None = None
     gpu_memory_mib: int = 143771
+    log_prob_micro_batch: int | None = None    # no-gradient passes; None: micro_batch
+    critic_micro_batch: int | None = None      # None: micro_batch
     use_critic: bool = True
     use_ref: bool = False
     actor_param_offload: bool = False
@@ -456,20 +526,23 @@ def _transient(est: Estimate) -> float:
 
 
 def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
-    """Peak GPU memory of a verl 0.5.0 PPO iteration on one GPU (inferred model).
+    """Peak GPU memory of a verl 0.5.0 PPO iteration on one GPU.
 
-    Resident: the FSDP states (fp32 params, fp32 grads, AdamW states) of the actor and the
-    critic and the ref model's params, except what is offloaded (verl 0.5.0 parks offloaded
-    actor/critic states in host RAM between phases and loads them back for their own update,
-    so an update phase still holds its own full states). Each phase adds its transient:
-    rollout (vLLM's share of the GPU, or HF generation's KV cache + logits + one bf16 copy of
-    the actor's weights), ref/actor log-prob passes, critic update, actor update. The peak is
-    the largest phase plus the process overhead.
+    Resident: the FSDP states (fp32 params, AdamW states) of the actor and the critic and the
+    ref model's params, except what is offloaded (verl 0.5.0 parks offloaded actor/critic states
+    in host RAM between phases and loads them back for their own update, so an update phase still
+    holds its own full states; gradients live only inside an update: verl zeroes them after the
+    last optimizer step). Each phase adds its transient: rollout (what vLLM adds while awake, or
+    HF generation's KV cache + logits + one half-precision copy of the actor's weights), the
+    ref/actor log-prob and critic value passes (no gradients), the critic update, the actor
+    update. The peak is the largest phase plus the process overhead.
     """
     wl = workload
     s = shape
     P_a, P_c = s.params("actor"), s.params("critic")
     seq = wl.seq_len
+    lp_micro = wl.log_prob_micro_batch or wl.micro_batch
+    c_micro = wl.critic_micro_batch or wl.micro_batch
     states_a = 16.0 * P_a / MIB          # fp32 params + fp32 grads + AdamW m, v
     params_a, grads_a, opt_a = 4.0 * P_a / MIB, 4.0 * P_a / MIB, 8.0 * P_a / MIB
     params_c, grads_c, opt_c = 4.0 * P_c / MIB, 4.0 * P_c / MIB, 8.0 * P_c / MIB
@@ -494,13 +567,17 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     critic_act = 0.0
     if wl.use_critic:
         critic_act = _transient(train_step_peak(s, "critic", wl.train_dtype, wl.attn,
-                                                wl.grad_ckpt, wl.micro_batch, seq))
+                                                wl.grad_ckpt, c_micro, seq))
+    half_copy_a = 2.0 * P_a / MIB * (1 if wl.train_dtype != "fp32" else 0)
     # a no-grad forward for log-probs: logits in bf16 + fp32 log-softmax (inferred)
-    logprob_pass = (6.0 + 4.0) * s.vocab * wl.micro_batch * seq / MIB \
-        + 2.0 * P_a / MIB * (1 if wl.train_dtype != "fp32" else 0)
+    logprob_pass = (6.0 + 4.0) * s.vocab * lp_micro * seq / MIB + half_copy_a
+    # the critic's value pass: one layer's activations and the hidden states (inferred)
+    values_pass = lp_micro * seq * (4.0 * s.hidden * 4 + 3.0 * 4 * s.ffn) / MIB \
+        + (2.0 * P_c / MIB if wl.train_dtype != "fp32" else 0.0)
 
     if wl.rollout == "vllm":
-        rollout = wl.vllm_gpu_memory_utilization * wl.gpu_memory_mib
+        rollout = wl.vllm_rollout_mib if wl.vllm_rollout_mib is not None \
+            else wl.vllm_gpu_memory_utilization * wl.gpu_memory_mib
     else:
         gen = generate_peak(s, wl.rollout_batch, wl.prompt_len, wl.response_len, wl.rollout_dtype,
                             wl.attn)
@@ -520,6 +597,8 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         "phase_ref_logprob": resident + (logprob_pass if wl.use_ref else 0.0),
         "phase_actor_logprob": resident + logprob_pass
         + (params_a if wl.actor_param_offload else 0.0),
+        "phase_critic_values": (resident + values_pass + (params_c if wl.critic_param_offload else 0.0))
+        if wl.use_critic else 0.0,
         "phase_critic_update": (resident + (params_c if wl.critic_param_offload else 0.0)
                                 + (opt_c if wl.critic_optimizer_offload else 0.0)
                                 + grads_c + critic_act) if wl.use_critic else 0.0,
@@ -552,6 +631,17 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         **phases,
     }
     return Estimate(peak_mib=peak, breakdown=bd, host_ram_mib=host)
+
+
+def held_at_vllm_start_mib(shape: ModelShape, workload: VerlWorkload) -> float:
+    """What a verl 0.5.0 process holds when it starts vLLM: the critic's and the actor's FSDP
+    params unless offloaded (optimizer states come with the first update; the ref is built after
+    the rollout) and the process overhead."""
+    wl = workload
+    held = 0.0 if wl.actor_param_offload else 4.0 * shape.params("actor") / MIB
+    if wl.use_critic and not wl.critic_param_offload:
+        held += 4.0 * shape.params("critic") / MIB
+    return held + CUDA_CONTEXT_MIB + VERL_PROCESS_OVERHEAD_MIB
 
 
 # ---- CLI -------------------------------------------------------------------------------------

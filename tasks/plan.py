@@ -12,12 +12,16 @@ The rules (FACTS.md):
 * attention: ``sdpa`` everywhere (PyTorch picks a flash kernel on sm80+ itself);
   ``flash_attention_2`` only when flash-attn is installed and the GPU is sm80+;
 * rollout: vLLM on >= 7.0, the HF-transformers rollout below (no vLLM on Pascal);
-  ``use_torch_compile=False`` below 7.0 (Triton refuses those GPUs);
-* memory: no offload unless the estimate says it does not fit; then the ladder
-  reference params -> actor optimizer -> critic optimizer -> actor params -> critic params
-  (fewer offloads = faster). HF rollout never gets actor param offload (0.5.0 does not
-  reload an offloaded actor before HF generation). Within an offload level the largest
-  micro-batch that fits wins. Nothing fits: ``PlanError`` with the shortfall in MiB.
+  ``use_torch_compile=False`` below 7.0 (Triton refuses those GPUs). vLLM 0.8.5 runs its V1
+  engine on >= 8.0 and V0 below; the plan pins the engine (``VLLM_USE_V1``) and sizes
+  ``gpu_memory_utilization`` by that engine's own accounting (``vllm_memory``);
+* memory: without gradient checkpointing first, then with it; at each, no offload unless the
+  estimate says it does not fit, then the ladder reference params -> actor optimizer ->
+  critic optimizer -> actor params -> critic params (fewer offloads = faster). HF rollout
+  never gets actor param offload (0.5.0 does not reload an offloaded actor before HF
+  generation). Within a level the largest update micro-batch that fits wins; then the
+  no-gradient passes (log-probs, values) and the HF rollout's generation chunk each get the
+  largest size that still fits. Nothing fits: ``PlanError`` with the shortfall in MiB.
 
 CLI: ``python -m tasks.plan --json --gpu-name NAME --compute-capability X.Y --gpu-memory-mib N``.
 """
@@ -51,7 +55,10 @@ OFFLOAD_KEYS: dict[str, str] = {
     "actor_param_offload": "actor_rollout_ref.actor.fsdp_config.param_offload",
     "critic_param_offload": "critic.model.fsdp_config.param_offload",
 }
-MICRO_BATCH_CHOICES = (16, 8, 4, 2, 1)
+MICRO_BATCH_CHOICES = (16, 8, 4, 2, 1)          # update micro-batches (sequences per GPU)
+FORWARD_MICRO_CHOICES = (64, 32, 16, 8, 4, 2, 1)  # no-gradient passes: actor log-probs, critic values
+ROLLOUT_CHUNK_CHOICES = (256, 128, 64, 32, 16, 8, 4, 2, 1)   # prompts per HF generate() call
+VAL_ROWS = 64              # the data stage's val_small.parquet (tasks/gsm8k.py VAL_ROWS)
 VLLM_SHARE_MAX = 0.9       # never give vLLM more of the GPU than this
 VLLM_SHARE_MIN = 0.05
 
@@ -100,8 +107,8 @@ class Workload:
     checkpoint_dir: str
     total_training_steps: int
     model_config: Mapping[str, Any] = field(default_factory=dict, repr=False)   # the HF config.json
-    train_batch_size: int = 64
-    ppo_mini_batch_size: int = 32
+    train_batch_size: int = 128
+    ppo_mini_batch_size: int = 64
     max_prompt_length: int = 256
     max_response_length: int = 256
     rollout_n: int = 1
@@ -109,6 +116,8 @@ class Workload:
     save_freq: int = 10
     experiment_name: str = "qwen2.5-0.5b-gsm8k"
     flash_attn_installed: bool = False
+    rollout_engine: str = "auto"         # "auto": vLLM where the GPU has it; "hf": the HF rollout
+    val_rows: int = VAL_ROWS             # rows of the validation file (HF chunks must divide it)
 
     @property
     def uses_reference(self) -> bool:
@@ -134,10 +143,11 @@ class MemoryChoice:
 
     offload: Mapping[str, bool]
     actor_micro_batch: int
-    log_prob_micro_batch: int
+    log_prob_micro_batch: int           # actor log-prob and critic value passes (no gradients)
     critic_micro_batch: int
     rollout_micro_batch: int            # HF rollout generation chunk (prompts at once)
     vllm_gpu_memory_utilization: float | None = None
+    grad_ckpt: bool = False             # gradient checkpointing of actor and critic
 
 
 @dataclass(frozen=True)
@@ -190,6 +200,7 @@ class TrainingPlan:
             "attn_implementation": self.precision.attn_implementation,
             "use_torch_compile": self.precision.use_torch_compile,
             "offload": dict(self.memory.offload),
+            "gradient_checkpointing": self.memory.grad_ckpt,
             "micro_batches": {
                 "actor": self.memory.actor_micro_batch,
                 "log_prob": self.memory.log_prob_micro_batch,
@@ -209,7 +220,16 @@ class TrainingPlan:
 
 # ---------------------------------------------------------------- decisions
 
-def choose_precision(gpu: GpuTarget, flash_attn_installed: bool = False) -> tuple[Precision, list[Reason]]:
+def vllm_engine(gpu: GpuTarget) -> str:
+    """The engine vLLM 0.8.5 runs on this GPU: ``v1`` on compute capability >= 8.0 (its default
+    there), ``v0`` below (V1 refuses < 8.0: ``EngineArgs._is_v1_supported_oracle``)."""
+    return "v1" if gpu.cc >= (8, 0) else "v0"
+
+
+def choose_precision(gpu: GpuTarget, flash_attn_installed: bool = False,
+                     rollout_engine: str = "auto") -> tuple[Precision, list[Reason]]:
+    if rollout_engine not in ("auto", "hf"):
+        raise PlanError(f"rollout_engine must be 'auto' or 'hf', not {rollout_engine!r}")
     cc = gpu.cc
     ccs = gpu.compute_capability
     reasons: list[Reason] = []
@@ -221,13 +241,21 @@ def choose_precision(gpu: GpuTarget, flash_attn_installed: bool = False) -> tupl
         train = "fp32"
         reasons.append(Reason("train_dtype", train, f"compute capability {ccs} < 8.0 has no bf16, and verl "
                                                     f"{VERL_VERSION} has no loss scaling for fp16 training: fp32"))
-    if cc >= (7, 0):
+    if cc >= (7, 0) and rollout_engine == "auto":
         rollout = "vllm"
         rdtype = "bfloat16" if cc >= (8, 0) else "float16"
-        reasons.append(Reason("rollout", rollout, f"vLLM runs on compute capability >= 7.0 ({ccs})"))
+        reasons.append(Reason("rollout", rollout, f"vLLM runs on compute capability >= 7.0 ({ccs}); "
+                                                  f"engine {vllm_engine(gpu).upper()} on this GPU"))
         reasons.append(Reason("rollout_dtype", rdtype,
                               "bf16 generation on sm80+" if rdtype == "bfloat16"
                               else f"no bf16 on {ccs}; fp16 is fast there and fine for generation"))
+    elif cc >= (7, 0):
+        rollout = "hf"
+        rdtype = "bfloat16" if cc >= (8, 0) else "float16"
+        reasons.append(Reason("rollout", rollout, "the HF-transformers rollout was asked for (rollout_engine='hf') "
+                                                  f"although vLLM runs on {ccs}"))
+        reasons.append(Reason("rollout_dtype", rdtype, "generation under autocast in the GPU's fast half "
+                                                       "precision over the training weights"))
     else:
         rollout = "hf"
         rdtype = "float32"
@@ -264,55 +292,112 @@ def offload_levels(workload: Workload, precision: Precision) -> list[dict[str, b
     return levels
 
 
+def _divisors(per_gpu: int, choices: Sequence[int]) -> list[int]:
+    return [m for m in choices if m <= per_gpu and per_gpu % m == 0] or [1]
+
+
 def _micro_choices(per_gpu: int) -> list[int]:
-    return [m for m in MICRO_BATCH_CHOICES if m <= per_gpu and per_gpu % m == 0] or [1]
+    return _divisors(per_gpu, MICRO_BATCH_CHOICES)
+
+
+def rollout_chunk_choices(workload: Workload, gpu: GpuTarget) -> list[int]:
+    """HF generate() chunks, largest first: each divides the per-GPU training batch and, since
+    validation runs through the same rollout (HFRollout splits a batch into equal chunks), leaves
+    the validation rows in equal chunks too."""
+    per_gpu = workload.train_batch_size * workload.rollout_n // gpu.count
+    val_per_gpu = max(1, workload.val_rows // gpu.count)
+    return [m for m in _divisors(per_gpu, ROLLOUT_CHUNK_CHOICES)
+            if m >= val_per_gpu or val_per_gpu % (val_per_gpu // m) == 0] or [1]
 
 
 def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
                   estimator: Estimator) -> tuple[MemoryChoice, MemoryEstimate, list[Reason]]:
+    """The fastest choice the estimate fits: no checkpointing before checkpointing, fewer offloads
+    before more, the largest update micro-batch; then the largest no-gradient micro-batch and
+    HF generation chunk (each of those changes only its own phase of the estimate)."""
     mini_per_gpu = workload.ppo_mini_batch_size * workload.rollout_n // gpu.count
-    gen_per_gpu = workload.train_batch_size // gpu.count
+    batch_per_gpu = workload.train_batch_size * workload.rollout_n // gpu.count
     best_failure: MemoryEstimate | None = None
     tried = 0
-    for level in offload_levels(workload, precision):
-        for micro in _micro_choices(mini_per_gpu):
-            log_prob = micro        # the estimate charges one micro-batch to every pass
-            gen = max(m for m in _micro_choices(gen_per_gpu) if m <= max(micro * 4, 1))
-            choice = MemoryChoice(offload=level, actor_micro_batch=micro, log_prob_micro_batch=log_prob,
-                                  critic_micro_batch=micro, rollout_micro_batch=gen)
-            est = estimator(gpu, workload, precision, choice)
+    found: tuple[MemoryChoice, MemoryEstimate] | None = None
+    for ckpt in (False, True):
+        for level in offload_levels(workload, precision):
+            for micro in _micro_choices(mini_per_gpu):
+                choice = MemoryChoice(offload=level, actor_micro_batch=micro, log_prob_micro_batch=1,
+                                      critic_micro_batch=micro, rollout_micro_batch=1, grad_ckpt=ckpt)
+                est = estimator(gpu, workload, precision, choice)
+                tried += 1
+                if est.fits:
+                    found = (choice, est)
+                    break
+                if best_failure is None or est.peak_mib < best_failure.peak_mib:
+                    best_failure = est
+            if found:
+                break
+        if found:
+            break
+    if found is None:
+        assert best_failure is not None
+        raise _no_fit(gpu, workload, best_failure)
+    choice, est = found
+    for m in _divisors(batch_per_gpu, FORWARD_MICRO_CHOICES):
+        if m <= choice.log_prob_micro_batch:
+            break
+        bigger = replace(choice, log_prob_micro_batch=m)
+        e = estimator(gpu, workload, precision, bigger)
+        tried += 1
+        if e.fits:
+            choice, est = bigger, e
+            break
+    if precision.rollout == "hf":
+        for m in rollout_chunk_choices(workload, gpu):
+            if m <= choice.rollout_micro_batch:
+                break
+            bigger = replace(choice, rollout_micro_batch=m)
+            e = estimator(gpu, workload, precision, bigger)
             tried += 1
-            if est.fits:
-                if est.vllm_gpu_memory_utilization is not None:
-                    choice = replace(choice, vllm_gpu_memory_utilization=est.vllm_gpu_memory_utilization)
-                return choice, est, _memory_reasons(gpu, workload, precision, choice, est, tried)
-            if best_failure is None or est.peak_mib < best_failure.peak_mib:
-                best_failure = est
-    assert best_failure is not None
+            if e.fits:
+                choice, est = bigger, e
+                break
+    if est.vllm_gpu_memory_utilization is not None:
+        choice = replace(choice, vllm_gpu_memory_utilization=est.vllm_gpu_memory_utilization)
+    return choice, est, _memory_reasons(gpu, workload, precision, choice, est, tried)
+
+
+def _no_fit(gpu: GpuTarget, workload: Workload, best_failure: MemoryEstimate) -> PlanError:
     short = best_failure.peak_mib - best_failure.budget_mib
     phases = {k: v for k, v in best_failure.breakdown.items() if k.startswith("phase_")}
     worst = max(phases, key=phases.get) if phases else None
     where = f" The largest phase is {worst[len('phase_'):]} ({phases[worst]} MiB before process overhead)." if worst else ""
-    raise PlanError(
-        f"{workload.experiment_name} does not fit one {gpu.name} ({gpu.memory_mib} MiB): even with every "
-        f"allowed offload and micro-batch 1 the estimated peak is {best_failure.peak_mib} MiB against a budget of "
-        f"{best_failure.budget_mib} MiB, short by {short} MiB.{where} Change: use a GPU with more memory "
-        f"(or more GPUs), train a smaller model, or shorten the sequences (prompt {workload.max_prompt_length} "
-        f"+ response {workload.max_response_length} tokens)."
+    return PlanError(
+        f"{workload.experiment_name} does not fit one {gpu.name} ({gpu.memory_mib} MiB): even with gradient "
+        f"checkpointing, every allowed offload and micro-batch 1 the estimated peak is {best_failure.peak_mib} MiB "
+        f"against a budget of {best_failure.budget_mib} MiB, short by {short} MiB.{where} Change: use a GPU with "
+        f"more memory (or more GPUs), train a smaller model, or shorten the sequences (prompt "
+        f"{workload.max_prompt_length} + response {workload.max_response_length} tokens)."
     )
 
 
 def _memory_reasons(gpu, workload, precision, choice, est, tried) -> list[Reason]:
     on = [k for k in OFFLOAD_LADDER if choice.offload.get(k)]
-    reasons = [Reason("offload", ", ".join(on) or "none",
+    reasons = [Reason("gradient_checkpointing", choice.grad_ckpt,
+                      "without it no offload level and micro-batch fits the budget (it recomputes each layer "
+                      "in the backward pass: about a third more update compute)" if choice.grad_ckpt else
+                      "the estimate fits without it (it would recompute every layer in the backward pass)"),
+               Reason("offload", ", ".join(on) or "none",
                       (f"the estimate fits {est.budget_mib} MiB without offload (offload costs PCIe transfers "
                        "every step)" if not on else
                        f"without {on[-1]} the estimate exceeds the {est.budget_mib} MiB budget; "
                        "offloads are taken in ladder order, fewest first"))]
-    reasons.append(Reason("micro_batches", f"actor {choice.actor_micro_batch}, log-prob {choice.log_prob_micro_batch}, "
-                                           f"critic {choice.critic_micro_batch}",
-                          f"the largest micro-batch (of {', '.join(map(str, MICRO_BATCH_CHOICES))}) dividing the "
-                          f"per-GPU mini-batch that fits at this offload level ({tried} candidates estimated)"))
+    reasons.append(Reason("micro_batches", f"actor {choice.actor_micro_batch}, critic {choice.critic_micro_batch}, "
+                                           f"log-prob/values {choice.log_prob_micro_batch}",
+                          f"updates: the largest micro-batch (of {', '.join(map(str, MICRO_BATCH_CHOICES))}) dividing "
+                          "the per-GPU mini-batch that fits; no-gradient passes: the largest that still fits "
+                          f"({tried} candidates estimated)"))
+    if precision.rollout == "hf":
+        reasons.append(Reason("rollout_micro_batch", choice.rollout_micro_batch,
+                              "prompts per HF generate() call: the largest chunk that fits (generation time is "
+                              "per decoding step, nearly flat in the number of prompts)"))
     reasons.append(Reason("predicted_peak_mib", est.peak_mib,
                           f"memory estimate of the largest phase; budget {est.budget_mib} MiB of {gpu.memory_mib} MiB"))
     return reasons
@@ -362,6 +447,11 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
         "padding removal uses flash-attn's kernels" if rmpad else "padding removal needs flash-attn")
     add("critic.model.use_remove_padding", rmpad,
         "padding removal uses flash-attn's kernels" if rmpad else "padding removal needs flash-attn")
+    for key, label in (("actor_rollout_ref.model.enable_gradient_checkpointing", "actor"),
+                       ("critic.model.enable_gradient_checkpointing", "critic")):
+        add(key, choice.grad_ckpt,
+            f"{label}: needed to fit the memory budget (recomputes each layer in the backward pass)" if choice.grad_ckpt
+            else f"{label}: the estimate fits without it, and it costs a recomputed forward in every update")
     add("actor_rollout_ref.actor.use_torch_compile", precision.use_torch_compile,
         "Triton supports this GPU" if precision.use_torch_compile
         else f"Triton refuses compute capability {gpu.compute_capability} < 7.0")
@@ -373,9 +463,11 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     if precision.rollout == "vllm":
         share = choice.vllm_gpu_memory_utilization
         add("actor_rollout_ref.rollout.gpu_memory_utilization", share,
-            "vLLM's share of the GPU (weights + KV cache) left beside the training states, from the estimate")
-        tokens = max(8192, w.sequence_length)
-        add("actor_rollout_ref.rollout.max_num_batched_tokens", tokens,
+            "share of the whole GPU that vLLM's V1 engine may fill, counting the training states this process "
+            "already holds when vLLM starts" if vllm_engine(gpu) == "v1" else
+            "vLLM V0's own share of the GPU (weights, profiling activations, KV cache) on top of the training "
+            "states")
+        add("actor_rollout_ref.rollout.max_num_batched_tokens", max_num_batched_tokens(w),
             "chunked prefill needs max_num_batched_tokens >= prompt + response length")
         add("actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs", w.train_batch_size * w.rollout_n,
             "one step's sequences at once; rollout.max_num_seqs is never passed to vLLM in 0.5.0")
@@ -385,10 +477,12 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     # micro-batches
     add("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", choice.actor_micro_batch, "from the memory estimate")
     add("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", choice.log_prob_micro_batch,
-        "the estimated micro-batch for the no-gradient pass")
+        "the largest no-gradient micro-batch the estimate fits (actor log-probs)")
     add("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", choice.log_prob_micro_batch,
         "as the actor's log-prob pass")
     add("critic.ppo_micro_batch_size_per_gpu", choice.critic_micro_batch, "from the memory estimate")
+    add("critic.forward_micro_batch_size_per_gpu", choice.log_prob_micro_batch,
+        "the critic's value pass has no gradients: as the actor's log-prob pass")
     # offload
     for name in OFFLOAD_LADDER:
         on = bool(choice.offload.get(name))
@@ -415,9 +509,15 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     return o
 
 
-def plan_env(precision: Precision) -> tuple[dict[str, str], list[Reason]]:
+def plan_env(precision: Precision, gpu: GpuTarget | None = None) -> tuple[dict[str, str], list[Reason]]:
     env: dict[str, str] = {}
     reasons: list[Reason] = []
+    if precision.rollout == "vllm":
+        engine = vllm_engine(gpu) if gpu is not None else "v1"
+        env["VLLM_USE_V1"] = "1" if engine == "v1" else "0"
+        reasons.append(Reason("VLLM_USE_V1", env["VLLM_USE_V1"],
+                              f"pins vLLM 0.8.5's {engine.upper()} engine, the one gpu_memory_utilization was sized "
+                              "for (V1 counts everything the process holds in its share, V0 only its own need)"))
     if precision.rollout == "hf":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         reasons.append(Reason("PYTORCH_CUDA_ALLOC_CONF", env["PYTORCH_CUDA_ALLOC_CONF"],
@@ -441,10 +541,10 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
     if (workload.ppo_mini_batch_size * workload.rollout_n) % gpu.count:
         raise PlanError(f"ppo_mini_batch_size x rollout_n must divide by the GPU count ({gpu.count})")
     estimator = estimator or default_estimator
-    precision, reasons = choose_precision(gpu, workload.flash_attn_installed)
+    precision, reasons = choose_precision(gpu, workload.flash_attn_installed, workload.rollout_engine)
     choice, est, mem_reasons = search_memory(gpu, workload, precision, estimator)
     overrides = verl_overrides(gpu, workload, precision, choice)
-    env, env_reasons = plan_env(precision)
+    env, env_reasons = plan_env(precision, gpu)
     return TrainingPlan(gpu=gpu, precision=precision, memory=choice, estimate=est, overrides=overrides,
                         env=env, reasons=reasons + mem_reasons + env_reasons)
 
@@ -460,45 +560,44 @@ def gpu_budget_mib(gpu: GpuTarget) -> int:
     return gpu.memory_mib - max(512, gpu.memory_mib // 20)
 
 
-def vllm_share(gpu: GpuTarget, workload: Workload, precision: Precision, shape) -> float:
-    """vLLM's gpu_memory_utilization: its weights, the KV cache of one step's sequences, the
-    activations of its profiling forward (max_num_batched_tokens) and a margin (inferred)."""
-    from tasks.memory import MIB, _bytes
-
-    dtype = _MEM_DTYPE[precision.rollout_dtype]
-    weights = _bytes(dtype) * shape.params("actor") / MIB
-    seqs = max(1, workload.train_batch_size * workload.rollout_n // gpu.count)
-    kv = shape.kv_bytes_per_token(dtype) * seqs * workload.sequence_length / MIB
-    tokens = max(8192, workload.sequence_length)
-    profile = tokens * (2 * shape.ffn + 4 * shape.hidden) * _bytes(dtype) / MIB \
-        + seqs * shape.vocab * 4 / MIB
-    need = 1.2 * (weights + kv + profile) + 512
-    share = -(-need * 100 // gpu.memory_mib) / 100          # round up to 0.01
-    return float(min(VLLM_SHARE_MAX, max(VLLM_SHARE_MIN, share)))
+def max_num_batched_tokens(workload: Workload) -> int:
+    """vLLM's chunked-prefill budget: at least one whole sequence (prompt + response)."""
+    return max(8192, workload.sequence_length)
 
 
-def default_estimator(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice) -> MemoryEstimate:
-    """The project's memory model (tasks/memory.py: verl_gpu_budget) for one choice."""
-    from tasks.memory import ModelShape, VerlWorkload, verl_gpu_budget
+def vllm_memory_for(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice):
+    """vLLM's share and footprint for this plan's engine (tasks.memory.vllm_memory)."""
+    from tasks.memory import ModelShape, held_at_vllm_start_mib, vllm_memory
 
-    if not workload.model_config:
-        raise PlanError("the workload has no model config.json: the memory estimate needs the model's shape")
     shape = ModelShape.from_config(dict(workload.model_config))
-    share = vllm_share(gpu, workload, precision, shape) if precision.rollout == "vllm" else None
+    return vllm_memory(
+        shape, engine=vllm_engine(gpu), dtype=_MEM_DTYPE[precision.rollout_dtype], gpu_memory_mib=gpu.memory_mib,
+        seqs=max(1, workload.train_batch_size * workload.rollout_n // gpu.count), seq_len=workload.sequence_length,
+        max_num_batched_tokens=max_num_batched_tokens(workload),
+        held_at_start_mib=held_at_vllm_start_mib(shape, _verl_workload(gpu, workload, precision, choice)),
+        share_min=VLLM_SHARE_MIN, share_max=VLLM_SHARE_MAX)
+
+
+def _verl_workload(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice,
+                   vllm_rollout_mib: float | None = None):
+    from tasks.memory import VerlWorkload
+
     off = choice.offload
-    wl = VerlWorkload(
+    return VerlWorkload(
         train_dtype=precision.train_dtype,
         # the estimator models sdpa and eager; flash_attention_2 needs no more than sdpa
         attn="sdpa" if precision.attn_implementation in ("sdpa", "flash_attention_2") else "eager",
-        grad_ckpt=True,                       # verl's default enable_gradient_checkpointing=True
-        micro_batch=max(choice.actor_micro_batch, choice.log_prob_micro_batch, choice.critic_micro_batch),
+        grad_ckpt=choice.grad_ckpt,
+        micro_batch=choice.actor_micro_batch,
+        critic_micro_batch=choice.critic_micro_batch,
+        log_prob_micro_batch=choice.log_prob_micro_batch,
         seq_len=workload.sequence_length,
         rollout=precision.rollout,
         rollout_dtype=_MEM_DTYPE[precision.rollout_dtype],
         rollout_batch=choice.rollout_micro_batch,
         prompt_len=workload.max_prompt_length,
         response_len=workload.max_response_length,
-        vllm_gpu_memory_utilization=share or 0.5,
+        vllm_rollout_mib=vllm_rollout_mib,
         gpu_memory_mib=gpu.memory_mib,
         use_critic=True,
         use_ref=workload.uses_reference,
@@ -508,10 +607,27 @@ def default_estimator(gpu: GpuTarget, workload: Workload, precision: Precision, 
         critic_param_offload=bool(off.get("critic_param_offload")),
         critic_optimizer_offload=bool(off.get("critic_optimizer_offload")),
     )
-    est = verl_gpu_budget(shape, wl)
-    return MemoryEstimate(peak_mib=int(round(est.peak_mib)), budget_mib=gpu_budget_mib(gpu),
-                          breakdown={k: int(round(v)) for k, v in est.breakdown.items()},
-                          vllm_gpu_memory_utilization=share)
+
+
+def default_estimator(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice) -> MemoryEstimate:
+    """The project's memory model (tasks/memory.py: verl_gpu_budget) for one choice."""
+    from tasks.memory import ModelShape, verl_gpu_budget
+
+    if not workload.model_config:
+        raise PlanError("the workload has no model config.json: the memory estimate needs the model's shape")
+    shape = ModelShape.from_config(dict(workload.model_config))
+    vllm = vllm_memory_for(gpu, workload, precision, choice) if precision.rollout == "vllm" else None
+    est = verl_gpu_budget(shape, _verl_workload(gpu, workload, precision, choice,
+                                                vllm.rollout_mib if vllm else None))
+    breakdown = {k: int(round(v)) for k, v in est.breakdown.items()}
+    peak = int(round(est.peak_mib))
+    if vllm is not None:
+        breakdown.update({"vllm_kv_wanted": int(round(vllm.kv_wanted_mib)),
+                          "vllm_kv_granted": int(round(vllm.kv_granted_mib))})
+        if vllm.kv_granted_mib < vllm.kv_wanted_mib:
+            peak = max(peak, gpu.memory_mib)      # vLLM's share cannot hold one step's sequences
+    return MemoryEstimate(peak_mib=peak, budget_mib=gpu_budget_mib(gpu), breakdown=breakdown,
+                          vllm_gpu_memory_utilization=vllm.share if vllm else None)
 
 
 # ---------------------------------------------------------------- host entry and CLI
@@ -584,7 +700,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--compute-capability {args.compute_capability!r} is not like 8.6")
     workload = Workload(model_path=args.model_path, train_files=f"{args.data_dir}/train.parquet",
-                        val_files=f"{args.data_dir}/test.parquet", checkpoint_dir=args.checkpoint_dir,
+                        # as on a box: the data stage's first 64 test rows (HF chunks divide them)
+                        val_files=f"{args.data_dir}/val_small.parquet", checkpoint_dir=args.checkpoint_dir,
                         total_training_steps=args.steps, model_config=load_model_config(args.model_config),
                         flash_attn_installed=args.flash_attn)
     try:

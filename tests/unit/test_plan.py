@@ -99,7 +99,7 @@ def test_plan_table(name, cc, mem, dtype, rollout, rdtype, attn, compile_ok):
         share = ov["actor_rollout_ref.rollout.gpu_memory_utilization"]
         assert 0.05 <= share <= 0.9
         assert ov["actor_rollout_ref.rollout.max_num_batched_tokens"] >= 256 + 256
-        assert ov["actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs"] == 64
+        assert ov["actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs"] == 128
         assert "PYTORCH_CUDA_ALLOC_CONF" not in p.env   # vLLM sleep mode refuses expandable segments
     else:
         assert "actor_rollout_ref.rollout.gpu_memory_utilization" not in ov
@@ -107,8 +107,8 @@ def test_plan_table(name, cc, mem, dtype, rollout, rdtype, attn, compile_ok):
         assert ov[planmod.OFFLOAD_KEYS["actor_param_offload"]] is False
         assert p.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     # micro-batches divide the per-GPU mini-batch (verl asserts this)
-    assert 32 % ov["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == 0
-    assert 32 % ov["critic.ppo_micro_batch_size_per_gpu"] == 0
+    assert 64 % ov["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == 0
+    assert 64 % ov["critic.ppo_micro_batch_size_per_gpu"] == 0
     # every override has a reason, no dead keys, no '++', '+' only for keys verl reads by .get()
     for o in p.overrides:
         assert o.why

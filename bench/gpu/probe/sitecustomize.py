@@ -123,12 +123,44 @@ def _outside_torch_mib(torch) -> float | None:
     return None
 
 
+_CENSUS_CALLS = {"update_actor": 2, "update_critic": 1}     # census at the start of the first calls
+
+
+def _census(torch, label: str) -> dict:
+    """The live CUDA tensors of 64 MiB or more (shape, dtype, MiB), summed: what holds the
+    memory at an out-of-memory error, or at the start of an update."""
+    import gc
+
+    seen, big = set(), []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                storage = obj.untyped_storage()
+                key = storage.data_ptr()
+                if key in seen:
+                    continue
+                seen.add(key)
+                size = storage.nbytes()
+                if size >= 64 * _MIB:
+                    big.append((round(size / _MIB, 1), list(obj.shape), str(obj.dtype).replace("torch.", "")))
+        except Exception:  # noqa: BLE001 - odd objects in gc
+            continue
+    big.sort(reverse=True)
+    return {"event": "census", "label": label, "big_tensors_mib": round(sum(b[0] for b in big), 1),
+            "allocated_mib": round(torch.cuda.memory_allocated() / _MIB, 1), "tensors": big[:40]}
+
+
 def _phase_wrapper(role: str, name: str, method):
+    calls = {"n": 0}
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         import torch
 
         ok = torch.cuda.is_available() and torch.cuda.is_initialized()
+        calls["n"] += 1
+        if ok and calls["n"] <= _CENSUS_CALLS.get(name, 0):
+            _write(_census(torch, f"{role}.{name} start {calls['n']}"))
         if ok:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -139,6 +171,10 @@ def _phase_wrapper(role: str, name: str, method):
             return method(self, *args, **kwargs)
         except torch.OutOfMemoryError as exc:
             oom = str(exc).splitlines()[0][:400]
+            try:
+                _write(_census(torch, f"{role}.{name} out of memory"))
+            except Exception:  # noqa: BLE001
+                pass
             raise
         finally:
             record = {"event": "phase", "role": role, "phase": name, "seconds": round(time.time() - start, 3)}
