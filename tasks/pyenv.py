@@ -1,5 +1,6 @@
-"""Stage: the Python env (conda or venv) with torch cu118, Apex, vLLM where the GPU allows, and
-the patched verl 0.5.0, proven on the box and rebuilt safely when broken.
+"""Stage: the Python env (conda or venv) with torch cu118, Apex, vLLM (and the cu118 build of its
+xformers) where the GPU allows, and the patched verl 0.5.0, proven on the box and rebuilt safely
+when broken.
 
 Layout on the box (env_prefix = /opt/verl-lab/envs/verl by default):
 
@@ -102,6 +103,27 @@ def vllm_decision(gpu_cc: str | None, min_cc: str) -> tuple[bool, str]:
     return True, f"compute capability {gpu_cc} >= {min_cc}"
 
 
+def xformers_decision(want_vllm: bool, gpu_cc: str | None) -> tuple[bool, str]:
+    """Install the catalog's cu118 xformers before vLLM? On every box that gets vLLM.
+
+    vLLM 0.8.5 requires xformers==0.0.29.post2 on every x86_64 box, and PyPI (a CUDA 12.4 build,
+    whose ops cannot load beside torch cu118) and the cu118 index serve files of that one name:
+    left to vLLM's install, pip's tie-break between the two indexes picks the build. On 7.x its
+    ops are what vLLM's V0 engine attends with. On 8.0+ vLLM's V1 engine does not use xformers,
+    but the same cu118 build is pinned there too: it costs nothing (vLLM installs xformers
+    anyway), every env holds the same files whatever the index order, and a fall-back to V0 or
+    an xformers attention backend chosen by hand finds ops that load.
+    """
+    if not want_vllm:
+        return False, "no vLLM on this box (xformers comes with vLLM only)"
+    cc = tuple(int(x) for x in str(gpu_cc).split("."))
+    if cc < (8, 0):
+        return True, (f"compute capability {gpu_cc} < 8.0: vLLM 0.8.5 runs its V0 engine, whose attention is"
+                      " xformers: the cu118 build is installed from the PyTorch cu118 index (PyPI's is CUDA 12.4)")
+    return True, (f"compute capability {gpu_cc} >= 8.0: vLLM's V1 engine does not use xformers, but vLLM 0.8.5"
+                  " requires it: the same cu118 build is pinned so pip's tie-break cannot pick PyPI's CUDA 12.4 one")
+
+
 def torch_cuda_arch_list(gpu_cc: str | None) -> str:
     """Build for this box's GPU only (far faster); a GPU-less box gets torch's own list."""
     return gpu_cc if gpu_cc else NO_GPU_ARCH_LIST
@@ -150,6 +172,12 @@ class EnvPlan:
     vllm: bool
     vllm_reason: str
     vllm_version: str
+    xformers: bool
+    xformers_reason: str
+    xformers_requirements: tuple[str, ...]
+    xformers_version: str
+    xformers_index: str
+    xformers_cuda: str
     verl_version: str
     compose_overrides: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()      # why this box cannot get an env (fails this box only)
@@ -162,13 +190,16 @@ class EnvPlan:
             "torch": self.torch_version, "cuda": self.cuda, "gpu_cc": self.gpu_cc,
             "vllm": self.vllm_version if self.vllm else None,
             "vllm_skip": None if self.vllm else self.vllm_reason,
+            "xformers": self.xformers_version if self.xformers else None,
+            "xformers_skip": None if self.xformers else self.xformers_reason,
+            "xformers_cuda": self.xformers_cuda, "xformers_index": self.xformers_index,
             "verl": self.verl_version, "compose": True, "overrides": list(self.compose_overrides),
         }
 
     @property
     def stamp(self) -> str:
         data = asdict(self)
-        for key in ("notes", "problems", "compose_overrides", "vllm_reason"):
+        for key in ("notes", "problems", "compose_overrides", "vllm_reason", "xformers_reason"):
             data.pop(key)
         return stamp_of(data)
 
@@ -207,6 +238,10 @@ def plan_env(settings: LabSettings, gpus, build: dict, overrides: tuple[str, ...
     verl = cat.artifact("verl")
     gpu_cc = _gpu_cc(gpus)
     want_vllm, why = vllm_decision(gpu_cc, str(vllm.get("min_compute_capability", "7.0")))
+    xformers = cat.artifact("xformers")
+    xformers_reqs = list(xformers.get("requirements") or [])
+    xformers_version = pinned_version(xformers_reqs, "xformers", "the xformers artifact's requirements")
+    want_xformers, xformers_why = xformers_decision(want_vllm, gpu_cc)
     cc, cxx, need_gcc11 = host_compilers(build.get("gcc_major"), build.get("gcc11", False))
     problems, notes = [], []
     if settings.env_backend == "venv":
@@ -240,7 +275,9 @@ def plan_env(settings: LabSettings, gpus, build: dict, overrides: tuple[str, ...
         cuda=cuda,
         torch_index=torch.url(settings.mirrors),
         pypi_index=settings.mirrors.base("pypi"),
-        constraints=tuple(constraint_lines(reqs, REQUIREMENTS, BUILD_TOOLS)),
+        # xformers pinned too where it is installed, so vLLM's install keeps the cu118 build
+        constraints=tuple(constraint_lines(reqs + (xformers_reqs if want_xformers else []),
+                                           REQUIREMENTS, BUILD_TOOLS)),
         pip_version=env_pip_version(),
         apex_url=apex.url(settings.mirrors),
         apex_ref=str(apex.ref),
@@ -253,6 +290,12 @@ def plan_env(settings: LabSettings, gpus, build: dict, overrides: tuple[str, ...
         vllm=want_vllm,
         vllm_reason=why,
         vllm_version=vllm.version,
+        xformers=want_xformers,
+        xformers_reason=xformers_why,
+        xformers_requirements=tuple(xformers_reqs),
+        xformers_version=xformers_version,
+        xformers_index=xformers.url(settings.mirrors),
+        xformers_cuda=str(xformers.get("cuda") or ""),
         verl_version=verl.version,
         compose_overrides=tuple(overrides),
         problems=tuple(problems),
@@ -295,6 +338,7 @@ def build_script_context(settings: LabSettings, plan: EnvPlan, vllm_wheel: str |
         "verl_requirements": f"{d}/verl-requirements.txt",
         "vllm_wheel": vllm_wheel or "",
         "vllm_skip_message": f"verl-lab: vLLM not installed: {plan.vllm_reason}",
+        "xformers_index": plan.xformers_index,
         "verl_src": settings.verl_src,
         "prove": f"{d}/prove-env.py",
         "expect": json.dumps({**plan.expect, "verl_src": settings.verl_src}, sort_keys=True),
@@ -303,11 +347,14 @@ def build_script_context(settings: LabSettings, plan: EnvPlan, vllm_wheel: str |
     }
     q = {k: shlex.quote(str(v)) for k, v in values.items()}
     q["torch_requirements"] = " ".join(shlex.quote(r) for r in plan.torch_requirements)
+    q["xformers_requirements"] = " ".join(shlex.quote(r) for r in plan.xformers_requirements)
     marker = [
         ("backend", plan.backend), ("python", plan.python_version or ""), ("torch", plan.torch_version),
         ("cuda", plan.cuda), ("apex", plan.apex_ref), ("torch_cuda_arch_list", plan.arch_list),
         ("max_jobs", plan.max_jobs), ("vllm", plan.vllm_version if plan.vllm else "skipped"),
-        ("vllm_reason", plan.vllm_reason), ("verl", plan.verl_version),
+        ("vllm_reason", plan.vllm_reason),
+        ("xformers", plan.xformers_version if plan.xformers else "skipped"), ("xformers_reason", plan.xformers_reason),
+        ("verl", plan.verl_version),
         # verl-lab installs no flash-attn: the training plan reads this and keeps sdpa.
         ("flash_attn", 0),
     ]
@@ -317,6 +364,8 @@ def build_script_context(settings: LabSettings, plan: EnvPlan, vllm_wheel: str |
         "cc": plan.cc,
         "max_jobs": int(plan.max_jobs),
         "vllm_wheel": vllm_wheel,
+        "xformers": plan.xformers,
+        "xformers_comment": plan.xformers_reason,
         "marker_lines": [shlex.quote(f"{k}={v}") for k, v in marker],
     }
 
@@ -396,7 +445,8 @@ def env_generation(settings: LabSettings, plan: EnvPlan, script: str, force: boo
         return
     if action == "marker":
         lines = [f"generation={env.get('target')}", f"stamp={plan.stamp}", f"torch={plan.torch_version}",
-                 f"verl={plan.verl_version}", f"vllm={plan.vllm_version if plan.vllm else 'skipped'}"]
+                 f"verl={plan.verl_version}", f"vllm={plan.vllm_version if plan.vllm else 'skipped'}",
+                 f"xformers={plan.xformers_version if plan.xformers else 'skipped'}"]
         path = settings.marker("pyenv")
         body = "".join(f"echo {shlex.quote(line)}; " for line in lines)
         yield StringCommand("sh", "-c", shlex.quote(f"{{ {body}}} > {shlex.quote(path)}.part && mv -f "

@@ -3,8 +3,10 @@
     python pyenv-prove.py '<json expectations>'
 
 Expectations: torch (pinned version), cuda ("11.8", or "none" for a CPU torch stand-in),
-gpu_cc ("6.1" or null), vllm (version expected, or null with vllm_skip saying why), verl
-(version), verl_src, compose (bool) and overrides (Hydra overrides for the compose check).
+gpu_cc ("6.1" or null), vllm (version expected, or null with vllm_skip saying why), xformers
+(version expected, or null with xformers_skip), xformers_cuda (the build expected, "11.8"),
+xformers_index (where that build comes from, for the fix), verl (version), verl_src, compose
+(bool) and overrides (Hydra overrides for the compose check).
 Every check is reported as {"ok": true|false, "detail": "..."}; a skipped check is ok and its
 detail starts with "skipped:".
 
@@ -164,6 +166,64 @@ def _vllm():
         return quick_version("vllm", want["vllm"], "vllm")
     import vllm
     return same_version(vllm.__version__, want["vllm"]), f"vllm {vllm.__version__}"
+
+
+def xformers_build(folder):
+    """The build an installed xformers says it is (its xformers/cpp_lib.json): (cuda "11.8" or
+    None, a description naming it)."""
+    try:
+        with open(os.path.join(folder, "cpp_lib.json")) as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError) as exc:
+        return None, f"a build without cpp_lib.json ({type(exc).__name__})"
+    version = meta.get("version") or {}
+    number = version.get("cuda")
+    cuda = f"{number // 100}.{number % 100}" if isinstance(number, int) else None
+    made = (meta.get("env") or {}).get("XFORMERS_PACKAGE_FROM")
+    return cuda, (f"the CUDA {cuda or '?'} build for torch {version.get('torch', '?')}"
+                  + (f", {made}" if made else ""))
+
+
+def xformers_fix():
+    return ("rebuild the env (deploy/rebuild.py), or in it: python -m pip install --no-deps --force-reinstall"
+            f" --index-url {want.get('xformers_index') or '<the PyTorch cu118 index>'} xformers=={want['xformers']}")
+
+
+@check("xformers")
+def _xformers():
+    # vLLM 0.8.5 pins xformers==0.0.29.post2; PyPI's file of that name is a CUDA 12.4 build
+    # whose compiled ops cannot load beside torch cu118, the cu118 index's is the one planned.
+    if not want.get("xformers"):
+        return True, f"skipped: {want.get('xformers_skip') or 'not planned'}"
+    expect_cuda = want.get("xformers_cuda")
+    if QUICK:  # version from the metadata, the build from cpp_lib.json: nothing imported
+        from importlib import metadata
+
+        have = metadata.version("xformers")
+        spec = importlib.util.find_spec("xformers")
+        if spec is None or not spec.submodule_search_locations:
+            return False, "No module named 'xformers'"
+        cuda, build = xformers_build(list(spec.submodule_search_locations)[0])
+        if not same_version(have, want["xformers"]):
+            return False, f"xformers {have} ({build}), pinned {want['xformers']}: {xformers_fix()}"
+        if expect_cuda and cuda != expect_cuda:
+            return False, f"xformers {have} is {build}; expected the CUDA {expect_cuda} build: {xformers_fix()}"
+        return True, f"xformers {have} ({build}; quick re-check: not imported)"
+    import xformers
+    folder = os.path.dirname(xformers.__file__)
+    cuda, build = xformers_build(folder)
+    have = getattr(xformers, "__version__", "?")
+    if not same_version(have, want["xformers"]):
+        return False, f"xformers {have} ({build}), pinned {want['xformers']}: {xformers_fix()}"
+    # real xformers sets _has_cpp_library when torch.ops.load_library(xformers/_C.so) succeeded
+    if not getattr(xformers, "_has_cpp_library", False):
+        why = getattr(getattr(xformers, "_cpp_lib", None), "_cpp_library_load_exception", None)
+        why = str(why).strip().splitlines()[0][:120] if why else "no reason given"
+        return False, (f"xformers {have} is {build}: its compiled ops do not load (xformers._has_cpp_library is"
+                       f" False: {why}); vLLM's V0 engine attends with them: {xformers_fix()}")
+    if expect_cuda and cuda != expect_cuda:
+        return False, f"xformers {have} is {build}; expected the CUDA {expect_cuda} build: {xformers_fix()}"
+    return True, f"xformers {have} ({build}): compiled ops loaded"
 
 
 def _verl_quick():

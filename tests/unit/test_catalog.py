@@ -36,6 +36,19 @@ def test_repo_catalog_loads_and_pins_what_facts_list():
         assert art.sha256 or art.no_checksum or art.get("files"), art.name
 
 
+def test_xformers_comes_from_the_torch_artifacts_cu118_index():
+    """vLLM 0.8.5 pins xformers==0.0.29.post2; PyPI's build of it is CUDA 12.4, the cu118 index's
+    file of the same name is the build for torch cu118: the catalog names that index, per profile."""
+    cat = default_catalog()
+    xformers, torch = cat.artifact("xformers"), cat.artifact("torch")
+    assert xformers.kind == "pip-index" and xformers.version == "0.0.29.post2"
+    assert xformers.get("requirements") == ["xformers==0.0.29.post2"] and xformers.get("cuda") == "11.8"
+    for profile in cat.profiles:
+        assert xformers.url(cat.mirrors(profile)) == torch.url(cat.mirrors(profile))
+    assert xformers.url(cat.mirrors("global")) == "https://download.pytorch.org/whl/cu118"
+    assert xformers.url(cat.mirrors("cn")) == "https://mirror.nju.edu.cn/pytorch/whl/cu118"
+
+
 def test_urls_follow_profile_and_overrides():
     cat = default_catalog()
     cudnn = cat.artifact("cudnn_archive")

@@ -178,12 +178,53 @@ def test_conda_env_create_and_pip_commands():
     # order: the env's pip, build tools, torch, Apex, verl deps, vLLM, verl; proofs before the swap, marker last
     assert "PIP_PIN=pip==25.1.1 MIN_PIP=23.1" in text
     order = [text.index(k) for k in ("conda create", 'pip_install "$PIP_PIN"', "pip_new_enough \"$pip_now\"",
-                                     "pip_install -r /opt/verl-lab/pyenv/build-tools.txt", "pip_install torch==", "pip install -v --no-build-isolation",
+                                     "pip_install -r /opt/verl-lab/pyenv/build-tools.txt", "pip_install torch==",
+                                     "pip install -v --no-build-isolation",
                                      "pip_install -r /opt/verl-lab/pyenv/verl-requirements.txt",
+                                     "pip_install --no-deps --index-url https://download.pytorch.org/whl/cu118 xformers",
                                      "pip_install /opt/verl-lab/cache/vllm", "pip_install --no-deps -e",
                                      "verl-lab-proof.json", "mv -T \"$PREFIX.link-new\" \"$PREFIX\"",
                                      "/opt/verl-lab/markers/pyenv.done.part")]
     assert order == sorted(order)
+
+
+VLLM_WHEEL = "/opt/verl-lab/cache/vllm/vllm-0.8.5+cu118-cp38-abi3-manylinux1_x86_64.whl"
+XFORMERS = ("PIP_EXTRA_INDEX_URL={index} pip_install --no-deps --index-url {index} xformers==0.0.29.post2")
+
+
+@pytest.mark.parametrize("gpu,cc,engine", [
+    ("Tesla V100-SXM2-16GB", "7.0", "V0"), ("Tesla T4", "7.5", "V0"), ("NVIDIA GeForce RTX 2080 Ti", "7.5", "V0"),
+    ("NVIDIA GeForce RTX 3090", "8.6", "V1"), ("NVIDIA H200", "9.0", "V1"),
+])
+@pytest.mark.parametrize("profile,index", [("global", "https://download.pytorch.org/whl/cu118"),
+                                           ("cn", "https://mirror.nju.edu.cn/pytorch/whl/cu118")])
+def test_vllm_boxes_get_the_cu118_xformers_before_vllm(gpu, cc, engine, profile, index):
+    """vLLM 0.8.5 pins xformers==0.0.29.post2, a name both PyPI (a CUDA 12.4 build) and the cu118
+    index serve: the cu118 build goes in first, from that index only, and is pinned so vLLM's
+    install keeps it. 7.x boxes run vLLM's V0 engine, whose attention is xformers; 8.0+ boxes run
+    V1, which does not use it, and get the same build (vLLM requires it on every box)."""
+    s = settings(mirror_profile=profile)
+    plan = pyenv.plan_env(s, gpus(gpu, cc), BUILD)
+    assert plan.xformers and plan.xformers_version == "0.0.29.post2" and plan.xformers_index == index
+    assert f"{engine} engine" in plan.xformers_reason
+    assert "xformers==0.0.29.post2" in plan.constraints
+    assert plan.expect["xformers"] == "0.0.29.post2" and plan.expect["xformers_cuda"] == "11.8"
+    text = _build_script(s, plan, VLLM_WHEEL)
+    line = XFORMERS.format(index=index)
+    assert line in text
+    assert text.index("pip_install -r /opt/verl-lab/pyenv/verl-requirements.txt") < text.index(line)
+    assert text.index(line) < text.index(f"pip_install {VLLM_WHEEL}")
+    assert "echo xformers=0.0.29.post2" in text
+
+
+def test_no_vllm_no_xformers():
+    s = settings()
+    plan = pyenv.plan_env(s, gpus(), BUILD)                     # a P40
+    assert not plan.xformers and "no vLLM" in plan.xformers_reason
+    assert not any(c.startswith("xformers") for c in plan.constraints)
+    assert plan.expect["xformers"] is None and plan.expect["xformers_skip"]
+    text = _build_script(s, plan)
+    assert "xformers==" not in text and "echo xformers=skipped" in text
 
 
 def test_cn_profile_build_script_and_vllm_skip_message():
