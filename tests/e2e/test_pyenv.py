@@ -1,14 +1,16 @@
-"""The Python-env stage on one lab-in-a-box host (venv backend; conda cannot be fetched here and
-is tested at the command level in tests/unit/test_pyenv.py).
+"""The Python-env stage on lab-in-a-box hosts, a P40 box and a T4 box (venv backend; conda
+cannot be fetched here and is tested at the command level in tests/unit/test_pyenv.py).
 
 Stand-ins (tests/fixtures/standins/pyenv.py): the CPU torch 2.13.0 from /opt/wheels under a
-test catalog profile (torch.cuda = "none"), an Apex-shaped source tree, and the real verl 0.5.0
-sdist as a git repo, all served by the lab mirror; verl's pinned deps come from the real PyPI
-once into the controller's cache and are served to the box as the `pypi` source.
+test catalog profile (torch.cuda = "none"), an Apex-shaped source tree, the real verl 0.5.0
+sdist as a git repo, the vLLM 0.8.5 cu118 wheel and the cu118 index's xformers 0.0.29.post2, all
+served by the lab mirror; verl's pinned deps (and the pinned pip) come from the real PyPI once
+into the controller's cache and are served to the boxes as the `pypi` source.
 
-converge -> proofs -> idempotence -> a rebuild made to fail leaves the env as it was -> break
-the env (uninstall torch) -> deploy/rebuild.py restores it (old generation kept as .prev) ->
-idempotence again.
+converge (both boxes) -> proofs (the T4 box: vLLM and the cu118 xformers) -> idempotence -> a
+rebuild made to fail leaves the env as it was -> break the env (uninstall torch) ->
+deploy/rebuild.py restores it (old generation kept as .prev) -> idempotence again (the rebuilds
+run on the P40 box only).
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ PY = f"{ENV}/bin/python"
 MARKER = f"{LAB_ROOT}/markers/pyenv.done"
 VERL_SRC = f"{LAB_ROOT}/src/verl"
 BOX = "envbox"
+T4_BOX = "envt4"
 TIMINGS: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module")
 def lab(lab_factory):
-    lab = lab_factory([BoxSpec(BOX, gpu="p40")])
+    lab = lab_factory([BoxSpec(BOX, gpu="p40"), BoxSpec(T4_BOX, gpu="t4")])
     started = time.monotonic()
     overrides = standin.publish(lab.mirror.root)
     TIMINGS["publish"] = time.monotonic() - started
@@ -40,37 +43,37 @@ def lab(lab_factory):
     return lab
 
 
-def deploy(lab, deploy_file="deploy/env.py", torch_requirements=None):
+def deploy(lab, deploy_file="deploy/env.py", torch_requirements=None, hosts=None):
     overrides = json.loads(json.dumps(lab.pyenv_overrides))
     if torch_requirements:
         overrides["torch"]["requirements"] = torch_requirements
     data = {"mirror_urls": {**lab.mirror_urls, "pypi": standin.pypi_base(lab.mirror_url)},
             "catalog_overrides": overrides, "env_backend": "venv", "venv_python": "python3"}
     started = time.monotonic()
-    res = lab.deploy(deploy_file, data=data, timeout=900)
+    res = lab.deploy(deploy_file, data=data, hosts=hosts, timeout=900)
     TIMINGS.setdefault(deploy_file, 0.0)
     TIMINGS[deploy_file] += time.monotonic() - started
     print(f"{deploy_file}: {time.monotonic() - started:.0f}s {res}")
     return res
 
 
-def ssh(lab, cmd, check=True):
-    return lab.box(BOX).ssh(cmd, check=check, timeout=300)
+def ssh(lab, cmd, check=True, box=BOX):
+    return lab.box(box).ssh(cmd, check=check, timeout=300)
 
 
 def link(lab, path):
     return ssh(lab, f"readlink {path}", check=False).stdout.strip()
 
 
-def marker(lab):
-    text = lab.box(BOX).read_text(MARKER)
+def marker(lab, box=BOX):
+    text = lab.box(box).read_text(MARKER)
     return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
 
-def proofs(lab):
+def proofs(lab, box=BOX, **expected):
     expect = {"torch": "2.13.0", "cuda": "none", "gpu_cc": "6.1", "vllm": None, "vllm_skip": "test",
-              "verl": "0.5.0", "verl_src": VERL_SRC, "compose": True, "overrides": []}
-    out = ssh(lab, f"{PY} {LAB_ROOT}/pyenv/prove-env.py '{json.dumps(expect)}'", check=False)
+              "verl": "0.5.0", "verl_src": VERL_SRC, "compose": True, "overrides": [], **expected}
+    out = ssh(lab, f"{PY} {LAB_ROOT}/pyenv/prove-env.py '{json.dumps(expect)}'", check=False, box=box)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -103,6 +106,27 @@ def test_converge_builds_a_proven_env(lab):
     job = ssh(lab, f"cd / && {PY} -m verl.trainer.main_ppo actor_rollout_ref.rollout.name=hf "
                    "+critic.model.override_config._attn_implementation=sdpa --cfg job").stdout
     assert "_attn_implementation: sdpa" in job and "name: hf" in job
+    # Debian 12's venv brings pip 23.0.1; the build brought it to build-tools.txt's pin first
+    assert ssh(lab, f"{PY} -m pip --version").stdout.split()[1] == "25.1.1"
+    assert m["xformers"] == "skipped" and "no vLLM" in m["xformers_reason"]
+    assert "xformers" not in constraints
+
+
+def test_t4_box_gets_vllm_and_the_cu118_xformers(lab):
+    m = marker(lab, T4_BOX)
+    assert m["vllm"] == "0.8.5" and m["xformers"] == "0.0.29.post2"
+    assert "V0 engine" in m["xformers_reason"]
+    # the cu118 index's build (the stand-in published there), pinned for vLLM's install
+    init = ssh(lab, f"cd / && {PY} -c 'import xformers; print(xformers.__file__)'", box=T4_BOX).stdout.strip()
+    assert "stand-in for xformers 0.0.29.post2" in ssh(lab, f"cat {init}", box=T4_BOX).stdout
+    constraints = ssh(lab, f"cat {ENV}/verl-lab-constraints.txt", box=T4_BOX).stdout.splitlines()
+    assert "xformers==0.0.29.post2" in constraints
+    p = proofs(lab, T4_BOX, gpu_cc="7.5", vllm="0.8.5", vllm_skip=None, xformers="0.0.29.post2",
+               xformers_cuda="11.8", xformers_index=f"{lab.mirror_url}/pytorch/cu118")
+    assert p["healthy"], p
+    assert p["checks"]["xformers"]["detail"] == ("xformers 0.0.29.post2 (the CUDA 11.8 build for torch 2.6.0+cu118,"
+                                                 " verl-lab test stand-in): compiled ops loaded")
+    assert p["checks"]["vllm"]["detail"] == "vllm 0.8.5+cu118"
 
 
 def test_rerun_changes_nothing(lab):
@@ -111,7 +135,7 @@ def test_rerun_changes_nothing(lab):
 
 def test_failed_rebuild_leaves_the_env_as_it_was(lab):
     before = marker(lab)
-    res = deploy(lab, "deploy/rebuild.py", torch_requirements=["torch==0.0.1"])
+    res = deploy(lab, "deploy/rebuild.py", torch_requirements=["torch==0.0.1"], hosts=[BOX])
     assert not res.ok and BOX in res.failed_hosts
     assert link(lab, ENV) == "verl.gen1"
     assert marker(lab) == before
@@ -122,7 +146,7 @@ def test_broken_env_is_rebuilt_and_the_old_one_kept(lab):
     ssh(lab, f"{PY} -m pip uninstall -y -q torch")
     broken = proofs(lab)
     assert not broken["healthy"] and "torch" in broken["broken"]
-    deploy(lab, "deploy/rebuild.py").assert_ok()
+    deploy(lab, "deploy/rebuild.py", hosts=[BOX]).assert_ok()
     new = link(lab, ENV)
     assert new.startswith("verl.gen") and new != "verl.gen1"
     assert link(lab, f"{ENV}.prev") == "verl.gen1" and lab.box(BOX).exists(f"{ENV}.gen1")
