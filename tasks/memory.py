@@ -76,6 +76,23 @@ STEP_MISC_MIB = 23.0
 # For the verl budget: the CUDA context of a process that also runs NCCL, vLLM's allocator and
 # Ray: inferred (not measured), a margin above the plain torch context.
 VERL_PROCESS_OVERHEAD_MIB = 1024.0
+# verl's update phases beyond the single-process step, measured on the H200 with real verl 0.5.0
+# under the P40 plan (bench/gpu/results/, fp32, no offload, micro-batch 4): the critic update
+# peaked 516 MiB and the actor update 166 MiB above the model; with the optimizer offloaded
+# (T4 plan, micro-batch 2) 932 and 789 MiB above: the states loaded back for the update cost
+# about a sixth of their size again.
+VERL_UPDATE_EXTRA_MIB = {"actor": 170.0, "critic": 520.0}
+OFFLOADED_OPTIMIZER_EXTRA = 0.17
+# verl's actor update in bf16 without checkpointing, measured (RTX 3090 plan micro-batch 4 and
+# H200 plan micro-batch 16, 512 tokens): the autocast weight copies plus, per token, every
+# layer's saved activations and 3.0 bytes per vocabulary entry (verl slices the response's
+# logits and takes log-softmax in bf16 row by row); the single-process step model, which
+# keeps fp32 copies of all logits, over-predicted it by 0.3 GB at 4 and 6.7 GB at 16.
+VERL_ACTOR_LOGIT_BYTES_AUTOCAST = 3.0
+# verl's no-gradient log-prob pass (compute_log_prob, with entropy), bytes per logit element of
+# the whole sequence: measured 8.1 (fp32, P40 plan, micro-batch 8) and 7.8 (bf16, H200 plan,
+# micro-batch 64, after the bf16 weight copy)
+VERL_LOGPROB_BYTES = 8.1
 
 
 def _bytes(dtype: str) -> int:
@@ -561,16 +578,22 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
 
     actor_step = train_step_peak(s, "actor", wl.train_dtype, wl.attn, wl.grad_ckpt,
                                  wl.micro_batch, seq)
-    actor_act = _transient(actor_step)
-    # verl's policy loss adds log-softmax and entropy over the response logits in fp32 (inferred)
-    actor_act += 2.0 * 4.0 * s.vocab * wl.micro_batch * wl.response_len / MIB
+    if wl.train_dtype != "fp32" and not wl.grad_ckpt:
+        path = _attention_path(s, wl.train_dtype, wl.attn)
+        per_token = s.layers * _layer_saved_bytes_per_token(s, True, path) + VERL_ACTOR_LOGIT_BYTES_AUTOCAST * s.vocab
+        actor_act = (2.0 * s.layers * s.layer_params + wl.micro_batch * seq * per_token) / MIB
+    else:
+        actor_act = _transient(actor_step)
+        # verl's policy loss adds log-softmax and entropy over the response logits in fp32 (inferred;
+        # matches the fp32 measurements within 1%)
+        actor_act += 2.0 * 4.0 * s.vocab * wl.micro_batch * wl.response_len / MIB
     critic_act = 0.0
     if wl.use_critic:
         critic_act = _transient(train_step_peak(s, "critic", wl.train_dtype, wl.attn,
                                                 wl.grad_ckpt, c_micro, seq))
     half_copy_a = 2.0 * P_a / MIB * (1 if wl.train_dtype != "fp32" else 0)
-    # a no-grad forward for log-probs: logits in bf16 + fp32 log-softmax (inferred)
-    logprob_pass = (6.0 + 4.0) * s.vocab * lp_micro * seq / MIB + half_copy_a
+    # a no-grad forward for log-probs and entropy (measured, VERL_LOGPROB_BYTES)
+    logprob_pass = VERL_LOGPROB_BYTES * s.vocab * lp_micro * seq / MIB + half_copy_a
     # the critic's value pass: one layer's activations and the hidden states (inferred)
     values_pass = lp_micro * seq * (4.0 * s.hidden * 4 + 3.0 * 4 * s.ffn) / MIB \
         + (2.0 * P_c / MIB if wl.train_dtype != "fp32" else 0.0)
@@ -581,10 +604,11 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     else:
         gen = generate_peak(s, wl.rollout_batch, wl.prompt_len, wl.response_len, wl.rollout_dtype,
                             wl.attn)
-        # the actor's FSDP module generates: its params are already resident; the bf16
-        # compute copy (FSDP mixed precision) is the generation "weights"
+        # the actor's FSDP module generates: its params are already resident; generating in
+        # half precision holds one half copy of every weight (FSDP's mixed-precision compute
+        # copy, or autocast's casts over fp32 params: measured +1237 MiB on the T4 profile)
         rollout = gen.peak_mib - gen.breakdown["weights"] \
-            + (_bytes(wl.rollout_dtype) * P_a / MIB if wl.train_dtype != "fp32" else 0.0)
+            + (_bytes(wl.rollout_dtype) * P_a / MIB if wl.rollout_dtype != "fp32" else 0.0)
         if wl.actor_param_offload:
             rollout += params_a   # HF rollout needs the actor's params on the GPU
     always = rollout if (wl.rollout == "vllm" and not wl.vllm_sleep) else 0.0
@@ -600,10 +624,11 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         "phase_critic_values": (resident + values_pass + (params_c if wl.critic_param_offload else 0.0))
         if wl.use_critic else 0.0,
         "phase_critic_update": (resident + (params_c if wl.critic_param_offload else 0.0)
-                                + (opt_c if wl.critic_optimizer_offload else 0.0)
-                                + grads_c + critic_act) if wl.use_critic else 0.0,
+                                + ((1 + OFFLOADED_OPTIMIZER_EXTRA) * opt_c if wl.critic_optimizer_offload else 0.0)
+                                + grads_c + critic_act + VERL_UPDATE_EXTRA_MIB["critic"]) if wl.use_critic else 0.0,
         "phase_actor_update": resident + (params_a if wl.actor_param_offload else 0.0)
-        + (opt_a if wl.actor_optimizer_offload else 0.0) + grads_a + actor_act,
+        + ((1 + OFFLOADED_OPTIMIZER_EXTRA) * opt_a if wl.actor_optimizer_offload else 0.0) + grads_a + actor_act
+        + VERL_UPDATE_EXTRA_MIB["actor"],
     }
     peak = max(phases.values()) + overhead
     host = 0.0

@@ -680,8 +680,64 @@ def _table(plan: TrainingPlan) -> str:
     return "\n".join(lines)
 
 
+# The GPUs docs/plan.md tabulates (name as nvidia-smi prints it, compute capability, MiB).
+DOC_GPUS: tuple[tuple[str, str, int], ...] = (
+    ("Tesla P40", "6.1", 24576),
+    ("Tesla P100-PCIE-16GB", "6.0", 16384),
+    ("Tesla V100-SXM2-32GB", "7.0", 32768),
+    ("Tesla T4", "7.5", 15360),
+    ("NVIDIA GeForce RTX 2080 Ti", "7.5", 11264),
+    ("NVIDIA GeForce RTX 3090", "8.6", 24576),
+    ("NVIDIA GeForce RTX 4090", "8.9", 24564),
+    ("NVIDIA A100-SXM4-80GB", "8.0", 81920),
+    ("NVIDIA H100 80GB HBM3", "9.0", 81559),
+    ("NVIDIA H200", "9.0", 143771),
+)
+
+
+def gpu_table(workload: Workload) -> str:
+    """docs/plan.md's table of plans, made from the code (``--doc-table``)."""
+    rows = ["| GPU | CC | MiB | train | rollout | checkpointing | offload | micro (actor/critic, log-prob, HF chunk) "
+            "| vLLM share | peak / budget MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, cc, mem in DOC_GPUS:
+        try:
+            p = make_plan(GpuTarget(name, cc, mem), workload)
+        except PlanError as exc:
+            short = str(exc).split("short by ", 1)[-1].split(".", 1)[0]
+            rows.append(f"| {name} | {cc} | {mem} | no plan: short by {short} | | | | | | |")
+            continue
+        d = p.to_dict()
+        off = ", ".join(k.replace("_offload", "") for k, v in d["offload"].items() if v) or "none"
+        mb = d["micro_batches"]
+        chunk = mb["rollout"] if d["rollout"] == "hf" else "-"
+        engine = f" {p.env.get('VLLM_USE_V1') == '1' and 'V1' or 'V0'}" if d["rollout"] == "vllm" else ""
+        rows.append(f"| {name} | {cc} | {mem} | {d['train_dtype']} | {d['rollout']}{engine} ({d['rollout_dtype']}) | "
+                    f"{'yes' if d['gradient_checkpointing'] else 'no'} | {off} | {mb['actor']}/{mb['critic']}, "
+                    f"{mb['log_prob']}, {chunk} | {d['vllm_gpu_memory_utilization'] or '-'} | "
+                    f"{d['predicted_peak_mib']} / {d['budget_mib']} |")
+    return "\n".join(rows)
+
+
+def doc_workload(args=None) -> Workload:
+    """The CLI's workload: a box's paths and settings by default (validation on val_small, as
+    the training stage plans it: HFRollout's equal chunks must divide the validation rows)."""
+    if args is None:
+        args = argparse.Namespace(model_path="/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct",
+                                  data_dir="/opt/verl-lab/data/gsm8k", checkpoint_dir="/opt/verl-lab/train/checkpoints",
+                                  steps=20, model_config=DEFAULT_MODEL_CONFIG, flash_attn=False)
+    return Workload(model_path=args.model_path, train_files=f"{args.data_dir}/train.parquet",
+                    val_files=f"{args.data_dir}/val_small.parquet", checkpoint_dir=args.checkpoint_dir,
+                    total_training_steps=args.steps, model_config=load_model_config(args.model_config),
+                    flash_attn_installed=args.flash_attn)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tasks.plan", description=__doc__.split("\n\n")[0])
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw == ["--doc-table"]:
+        print(gpu_table(doc_workload()))
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m tasks.plan", description=__doc__.split("\n\n")[0],
+                                 epilog="python -m tasks.plan --doc-table prints docs/plan.md's table of plans")
     ap.add_argument("--gpu-name", required=True)
     ap.add_argument("--compute-capability", required=True, help="e.g. 8.6")
     ap.add_argument("--gpu-memory-mib", required=True, type=int)
@@ -693,19 +749,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--flash-attn", action="store_true", help="flash-attn is installed in the env")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(raw)
     try:
         gpu = GpuTarget(args.gpu_name, args.compute_capability, args.gpu_memory_mib, args.gpus)
         gpu.cc
     except ValueError:
         ap.error(f"--compute-capability {args.compute_capability!r} is not like 8.6")
-    workload = Workload(model_path=args.model_path, train_files=f"{args.data_dir}/train.parquet",
-                        # as on a box: the data stage's first 64 test rows (HF chunks divide them)
-                        val_files=f"{args.data_dir}/val_small.parquet", checkpoint_dir=args.checkpoint_dir,
-                        total_training_steps=args.steps, model_config=load_model_config(args.model_config),
-                        flash_attn_installed=args.flash_attn)
     try:
-        plan = make_plan(gpu, workload)
+        plan = make_plan(gpu, doc_workload(args))
     except PlanError as exc:
         print(f"no plan: {exc}", file=sys.stderr)
         return 2

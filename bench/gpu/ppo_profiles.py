@@ -65,7 +65,7 @@ PROFILES = [
             stands_for="RTX 3090 (24 GiB); HF rollout instead of the plan's vLLM, for this run only"),
     Profile("h200", "NVIDIA H200", "9.0", 143771, capped=False, rollout_engine="hf",
             stands_for="the H200 itself; HF rollout instead of the plan's vLLM, for this run only"),
-    Profile("p40-today", "Tesla P40", "6.1", 24576, code="today", steps=3, validate=False,
+    Profile("p40-today", "Tesla P40", "6.1", 24576, code="today", steps=2, validate=False,
             stands_for="Tesla P40, the plan and verl patches as they were before this work (throughput baseline)"),
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
             stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),

@@ -7,9 +7,13 @@ RUNS_DIR holds ``<profile>/{profile.json? console.log, run.json, probe/*.jsonl}`
 bench/gpu/run_ppo.sh packs them (``runs.tgz``); profile.json is read from ``.gpu/profiles/``
 when the run folder has none.
 
-* measured peak = the largest per-phase ``torch.cuda.max_memory_reserved`` of the worker
-  process plus what that process holds outside torch (NVML), i.e. the GPU memory it needed;
-  the allocated peak is reported beside it. Predicted = the plan's ``predicted_peak_mib``.
+* measured peak = the largest per-phase ``torch.cuda.max_memory_allocated`` of the worker
+  process plus what that process holds outside torch (NVML): the GPU memory it needed. The
+  reserved peak (+ outside torch) is reported beside it as "held": the caching allocator keeps
+  freed blocks up to the cap, so it reads the cap on capped runs. Predicted = the plan's
+  ``predicted_peak_mib`` (its allocated peak + 1908 MiB allowed outside torch), re-estimated
+  with the memory model as it is now for exactly the configuration that ran
+  (``estimate_as_ran``); the prediction when the profile was rendered is kept beside it.
 * s/step = the mean of verl's ``timing_s/step`` over steps 2.. (step 1 warms up; the last
   step's validation is reported apart as ``timing_s/testing``); prompts/s = train batch / s/step;
   tokens/s = generated tokens per step / s/step.
@@ -43,6 +47,7 @@ def parse_steps(console: str) -> dict[int, dict[str, float]]:
         metrics = {}
         for part in m.group(2).split(" - "):
             key, _, value = part.partition(":")
+            value = re.sub(r"^np\.\w+\((.*)\)$", r"\1", value.strip())   # np.float64(0.0) -> 0.0
             try:
                 metrics[key.strip()] = float(value)
             except ValueError:
@@ -92,8 +97,12 @@ def summarise(run: Path) -> dict:
     train_phases = {k: v for k, v in phases.items() if k in PHASE_ORDER}
     peak_alloc = max((p["peak_allocated_mib"] for p in train_phases.values()), default=None)
     peak_res = max((p["peak_reserved_mib"] for p in train_phases.values()), default=None)
-    measured = (peak_res + (outside_mib or 0.0)) if peak_res is not None else None
-    predicted = plan.get("predicted_peak_mib")
+    # what the process needed: torch's allocated peak plus what it held outside torch (the
+    # reserved peak is bigger: the caching allocator keeps freed blocks, up to the cap)
+    measured = (peak_alloc + (outside_mib or 0.0)) if peak_alloc is not None else None
+    as_ran = estimate_as_ran(profile)
+    predicted = as_ran["peak_mib"] if as_ran else plan.get("predicted_peak_mib")
+    breakdown = as_ran["breakdown"] if as_ran else (plan.get("breakdown") or {})
     later = [s for n, s in steps.items() if n >= 2 and "timing_s/step" in s] or list(steps.values())
     s_step = statistics.mean(s["timing_s/step"] for s in later if "timing_s/step" in s) if later else None
     batch = plan.get("train_batch_size") or _batch_from_overrides(profile)
@@ -106,15 +115,16 @@ def summarise(run: Path) -> dict:
         "profile": name, "stands_for": profile.get("stands_for"), "cap_mib": profile.get("cap_mib"),
         "rc": result.get("rc"), "timed_out": result.get("timed_out"), "wall_s": result.get("seconds"),
         "steps_done": max(steps) if steps else 0,
-        "predicted_peak_mib": predicted,
+        "predicted_peak_mib": predicted, "predicted_at_render_mib": plan.get("predicted_peak_mib"),
         "measured_peak_mib": round(measured, 0) if measured is not None else None,
         "measured_peak_allocated_mib": peak_alloc, "measured_peak_reserved_mib": peak_res,
+        "measured_held_mib": round(peak_res + (outside_mib or 0.0), 0) if peak_res is not None else None,
         "outside_torch_mib": outside_mib,
         "ratio_measured_to_predicted": round(measured / predicted, 3) if measured and predicted else None,
         "under_cap": (peak_res <= profile["cap_mib"]) if peak_res is not None and profile.get("cap_mib") else None,
         "oom": ooms,
         "phases": {k: {**v, "seconds": round(statistics.mean(v["seconds"]), 2),
-                       "predicted_mib": (plan.get("breakdown") or {}).get(PLAN_PHASE.get(k, ""))}
+                       "predicted_mib": breakdown.get(PLAN_PHASE.get(k, ""))}
                    for k, v in sorted(phases.items())},
         "s_per_step": round(s_step, 2) if s_step else None,
         "gen_s_per_step": _mean(later, "timing_s/gen"),
@@ -133,6 +143,34 @@ def summarise(run: Path) -> dict:
     return out
 
 
+def estimate_as_ran(profile: dict) -> dict | None:
+    """The current memory model's estimate of exactly the configuration a profile ran (its
+    plan's micro-batches, offloads, checkpointing and rollout), so runs made before a
+    calibration are compared with the model as it is now."""
+    plan = profile.get("plan")
+    if not plan:
+        return None
+    sys.path.insert(0, str(REPO))
+    from dataclasses import replace
+
+    from tasks.plan import GpuTarget, MemoryChoice, choose_precision, default_estimator, workload_for
+    from tasks.settings import load_settings
+
+    root = profile["lab_root"]
+    settings = load_settings(profile["name"], {"lab_root": root, "env_prefix": f"{root}/env",
+                                               "train_steps": profile.get("steps", 5)})
+    gpu = GpuTarget(profile["gpu_name"], profile["compute_capability"], profile["memory_mib"], 1)
+    workload = replace(workload_for(settings), rollout_engine=profile.get("rollout_engine", "auto"),
+                       train_batch_size=plan["train_batch_size"])
+    precision, _ = choose_precision(gpu, False, workload.rollout_engine)
+    mb = plan["micro_batches"]
+    choice = MemoryChoice(offload=plan["offload"], actor_micro_batch=mb["actor"], log_prob_micro_batch=mb["log_prob"],
+                          critic_micro_batch=mb["critic"], rollout_micro_batch=mb["rollout"],
+                          grad_ckpt=bool(plan.get("gradient_checkpointing", True)))
+    est = default_estimator(gpu, workload, precision, choice)
+    return {"peak_mib": est.peak_mib, "breakdown": dict(est.breakdown)}
+
+
 def _mean(steps: list[dict], key: str):
     vals = [s[key] for s in steps if key in s]
     return round(statistics.mean(vals), 2) if vals else None
@@ -146,13 +184,14 @@ def _batch_from_overrides(profile: dict):
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| profile | cap MiB | predicted peak MiB | measured peak MiB (reserved + outside torch) | "
-            "measured / predicted | allocated peak MiB | s/step | prompts/s | tokens/s | log-prob gap max | OOM |")
-    lines = [head, "|" + "---|" * head.count("|")[:-1] if False else "|" + "---|" * (head.count("|") - 1)]
+    head = ("| profile | cap MiB | predicted peak MiB | measured peak MiB (allocated + outside torch) | "
+            "measured / predicted | held MiB (reserved + outside torch) | s/step | prompts/s | tokens/s | "
+            "log-prob gap max | OOM |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r['profile']} | {r['cap_mib'] or '-'} | {r['predicted_peak_mib'] or '-'} | "
                      f"{r['measured_peak_mib'] or '-'} | {r['ratio_measured_to_predicted'] or '-'} | "
-                     f"{r['measured_peak_allocated_mib'] or '-'} | {r['s_per_step'] or '-'} | "
+                     f"{r['measured_held_mib'] or '-'} | {r['s_per_step'] or '-'} | "
                      f"{r['prompts_per_s'] or '-'} | {r['tokens_per_s'] or '-'} | "
                      f"{r['logprob_gap_max'] if r['logprob_gap_max'] is not None else '-'} | "
                      f"{'yes' if r['oom'] else 'no'} |")

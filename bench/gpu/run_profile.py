@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--site", default=os.environ.get("SITE", "/tmp/site"))
     ap.add_argument("--verl-trees", default=os.environ.get("VERL_TREES", "/tmp/verl-trees"))
     ap.add_argument("--timeout", type=int, default=540)
+    ap.add_argument("--deadline", type=float, default=0.0,
+                    help="epoch seconds by which the run must have ended (the device call's own limit)")
     ap.add_argument("--ray-stop", action="store_true",
                     help="afterwards stop every Ray process on the machine (runs one at a time)")
     args = ap.parse_args(argv)
@@ -90,6 +92,11 @@ def main(argv=None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     (out / "probe").mkdir(parents=True)
     root = lay_out(profile, src, args.model)
+    shutil.copy2(src / "profile.json", out / "profile.json")      # the record of what ran
+    if (src / "train" / "plan.json").is_file():
+        shutil.copy2(src / "train" / "plan.json", out / "plan.json")
+    if args.deadline:
+        args.timeout = max(1, min(args.timeout, int(args.deadline - time.time())))
     env = dict(os.environ)
     env.update({
         "PYTHONPATH": os.pathsep.join([str(PROBE), f"{args.verl_trees}/{profile['verl_tree']}", args.site]),
@@ -97,7 +104,11 @@ def main(argv=None) -> int:
         "PYTHONUNBUFFERED": "1",
         "RAY_DEDUP_LOGS": "0",
         "TOKENIZERS_PARALLELISM": "false",
+        # each run its own Ray: ray.init() without an address would join the latest cluster
+        # under the shared temp dir (/tmp/ray/ray_current_cluster) of a run beside it
+        "RAY_TMPDIR": f"/tmp/ray-{args.name}",
     })
+    env.pop("RAY_ADDRESS", None)
     if profile.get("cap_mib"):
         env["VERL_LAB_GPU_CAP_MIB"] = str(profile["cap_mib"])
     cmd = [c for c in command(profile, root, env) if c]
