@@ -340,25 +340,23 @@ def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
         assert best_failure is not None
         raise _no_fit(gpu, workload, best_failure)
     choice, est = found
-    for m in _divisors(batch_per_gpu, FORWARD_MICRO_CHOICES):
-        if m <= choice.log_prob_micro_batch:
-            break
-        bigger = replace(choice, log_prob_micro_batch=m)
-        e = estimator(gpu, workload, precision, bigger)
-        tried += 1
-        if e.fits:
-            choice, est = bigger, e
-            break
-    if precision.rollout == "hf":
-        for m in rollout_chunk_choices(workload, gpu):
-            if m <= choice.rollout_micro_batch:
-                break
-            bigger = replace(choice, rollout_micro_batch=m)
+
+    def grow(choice, est, field, sizes):
+        """The largest of ``sizes`` (descending) for ``field`` that still fits; estimates tried."""
+        for n, m in enumerate(sizes, 1):
+            if m <= getattr(choice, field):
+                return choice, est, n - 1
+            bigger = replace(choice, **{field: m})
             e = estimator(gpu, workload, precision, bigger)
-            tried += 1
             if e.fits:
-                choice, est = bigger, e
-                break
+                return bigger, e, n
+        return choice, est, len(sizes)
+
+    choice, est, n = grow(choice, est, "log_prob_micro_batch", _divisors(batch_per_gpu, FORWARD_MICRO_CHOICES))
+    tried += n
+    if precision.rollout == "hf":
+        choice, est, n = grow(choice, est, "rollout_micro_batch", rollout_chunk_choices(workload, gpu))
+        tried += n
     if est.vllm_gpu_memory_utilization is not None:
         choice = replace(choice, vllm_gpu_memory_utilization=est.vllm_gpu_memory_utilization)
     return choice, est, _memory_reasons(gpu, workload, precision, choice, est, tried)
