@@ -251,6 +251,10 @@ def test_cli_json():
     assert isinstance(d["overrides"], list) and isinstance(d["env"], dict)
     assert isinstance(d["predicted_peak_mib"], int)
     assert all({"setting", "value", "why"} <= set(r) for r in d["reasons"])
+    # validation as a box runs it: the data stage's 64 rows, which HF generation chunks divide
+    assert "data.val_files=/opt/verl-lab/data/gsm8k/val_small.parquet" in d["overrides"]
+    chunk = next(int(o.split("=")[1]) for o in d["overrides"] if o.startswith("+actor_rollout_ref.rollout.micro_batch_size="))
+    assert chunk >= 64 or 64 % (64 // chunk) == 0
 
 
 def test_cli_table_and_errors():
