@@ -7,6 +7,7 @@ Every default lives here, once; ``inventory/group_data/all.py`` only sets site c
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from dataclasses import dataclass, field
@@ -52,6 +53,21 @@ DEFAULTS: dict[str, Any] = {
 }
 
 KNOWN_KEYS = set(DEFAULTS)
+
+# Host data that belongs to pyinfra (its connectors' ``ssh_*``/``docker_*``... keys, its global
+# arguments ``_sudo``...) or to the site is left alone; only a near miss of a verl-lab key is an
+# error, since pyinfra would silently ignore it and the default would apply.
+PYINFRA_KEY_PREFIXES = ("_", "ssh_", "docker_", "podman_", "chroot_", "local_", "winrm_", "vagrant_",
+                        "terraform_", "fake_")
+NEAR_MISS_CUTOFF = 0.8
+
+
+def near_miss(key: str) -> str | None:
+    """The verl-lab key that ``key`` looks like a misspelling of, or None."""
+    if key in KNOWN_KEYS or key.startswith(PYINFRA_KEY_PREFIXES):
+        return None
+    close = difflib.get_close_matches(key, sorted(KNOWN_KEYS), n=1, cutoff=NEAR_MISS_CUTOFF)
+    return close[0] if close else None
 
 # The systemd unit that runs training on every box (files/templates/verl-lab-train.service.j2).
 TRAIN_UNIT = "verl-lab-train.service"
@@ -158,6 +174,11 @@ def _gpu_override(host: str, value: Any) -> dict[str, Any] | None:
 
 def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = None) -> LabSettings:
     """Check one host's data and return its settings; raise SettingsError on the first problem."""
+    for key in data:
+        meant = near_miss(key)
+        if meant:
+            raise SettingsError(host, key, "not a verl-lab setting (it would be ignored and the default used)",
+                                f"did you mean {meant}? (every setting and its default: tasks/settings.py DEFAULTS)")
     merged = {**DEFAULTS, **{k: v for k, v in data.items() if k in KNOWN_KEYS}}
 
     def choice(key: str, allowed: tuple[str, ...]) -> str:

@@ -52,3 +52,42 @@ def test_ssh_key_that_exists_is_accepted(tmp_path):
     key = tmp_path / "id"
     key.write_text("key")
     assert load_settings("b", {"ssh_key": str(key)}).host == "b"
+
+
+@pytest.mark.parametrize("key, meant", [
+    ("mirror_profle", "mirror_profile"),
+    ("train_step", "train_steps"),
+    ("gpu_overrides", "gpu_override"),
+    ("train_units_state", "train_unit_state"),
+])
+def test_near_miss_of_a_setting_names_the_setting_meant(key, meant):
+    with pytest.raises(SettingsError) as err:
+        load_settings("gpu-box-7", {key: "x"})
+    text = str(err.value)
+    assert text.startswith(f"host gpu-box-7: {key}:"), text
+    assert f"did you mean {meant}" in text, text
+    assert err.value.key == key
+
+
+@pytest.mark.parametrize("key", ["rack", "owner", "doctor_json", "ssh_user", "_sudo"])
+def test_keys_that_are_no_near_miss_pass(key):
+    assert load_settings("b", {key: "x"}).host == "b"
+
+
+def pyinfra_host_data_keys():
+    """Every host data key pyinfra itself reads: its connectors' data and its global arguments."""
+    from importlib.metadata import entry_points
+
+    from pyinfra.api.arguments import all_global_arguments
+
+    keys = {name for name, _ in all_global_arguments()}
+    for ep in entry_points(group="pyinfra.connectors"):
+        keys |= set(getattr(ep.load(), "data_meta", {}))
+    return sorted(keys)
+
+
+def test_pyinfra_keys_are_never_taken_for_near_misses():
+    keys = pyinfra_host_data_keys()
+    assert {"ssh_user", "ssh_key", "_sudo", "docker_identifier"} <= set(keys)
+    for key in keys:
+        assert load_settings("b", {key: None}).host == "b", key
