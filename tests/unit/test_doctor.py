@@ -2,10 +2,12 @@
 that only look alike do not match."""
 
 import json
+import re
 
 import pytest
 
 from tasks.doctor import diagnose, load_rules, main
+from tasks.settings import DEFAULTS
 
 OOM = """\
 (WorkerDict pid=4242) Traceback (most recent call last):
@@ -122,3 +124,36 @@ def test_cli_json(tmp_path, capsys):
     assert main(["--json", "--host", "p40", str(log)]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["host"] == "p40" and out["findings"][0]["rule"] == "triton-old-gpu"
+
+
+# What a rule's advice names as something to set: `key = value` or `key=value` (not a dotted
+# Hydra key), "set key", a backticked snake_case name; and each " / " item of its `setting`
+# field that is a bare name (``mirror_urls.huggingface`` names mirror_urls).
+ASSIGNED = re.compile(r"(?<![\w./-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\s*=(?!=)")
+SET = re.compile(r"\bset ([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\b")
+BACKTICKED = re.compile(r"`([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`")
+BARE_NAME = re.compile(r"([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?:\.[a-z0-9_]+)?")
+SNAKE = re.compile(r"(?<![\w./-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w/])")
+
+
+def settings_named(rule):
+    named = set(ASSIGNED.findall(rule.fix)) | set(SET.findall(rule.fix)) | set(BACKTICKED.findall(rule.fix))
+    for item in filter(None, (i.strip() for i in rule.setting.split(" / "))):
+        if m := BARE_NAME.fullmatch(item):
+            named.add(m.group(1))
+        elif not item.startswith("plan "):   # a plan choice, or words: no setting-like name in them
+            named |= set(SNAKE.findall(item))
+    return named
+
+
+@pytest.mark.parametrize("rule", load_rules(), ids=lambda r: r.id)
+def test_rules_tell_users_to_set_only_real_settings(rule):
+    unknown = sorted(settings_named(rule) - set(DEFAULTS))
+    assert not unknown, f"rule {rule.id} names {unknown}, not keys of tasks/settings.py DEFAULTS"
+
+
+def test_setting_names_are_found_in_advice():
+    from tasks.doctor import Rule
+    rule = Rule("r", (), (), "cause", "set train_steps, or mirror_profile = 'cn', or `hf_token_file`; "
+                "not data.max_prompt_length=256", "env_backend / mirror_urls.pypi / plan offload level / deploy/full.py / the box's GPU")
+    assert settings_named(rule) == {"train_steps", "mirror_profile", "hf_token_file", "env_backend", "mirror_urls"}
