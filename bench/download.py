@@ -8,9 +8,11 @@ of its own and reports its own time (no interpreter start-up in the figure):
   curl+sha256   : the same, then sha256sum (what a verified download costs with curl)
   fetch         : tasks.fetch.download(url, dest, Expected(sha256, size)): transfer, size and
                   sha256 check, rename, stamp
-  fetch, 256 KiB / 32 KiB writes: the same with tasks.fetch.WRITE_CHUNK forced (the fetcher
-                  writes each 256 KiB block whole, or in 32 KiB pieces on a VM that reports
-                  free pages to its host: tasks.fetch.write_size)
+                  (the product writes each received 256 KiB block whole)
+  fetch, 256 KiB / 32 KiB writes: the same with the write size forced through download's
+                  write_block (bench.vm_pages.piece_writer): whole blocks, or 32 KiB pieces,
+                  the bench VM's tuning where it reports free pages to its host
+                  (bench.vm_pages.write_size; each run records which arm that picks)
   fetch, no sha256: the same transfer with the sha256 replaced by a digest that does nothing
                   and Expected(None, size) (measurement only: what the hash costs)
 K interleaved rounds, each starting one arm later (every arm runs after every other one:
@@ -44,18 +46,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import (REPO, free_page_reporting, free_page_reporting_off, interleave, log,  # noqa: E402
                            render_table, summary, touch_free_memory, write_result)  # noqa: E402
+from bench.vm_pages import free_pages_reported, write_size  # noqa: E402
 from tasks.fetch import Expected, download  # noqa: E402
 from tests.lab.mirror import Mirror  # noqa: E402
 
 TARGET = 0.8
 REL = "nvidia/bench/artifact.bin"
+WRITE_ARMS = {256 << 10: "fetch, 256 KiB writes", 32 << 10: "fetch, 32 KiB writes"}   # bytes per write -> arm
 
 FETCH_CHILD = """
 import json, sys, time
 from pathlib import Path
 import tasks.fetch
+from bench.vm_pages import piece_writer
 from tasks.fetch import Expected, download
 url, dest, sha, size = sys.argv[1], Path(sys.argv[2]), sys.argv[3] or None, int(sys.argv[4])
+write_block = None                # the product's write: each block whole
 if sys.argv[5] == "no-sha256":    # measurement only: the same transfer with a digest that does nothing
     class _NoDigest:
         def update(self, _block): pass
@@ -63,10 +69,10 @@ if sys.argv[5] == "no-sha256":    # measurement only: the same transfer with a d
     class _NoHashlib:
         sha256 = _NoDigest
     tasks.fetch.hashlib = _NoHashlib
-elif sys.argv[5] != "default":     # another write size, to compare with WRITE_CHUNK
-    tasks.fetch.WRITE_CHUNK = int(sys.argv[5])
+elif sys.argv[5] != "default":     # a forced write size, in bytes
+    write_block = piece_writer(int(sys.argv[5]))
 t = time.monotonic()
-download(url, dest, Expected(sha, size), progress=False)
+download(url, dest, Expected(sha, size), progress=False, write_block=write_block)
 print(json.dumps({"seconds": time.monotonic() - t}))
 """
 
@@ -97,13 +103,20 @@ def clean(dest: Path) -> None:
     os.sync()
 
 
+def tuned_arm() -> str:
+    """The write arm the bench VM's tuning picks here and now (bench.vm_pages.write_size: 32 KiB
+    pieces where free pages are reported, whole 256 KiB blocks elsewhere)."""
+    return WRITE_ARMS[write_size() or 256 << 10]
+
+
 def measure(arms, repeat: int, size_mib: int) -> dict:
     """``repeat`` rotated rounds of every arm; medians, MiB/s and the fetch's ratios to curl."""
     times = interleave(arms, repeat, rotate=True)
     med = {k: summary(v) for k, v in times.items()}
     mib_s = {k: size_mib / v["median"] for k, v in med.items()}
     vs_curl = mib_s["fetch"] / mib_s["curl"]
-    return {"free_page_reporting_order": free_page_reporting(), "rounds": repeat, "samples": times, "summary": med,
+    return {"free_page_reporting_order": free_page_reporting(), "free_pages_reported": free_pages_reported(),
+            "vm_tuned_arm": tuned_arm(), "rounds": repeat, "samples": times, "summary": med,
             "mib_per_s": mib_s, "fetch_vs_curl": vs_curl,
             "fetch_vs_curl_sha256": mib_s["fetch"] / mib_s["curl+sha256"] if "curl+sha256" in mib_s else None,
             "met": vs_curl >= TARGET}
@@ -155,8 +168,7 @@ def main(argv=None) -> int:
             return arm
 
         arms = {"curl": curl, "curl+sha256": curl_sha, "fetch": fetch(sha),
-                "fetch, 256 KiB writes": fetch(sha, str(256 << 10)),
-                "fetch, 32 KiB writes": fetch(sha, str(32 << 10)),
+                **{name: fetch(sha, str(piece)) for piece, name in WRITE_ARMS.items()},
                 "fetch, no sha256 (measurement only)": fetch("", "no-sha256")}
         runs = {"as found": measure(arms, args.repeat, args.size_mib)}
         if args.page_reporting == "both":
@@ -201,7 +213,8 @@ def main(argv=None) -> int:
     for name, run in runs.items():
         med, mib_s = run["summary"], run["mib_per_s"]
         print(f"\nDownload of {args.size_mib} MiB from the lab mirror (127.0.0.1), {run['rounds']} interleaved "
-              f"rounds, {name} (free page reporting order: {run['free_page_reporting_order']})")
+              f"rounds, {name} (free page reporting order: {run['free_page_reporting_order']}; "
+              f"the bench VM's tuning would write as {run['vm_tuned_arm']!r})")
         rows = [[k, med[k]["median"], med[k]["min"], med[k]["max"], mib_s[k], mib_s[k] / mib_s["curl"]] for k in med]
         print(render_table(["client", "median s", "min", "max", "MiB/s", "x curl"], rows))
         vs_sha = run["fetch_vs_curl_sha256"]

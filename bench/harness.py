@@ -88,11 +88,11 @@ def interleave(arms: Mapping[str, Callable[[], Any]], repeat: int,
 
 
 def free_page_reporting(sys_root: Path | None = None) -> int | None:
-    """This VM's free page reporting order (``tasks.fetch.page_reporting_order``), or None.
+    """This VM's free page reporting order (``bench.vm_pages.page_reporting_order``), or None.
     Memory so reported is dropped by the host and faults in again when next used: page-cache
     writes of big files get slower and noisier (docs/benchmarks.md, "Download"), so every
     result records it."""
-    from tasks.fetch import page_reporting_order
+    from bench.vm_pages import page_reporting_order
     return page_reporting_order(sys_root)
 
 
@@ -101,7 +101,7 @@ def free_page_reporting_off(sys_root: Path | None = None):
     """Stop this VM reporting free memory to its host for the duration (root): the reporting
     order is raised above the largest buddy order, so no free block qualifies; the order found
     is put back afterwards. Yields the order found (None: nothing to stop)."""
-    from tasks.fetch import MAX_BUDDY_ORDER, PAGE_REPORTING_ORDER, SYS
+    from bench.vm_pages import MAX_BUDDY_ORDER, PAGE_REPORTING_ORDER, SYS
     found = free_page_reporting(sys_root)
     if found is None:
         yield None

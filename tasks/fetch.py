@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 import requests
 from tqdm import tqdm
@@ -35,21 +35,9 @@ CHUNK = 1 << 20
 # to the transfer (bench/download.py), small enough that a cut connection loses little of what
 # was received (the part file holds every whole block; the resume asks for the rest).
 READ_CHUNK = 256 * 1024
-# Bytes per write to the part file on a VM that reports free memory to its host (virtio
-# balloon free page reporting: Firecracker, QEMU, cloud-hypervisor). The kernel gives the page
-# cache folios about the size of each write; folios of up to 32 KiB (order 3) come from the
-# per-CPU lists of recently freed pages, larger ones from high-order free blocks, which such a
-# VM has handed back to its host and must fault in again page by page. Elsewhere each block is
-# written whole (None). bench/download.py, 1 GiB over loopback on such a VM, same runs: whole
-# blocks 0.47-0.56x curl, 32 KiB pieces 0.63-0.83x; with reporting off, whole blocks 0.77-0.89x,
-# 32 KiB pieces 0.73-0.80x (docs/benchmarks.md, "Download").
-WRITE_CHUNK_REPORTING_VM = 32 * 1024
-WRITE_CHUNK: int | None = None   # set to force one write size (the download bench compares them)
-SYS = Path("/sys")
-PAGE_REPORTING_ORDER = "module/page_reporting/parameters/page_reporting_order"   # under SYS
-MAX_BUDDY_ORDER = 10   # the largest free block order on x86-64: a reporting order above it reports nothing
 RETRIES = 3
 TIMEOUT = (15, 60)  # connect, read (a stalled mirror fails within a minute)
+WriteBlock = Callable[[IO[bytes], bytes], object]   # (part file, received block)
 
 
 class FetchError(RuntimeError):
@@ -116,61 +104,18 @@ def locked(path: Path):
         yield
 
 
-def page_reporting_order(sys_root: Path | None = None) -> int | None:
-    """The order from which this kernel reports free blocks to its host (virtio balloon free
-    page reporting), or None where the kernel has no page reporting."""
-    try:
-        return int(((sys_root or SYS) / PAGE_REPORTING_ORDER).read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def free_pages_reported(sys_root: Path | None = None) -> bool:
-    """True on a Linux VM whose free memory is being reported to its host: a virtio balloon
-    device offering VIRTIO_BALLOON_F_REPORTING (feature bit 5) and a reporting order the buddy
-    allocator can reach (a higher one, as bench.harness sets, stops reporting)."""
-    root = sys_root or SYS
-    order = page_reporting_order(root)
-    if order is None or order > MAX_BUDDY_ORDER:
-        return False
-    for dev in (root / "bus/virtio/devices").glob("*"):
-        try:
-            if int((dev / "device").read_text().strip(), 16) == 5:
-                bits = (dev / "features").read_text().strip()
-                if len(bits) > 5 and bits[5] == "1":
-                    return True
-        except (OSError, ValueError):
-            continue
-    return False
-
-
-def write_size() -> int | None:
-    """Bytes per write to a part file (None: each received block whole); see WRITE_CHUNK."""
-    if WRITE_CHUNK is not None:
-        return WRITE_CHUNK
-    return WRITE_CHUNK_REPORTING_VM if free_pages_reported() else None
-
-
-def write_in_pieces(out, block: bytes, piece: int | None) -> None:
-    """``out.write(block)`` as writes of at most ``piece`` bytes (None: one write)."""
-    if piece is None or len(block) <= piece:
-        out.write(block)
-        return
-    view = memoryview(block)
-    for start in range(0, len(view), piece):
-        out.write(view[start:start + piece])
-
-
 def _verified_stamp(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
 def download(url: str, dest: Path, want: Expected, *, session: requests.Session | None = None,
              progress: bool | None = None, sleep: Callable[[float], None] = time.sleep,
-             timeout: tuple[float, float] = TIMEOUT) -> Path:
+             timeout: tuple[float, float] = TIMEOUT, write_block: WriteBlock | None = None) -> Path:
     """Download ``url`` to ``dest`` on the controller, verified. Returns ``dest``.
 
     A verified ``dest`` (its stamp matches) is returned without any network access.
+    ``write_block(out, block)``: how each received block goes into the part file (default: one
+    ``out.write(block)``); the download bench passes other write sizes through it.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     stamp = _verified_stamp(dest)
@@ -190,7 +135,7 @@ def download(url: str, dest: Path, want: Expected, *, session: requests.Session 
         digest = None
         for attempt in range(1, RETRIES + 1):
             try:
-                digest = _download_once(http, url, part, want, progress, timeout)
+                digest = _download_once(http, url, part, want, progress, timeout, write_block)
                 break
             except FetchError:
                 raise
@@ -215,7 +160,7 @@ def _stamp_text(path: Path, want: Expected) -> str:
 
 
 def _download_once(http: requests.Session, url: str, part: Path, want: Expected, progress: bool | None,
-                   timeout: tuple[float, float]) -> str | None:
+                   timeout: tuple[float, float], write_block: WriteBlock | None = None) -> str | None:
     """Append the rest of ``url`` to ``part``; return the sha256 of the whole part file, hashed
     while writing (one pass over the bytes, not a second read), or None when nothing was sent."""
     have = part.stat().st_size if part.exists() else 0
@@ -252,9 +197,11 @@ def _download_once(http: requests.Session, url: str, part: Path, want: Expected,
             total=total_bytes, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
             desc=part.name.removesuffix(".part"), disable=not show, leave=False,
         ) as bar:
-            piece = write_size()
             for block in resp.iter_content(READ_CHUNK):
-                write_in_pieces(out, block, piece)
+                if write_block is None:
+                    out.write(block)
+                else:
+                    write_block(out, block)
                 digest.update(block)
                 bar.update(len(block))
         if total and total.isdigit() and part.stat().st_size != int(total) + have:

@@ -73,7 +73,7 @@ def test_interleave_rotates_the_order_each_round():
 
 
 def test_free_page_reporting_is_read_and_put_back_after_turning_it_off(tmp_path):
-    from tasks.fetch import PAGE_REPORTING_ORDER
+    from bench.vm_pages import PAGE_REPORTING_ORDER
 
     sys_root = tmp_path / "sys"
     param = sys_root / PAGE_REPORTING_ORDER

@@ -146,68 +146,11 @@ def test_direct_mode_script_names_an_html_answer(mirror, tmp_path):
     assert not os.path.exists(dest) and not os.path.exists(dest + ".part")
 
 
-class _Recorder:
-    def __init__(self):
-        self.sizes, self.data = [], bytearray()
-
-    def write(self, b):
-        self.sizes.append(len(b))
-        self.data += b
-        return len(b)
-
-
-def test_blocks_are_written_whole_or_in_pieces_in_order():
-    import tasks.fetch as fetch_mod
-
-    block = os.urandom(fetch_mod.READ_CHUNK + 5)
-    out = _Recorder()
-    fetch_mod.write_in_pieces(out, block, 32 * 1024)
-    assert bytes(out.data) == block
-    assert max(out.sizes) == 32 * 1024 and out.sizes[-1] == len(block) % (32 * 1024)
-    whole = _Recorder()
-    fetch_mod.write_in_pieces(whole, block, None)
-    assert whole.sizes == [len(block)] and bytes(whole.data) == block
-
-
-def _sysfs(root: Path, order: str | None, devices: dict[str, tuple[str, str]]) -> Path:
-    if order is not None:
-        from tasks.fetch import PAGE_REPORTING_ORDER
-        param = root / PAGE_REPORTING_ORDER
-        param.parent.mkdir(parents=True)
-        param.write_text(order + "\n")
-    for name, (device_id, features) in devices.items():
-        dev = root / "bus/virtio/devices" / name
-        dev.mkdir(parents=True)
-        (dev / "device").write_text(device_id + "\n")
-        (dev / "features").write_text(features + "\n")
-    return root
-
-
-# the features line of this project's bench VM's balloon (bits 1, 2, 5, 7, 32) and of a disk
-BALLOON_REPORTING = "0110010100000000000000000000000010000000000000000000000000000000"
-BALLOON_NO_REPORTING = "0110000100000000000000000000000010000000000000000000000000000000"
-BLK = "0000011000000000000000000000000010000000000000000000000000000000"
-
-
-@pytest.mark.parametrize("order, devices, reported", [
-    ("9", {"virtio0": ("0x0005", BALLOON_REPORTING), "virtio1": ("0x0002", BLK)}, True),
-    ("11", {"virtio0": ("0x0005", BALLOON_REPORTING)}, False),      # reporting stopped (bench)
-    ("9", {"virtio0": ("0x0005", BALLOON_NO_REPORTING)}, False),    # balloon without reporting
-    ("9", {"virtio1": ("0x0002", BLK)}, False),                     # no balloon (bit 5 of a disk)
-    (None, {"virtio0": ("0x0005", BALLOON_REPORTING)}, False),      # kernel without page reporting
-])
-def test_free_page_reporting_is_read_from_sysfs(tmp_path, order, devices, reported):
-    from tasks.fetch import free_pages_reported
-
-    assert free_pages_reported(_sysfs(tmp_path / "sys", order, devices)) is reported
-
-
-def test_download_writes_pieces_only_where_free_pages_are_reported(mirror, tmp_path, monkeypatch):
+def _spy_part_writes(monkeypatch) -> list[int]:
+    """The sizes of every write to a ``.part`` file opened from now on."""
     import builtins
 
-    import tasks.fetch as fetch_mod
-
-    sizes = []
+    sizes: list[int] = []
     real_open = builtins.open
 
     def spying_open(file, mode="r", *a, **kw):
@@ -218,10 +161,32 @@ def test_download_writes_pieces_only_where_free_pages_are_reported(mirror, tmp_p
         return fh
 
     monkeypatch.setattr(builtins, "open", spying_open)
-    monkeypatch.setattr(fetch_mod, "SYS", _sysfs(tmp_path / "vm", "9", {"virtio0": ("0x0005", BALLOON_REPORTING)}))
-    assert fetch(mirror, tmp_path / "a").read_bytes() == PAYLOAD
-    assert sum(sizes) == len(PAYLOAD) and max(sizes) == fetch_mod.WRITE_CHUNK_REPORTING_VM
-    sizes.clear()
-    monkeypatch.setattr(fetch_mod, "SYS", _sysfs(tmp_path / "metal", None, {}))
-    assert fetch(mirror, tmp_path / "b").read_bytes() == PAYLOAD
-    assert sum(sizes) == len(PAYLOAD) and max(sizes) > fetch_mod.WRITE_CHUNK_REPORTING_VM   # whole blocks
+    return sizes
+
+
+def test_download_writes_each_received_block_whole(mirror, tmp_path, monkeypatch):
+    from tasks.fetch import READ_CHUNK
+
+    sizes = _spy_part_writes(monkeypatch)
+    assert fetch(mirror, tmp_path / "blob").read_bytes() == PAYLOAD
+    assert sum(sizes) == len(PAYLOAD)
+    assert sizes[:-1] == [READ_CHUNK] * (len(sizes) - 1) and 0 < sizes[-1] <= READ_CHUNK
+
+
+def test_write_block_gets_every_block_in_order_across_a_resume(mirror, tmp_path, monkeypatch):
+    """The seam the download bench uses to choose a write size: every received block goes
+    through it, the part file holds exactly what it wrote, and resume and sha256 still hold."""
+    sizes = _spy_part_writes(monkeypatch)
+    blocks: list[int] = []
+
+    def halves(out, block):
+        blocks.append(len(block))
+        out.write(block[: len(block) // 2])
+        out.write(block[len(block) // 2:])
+
+    dest = tmp_path / "blob"
+    with mirror.faulty("cut:1000000", prefix="/nvidia/", times=1):
+        assert fetch(mirror, dest, write_block=halves).read_bytes() == PAYLOAD
+    assert mirror.requests[1].status == 206                       # resumed, not refetched
+    assert sum(sizes) == sum(blocks) == len(PAYLOAD) and len(sizes) == 2 * len(blocks)
+    assert dest.with_name("blob.sha256").read_text().split() == [SHA, str(len(PAYLOAD))]
