@@ -5,7 +5,7 @@ count), the workload (model shape, data paths, lengths, batch sizes, steps) and 
 estimator, and returns a ``TrainingPlan``: Hydra overrides for ``verl.trainer.main_ppo``, the
 process environment, the predicted peak GPU memory, and a reason for every setting.
 
-The rules (FACTS.md):
+The rules (docs/plan.md gives the reason for each):
 
 * precision: bf16 mixed precision on compute capability >= 8.0; below that fp32 training
   (verl 0.5.0 has no loss scaling, so fp16 training could underflow), fp16 vLLM rollout on 7.x;

@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 OUT_DEFAULT = REPO / ".gpu" / "profiles"
 TODAY_REF = "7d6e4b8"            # main before the training-path fixes (issue 14)
-OUTSIDE_TORCH_MIB = 1311         # CUDA context etc. per process on the H200 (../shared/design/GPU.md)
+OUTSIDE_TORCH_MIB = 1311         # CUDA context etc. per process on the H200 (docs/training-runs.md)
 STEPS = 5
 # Every run: no checkpoint (12 GB of fp32 states, ~18 s, not what is measured) and validation
 # after the last step (verl validates at the last step when test_freq > 0).

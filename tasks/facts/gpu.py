@@ -6,8 +6,8 @@ One call answers for every GPU:
         --format=csv,noheader,nounits
 
 Drivers older than about 510 do not know the ``compute_cap`` field; then the query runs again
-without it and the compute capability comes from the GPU's name (``GPU_NAME_TABLE``, the GPU
-table of FACTS.md), and the inventory says so in ``notes``.
+without it and the compute capability comes from the GPU's name (``GPU_NAME_TABLE``: NVIDIA's
+published compute capability of each card), and the inventory says so in ``notes``.
 
 A box without nvidia-smi, without a loaded driver, or without GPUs is an answer too
 (``GpuInventory(gpus=(), problem="...")``), never an exception: a stage decides what to do

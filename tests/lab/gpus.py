@@ -1,9 +1,9 @@
 """The GPUs a lab box can pretend to have, and the stand-in ``nvidia-smi`` that says so.
 
 The table holds what the real ``nvidia-smi`` prints for each card (name, memory.total in MiB)
-and the compute capability from docs/FACTS.md. ``standin_nvidia_smi()`` renders a small Python
-script that answers the queries the provisioner makes, in the real output formats (taken from
-/work/shared/data/nvidia-smi/h200.txt). It is a stand-in: there is no GPU in a box.
+and its compute capability as NVIDIA publishes it. ``standin_nvidia_smi()`` renders a small Python
+script that answers the queries the provisioner makes, in the real output formats (taken from a
+real H200's nvidia-smi, tests/fixtures/nvidia-smi/h200.txt). It is a stand-in: there is no GPU in a box.
 """
 
 from __future__ import annotations

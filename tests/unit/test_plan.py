@@ -1,4 +1,4 @@
-"""The training plan, table-driven over the GPU table of FACTS.md."""
+"""The training plan, table-driven over GPUs from Pascal to Hopper (``GPU_TABLE``: what each must get)."""
 
 from __future__ import annotations
 

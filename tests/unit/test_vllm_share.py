@@ -13,7 +13,7 @@ arithmetic over a simulated GPU (the project's own code, not vLLM's):
 
 The simulated process is built from each plan's overrides (offloads, dtypes, lengths, batch),
 the model's config.json, and one measured figure: 1311 MiB outside PyTorch per process on the
-H200 (../shared/design/GPU.md). On the plans before the engine was pinned (share 0.05-0.10 on
+H200 (docs/training-runs.md). On the plans before the engine was pinned (share 0.05-0.10 on
 3090/A100/H100), V1's arithmetic gives a negative KV cache: vLLM stops with "No available
 memory for the cache blocks".
 """
