@@ -2,7 +2,7 @@
 PYTHON ?= $(shell test -x .venv/bin/python && echo .venv/bin/python || command -v python3)
 GPUS ?= p40,t4,rtx3090
 
-.PHONY: lab-up lab-down lab-status test test-unit test-e2e
+.PHONY: lab-up lab-down lab-status lab-plans test test-unit test-e2e
 
 lab-up:          ## boot boxes (GPUS=p40,t4,rtx3090) and write .lab/inventory.py
 	$(PYTHON) bin/lab up --gpus $(GPUS)
@@ -12,6 +12,9 @@ lab-down:        ## stop what lab-up started
 
 lab-status:
 	$(PYTHON) bin/lab status
+
+lab-plans:       ## the training plan each box got (after a deploy)
+	$(PYTHON) bin/lab plans
 
 test:            ## everything (the README's test command)
 	$(PYTHON) -m pytest -q tests

@@ -217,9 +217,11 @@ class Lab:
 
     def write_inventory(self, data: Mapping[str, Any] | None = None,
                         per_host: Mapping[str, Mapping[str, Any]] | None = None,
-                        hosts: Iterable[str] | None = None, path: Path | None = None) -> Path:
+                        hosts: Iterable[str] | None = None, path: Path | None = None,
+                        rewritten_by: str = "each deploy of the lab") -> Path:
         """The inventory for ``hosts`` (default: all boxes): lab defaults < ``data`` <
-        the box spec's data < ``per_host[name]``."""
+        the box spec's data < ``per_host[name]``. ``rewritten_by`` names, in the file's first
+        line, what writes it again (a test's deploys; `bin/lab up`)."""
         per_host = per_host or {}
         unknown = set(per_host) - set(self.boxes)
         if unknown:
@@ -232,7 +234,8 @@ class Lab:
                                base={**self.base_data(), **(data or {}), **box.spec.data,
                                      **per_host.get(name, {})})
             rows.append((name, [box.gpu, *box.spec.groups], values))
-        return write_inventory(path or self.inventory_path, rows, header=f"Run {self.run_id}, work dir {self.dir}.")
+        return write_inventory(path or self.inventory_path, rows, header=f"Run {self.run_id}, work dir {self.dir}.",
+                               rewritten_by=rewritten_by)
 
     def deploy(self, deploy_file: str | Path, data: Mapping[str, Any] | None = None,
                per_host: Mapping[str, Mapping[str, Any]] | None = None, hosts: Iterable[str] | None = None,

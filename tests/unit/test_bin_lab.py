@@ -1,0 +1,70 @@
+"""bin/lab, the newcomer's way in: it says what is missing instead of a traceback, prints the
+plan each box got, and the inventory it writes says what rewrites it."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN_LAB = REPO / "bin" / "lab"
+
+
+def load_bin_lab():
+    loader = importlib.machinery.SourceFileLoader("bin_lab", str(BIN_LAB))
+    spec = importlib.util.spec_from_loader("bin_lab", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_up_without_test_extras_names_them_and_the_pip_command(tmp_path):
+    bare = tmp_path / "venv"        # a Python with none of the test extras (nor pip)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["VERL_LAB_DIR"] = str(tmp_path / "lab")
+    res = subprocess.run([str(bare / "bin" / "python"), str(BIN_LAB), "up", "--gpus", "p40"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert "numpy" in res.stderr and "pip install -e '.[test]'" in res.stderr, res.stderr
+    assert not (tmp_path / "lab").exists(), "nothing was started"
+
+
+def test_stand_in_modules_are_the_test_extras():
+    from tasks.catalog import tomllib
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    names = {e.split(">")[0].split("<")[0].split("=")[0].strip() for e in extras}
+    assert set(load_bin_lab().STANDIN_MODULES) <= names
+
+
+def test_plan_summary_reads_the_plan_the_training_stage_writes():
+    from tasks.plan import GpuTarget, doc_workload, make_plan
+    lab = load_bin_lab()
+    p40 = {**make_plan(GpuTarget("Tesla P40", "6.1", 24576), doc_workload()).to_dict(),
+           "host": "p40", "plan_source": "nvidia-smi"}
+    text = lab.plan_summary("p40", p40)
+    assert text.startswith("p40: 1 x Tesla P40 (compute capability 6.1, 24576 MiB")
+    assert "train fp32, rollout hf (float32)" in text and "HF generation chunk" in text
+    assert f"predicted peak {p40['predicted_peak_mib']} MiB" in text
+    t4 = make_plan(GpuTarget("Tesla T4", "7.5", 15360), doc_workload()).to_dict()
+    assert "rollout vllm (float16), vLLM share 0." in lab.plan_summary("t4", t4)
+    assert "None" not in text
+
+
+@pytest.mark.parametrize("kwargs, says", [({}, "each deploy of the lab rewrites it"),
+                                          ({"rewritten_by": "`bin/lab up`"}, "`bin/lab up` rewrites it")])
+def test_inventory_says_what_rewrites_it(kwargs, says):
+    from tests.lab.inventory import render_inventory
+    first = render_inventory([("p40", ["p40"], {"ssh_port": 2222})], **kwargs).splitlines()[0]
+    assert says in first and "per deploy" not in first
+
+
+def test_bin_lab_up_writes_its_inventory_as_its_own():
+    assert 'rewritten_by="`bin/lab up`"' in BIN_LAB.read_text()
