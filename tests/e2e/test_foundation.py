@@ -184,11 +184,12 @@ BAD_VALUES = [
     ("mirror_urls", {"mirror_urls": {"nvidia": "ftp://mirror.example/nvidia"}}, r"http\(s\) base URL"),
     ("ssh_key", {"ssh_key": "/nonexistent/verl-lab/id_ed25519"}, r"private key file"),
     ("catalog_overrides", {"catalog_overrides": {"no_such_artifact": {"version": "1"}}}, r"name a catalog artifact"),
+    ("mirror_profle", {"mirror_profle": "cn"}, r"did you mean mirror_profile"),
 ]
 
 
 @pytest.mark.parametrize("key,bad,fix", BAD_VALUES,
-                         ids=["mirror_profile", "mirror_urls", "ssh_key", "catalog_overrides"])
+                         ids=["mirror_profile", "mirror_urls", "ssh_key", "catalog_overrides", "near_miss"])
 def test_bad_inventory_fails_before_any_change(lab, key, bad, fix):
     res = lab.deploy("deploy/full.py", hosts=[*BOXES, FRESH], per_host={FRESH: bad})
     out = res.output
