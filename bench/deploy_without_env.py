@@ -12,7 +12,7 @@ from tasks.training import install_training
 check_inventory()
 settings = settings_for()
 
-base_layout(settings)
-install_cuda(settings)
+gpu = base_layout(settings)
+install_cuda(settings, gpu)
 install_data(settings)
-install_training(settings)
+install_training(settings, gpu)

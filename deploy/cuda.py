@@ -2,6 +2,8 @@
 
 from tasks.cuda import install_cuda
 from tasks.hostdata import check_inventory, settings_for
+from tasks.target import read_gpu
 
 check_inventory()
-install_cuda(settings_for())
+settings = settings_for()
+install_cuda(settings, read_gpu(settings))

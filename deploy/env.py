@@ -7,5 +7,5 @@ from tasks.pyenv import python_env
 check_inventory()
 settings = settings_for()
 
-base_layout(settings)
-python_env(settings)
+gpu = base_layout(settings)
+python_env(settings, gpu)

@@ -15,8 +15,8 @@ from tasks.training import install_training
 check_inventory()
 settings = settings_for()
 
-base_layout(settings)
-install_cuda(settings)
-python_env(settings)
+gpu = base_layout(settings)        # the host's GPU target, decided once for every stage
+install_cuda(settings, gpu)
+python_env(settings, gpu)
 install_data(settings)
-install_training(settings)
+install_training(settings, gpu)

@@ -11,5 +11,5 @@ from tasks.pyenv import python_env
 check_inventory()
 settings = settings_for()
 
-base_layout(settings)
-python_env(settings, force_rebuild=True)
+gpu = base_layout(settings)
+python_env(settings, gpu, force_rebuild=True)

@@ -11,5 +11,5 @@ from tasks.training import install_training
 check_inventory()
 settings = settings_for()
 
-base_layout(settings)
-install_training(settings)
+gpu = base_layout(settings)
+install_training(settings, gpu)

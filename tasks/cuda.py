@@ -43,9 +43,9 @@ from tasks.facts.nvidia import (
     IN_PROGRESS,
     CudaHostCompiler,
     CudaToolkits,
-    NvidiaDriver,
     version_tuple,
 )
+from tasks.target import HostGpu
 from tasks.settings import LabSettings
 
 RUNFILE = "cuda_runfile"
@@ -128,7 +128,7 @@ class CudaFacts:
     """What the box has now (fact values, or fakes in unit tests)."""
 
     os_release: Mapping[str, str]            # /etc/os-release keys (ID, VERSION_ID, ...)
-    driver: Mapping | None                    # NvidiaDriver
+    driver: Mapping | None                    # tasks.facts.gpu.driver_view of the host's GPU fact
     toolkits: Mapping                         # CudaToolkits
     disk: Mapping[str, Mapping | None]        # path -> FreeDisk
     compiler: Mapping[str, str | None]        # CudaHostCompiler
@@ -385,13 +385,15 @@ def refuse(message: str):
     yield StringCommand("sh", "-c", shlex.quote(f"printf '%s\\n' {shlex.quote(message)} >&2; exit 1"))
 
 
-def gather_facts(settings: LabSettings, want: CudaWant) -> CudaFacts:
-    """The box's facts for plan_cuda, in one command (tasks/facts/bundle.py). Free disk and the
+def gather_facts(settings: LabSettings, want: CudaWant, gpu: HostGpu) -> CudaFacts:
+    """The box's facts for plan_cuda, in one command (tasks/facts/bundle.py); the driver comes
+    from the host's GPU fact, read once before the stages (tasks/target.py). Free disk and the
     cached archives matter only to an install: a box whose toolkit is installed and marked is
     not asked for them."""
-    distro, toolkits, marker, driver, compiler = ask(
+    distro, toolkits, marker, compiler = ask(
         (LinuxDistribution, {}), (CudaToolkits, {"prefixes": [want.prefix]}), (Marker, {"path": want.marker}),
-        (NvidiaDriver, {}), (CudaHostCompiler, {}))
+        (CudaHostCompiler, {}))
+    driver = gpu.driver
     distro, toolkits = distro or {}, toolkits or {}
     cached, disk = set(), {}
     if not installed(want, toolkits, marker):
@@ -413,10 +415,10 @@ def gather_facts(settings: LabSettings, want: CudaWant) -> CudaFacts:
 
 
 @deploy("CUDA 11.8 toolkit and cuDNN 8.9.7")
-def install_cuda(settings: LabSettings):
+def install_cuda(settings: LabSettings, gpu: HostGpu):
     """Install CUDA 11.8 (toolkit only) and cuDNN 8.9.7 into settings.cuda_prefix, side by side."""
     want = cuda_want(settings)
-    plan = plan_cuda(want, gather_facts(settings, want))
+    plan = plan_cuda(want, gather_facts(settings, want, gpu))
 
     if plan.action == "refuse":
         refuse(name=f"CUDA {want.cuda_release} pre-checks failed (nothing changed)",

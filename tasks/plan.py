@@ -78,8 +78,9 @@ class GpuTarget:
 
     @property
     def cc(self) -> tuple[int, int]:
-        major, _, minor = self.compute_capability.partition(".")
-        return int(major), int(minor or 0)
+        from tasks.facts.gpu import parse_compute_capability
+
+        return parse_compute_capability(self.compute_capability)
 
     @classmethod
     def from_inventory(cls, inventory) -> "GpuTarget":

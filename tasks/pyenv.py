@@ -24,11 +24,13 @@ import hashlib
 import json
 import re
 import shlex
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tasks.catalog import REPO_ROOT
+from tasks.facts.gpu import parse_compute_capability
 from tasks.settings import LabSettings
+from tasks.target import HostGpu
 
 REQUIREMENTS = REPO_ROOT / "files" / "requirements" / "verl-0.5.0.txt"
 BUILD_TOOLS = REPO_ROOT / "files" / "requirements" / "build-tools.txt"
@@ -96,8 +98,7 @@ def vllm_decision(gpu_cc: str | None, min_cc: str) -> tuple[bool, str]:
     """Install vLLM? Only where the GPU's compute capability is at least ``min_cc``."""
     if not gpu_cc:
         return False, "no usable NVIDIA GPU on this box (vLLM needs one with compute capability >= " f"{min_cc})"
-    have = tuple(int(x) for x in gpu_cc.split("."))
-    need = tuple(int(x) for x in min_cc.split("."))
+    have, need = parse_compute_capability(gpu_cc), parse_compute_capability(min_cc)
     if have < need:
         return False, f"compute capability {gpu_cc} < {min_cc}: vLLM 0.8.5 does not support this GPU (the HF rollout is used)"
     return True, f"compute capability {gpu_cc} >= {min_cc}"
@@ -116,8 +117,7 @@ def xformers_decision(want_vllm: bool, gpu_cc: str | None) -> tuple[bool, str]:
     """
     if not want_vllm:
         return False, "no vLLM on this box (xformers comes with vLLM only)"
-    cc = tuple(int(x) for x in str(gpu_cc).split("."))
-    if cc < (8, 0):
+    if parse_compute_capability(gpu_cc) < (8, 0):
         return True, (f"compute capability {gpu_cc} < 8.0: vLLM 0.8.5 runs its V0 engine, whose attention is"
                       " xformers: the cu118 build is installed from the PyTorch cu118 index (PyPI's is CUDA 12.4)")
     return True, (f"compute capability {gpu_cc} >= 8.0: vLLM's V1 engine does not use xformers, but vLLM 0.8.5"
@@ -204,26 +204,23 @@ class EnvPlan:
         return stamp_of(data)
 
 
-def _gpu_cc(gpus) -> str | None:
-    if gpus is None or not getattr(gpus, "ok", False):
-        return None
-    return gpus.gpus[0].compute_capability
+def compose_overrides(gpu: HostGpu, settings: LabSettings) -> tuple[tuple[str, ...], str | None]:
+    """The host's own training plan's overrides for the compose proof (its settings, its GPU
+    target), and a note when there is no plan to compose (then verl's config is composed bare)."""
+    from tasks.plan import PlanError, plan_overrides_for_host
 
-
-def compose_overrides(gpus) -> tuple[str, ...]:
-    """The training plan's overrides for the compose proof (none when no plan can be made)."""
+    if gpu.target is None:
+        return (), f"no GPU target ({gpu.problem}): the compose proof checks verl's config without a plan"
     try:
-        from tasks.plan import GpuTarget, PlanError, plan_overrides_for_host
-    except ImportError:
-        return ()
-    try:
-        return tuple(plan_overrides_for_host(GpuTarget.from_inventory(gpus)))
-    except (PlanError, ValueError, TypeError, OSError):
-        return ()
+        return tuple(plan_overrides_for_host(gpu.target, settings)), None
+    except PlanError as exc:
+        return (), (f"no training plan for {gpu.target.count} x {gpu.target.name} ({exc}): the compose proof "
+                    "checks verl's config without a plan")
 
 
-def plan_env(settings: LabSettings, gpus, build: dict, overrides: tuple[str, ...] = ()) -> EnvPlan:
-    """Decide the env for one box from its settings, its GPU inventory and its BuildHost fact."""
+def plan_env(settings: LabSettings, gpu: HostGpu, build: dict, overrides: tuple[str, ...] = ()) -> EnvPlan:
+    """Decide the env for one box from its settings, its GPU target (tasks/target.py: the box's
+    GPUs or its gpu_override) and its BuildHost fact."""
     cat = settings.catalog
     torch = cat.artifact("torch")
     reqs = list(torch.get("requirements") or [])
@@ -236,7 +233,7 @@ def plan_env(settings: LabSettings, gpus, build: dict, overrides: tuple[str, ...
     apex = cat.artifact("apex")
     vllm = cat.artifact("vllm")
     verl = cat.artifact("verl")
-    gpu_cc = _gpu_cc(gpus)
+    gpu_cc = gpu.compute_capability
     want_vllm, why = vllm_decision(gpu_cc, str(vllm.get("min_compute_capability", "7.0")))
     xformers = cat.artifact("xformers")
     xformers_reqs = list(xformers.get("requirements") or [])
@@ -399,8 +396,6 @@ from pyinfra.operations import apt  # noqa: E402
 from tasks.artifacts import artifact_file, box_path  # noqa: E402
 from tasks.facts.bundle import ask  # noqa: E402
 from tasks.facts.files import Marker, PathStates  # noqa: E402
-from tasks.facts.gpu import NvidiaGpus  # noqa: E402
-from tasks.facts.memo import remember  # noqa: E402
 from tasks.facts.pyenv import BuildHost, PythonEnv, VerlCheckout  # noqa: E402
 from tasks.placed import place, rendered, wanted_dir, wanted_file  # noqa: E402
 from tasks.verl_source import box_patch_paths, checkout_done, patch_wanted, verl_source  # noqa: E402
@@ -495,26 +490,27 @@ def env_wanted(settings: LabSettings, plan: EnvPlan, vllm_wheel: str | None) -> 
 
 
 @deploy("verl-lab Python env")
-def python_env(settings: LabSettings, force_rebuild: bool = False):
+def python_env(settings: LabSettings, gpu: HostGpu, force_rebuild: bool = False):
     """The env stage: prerequisites, verl source, the build inputs, then env_generation.
 
-    A re-run on a box whose env is as planned costs two commands: one fact bundle (the build
-    host, the GPUs, every file the stage places, the verl checkout, the marker), then the env's
-    quick re-check (PythonEnv). Anything else queues the operations, which read the box again
-    when they run.
+    ``gpu``: the host's GPU target (tasks/target.py), decided before the stages. A re-run on a
+    box whose env is as planned costs two commands: one fact bundle (the build host, every file
+    the stage places, the verl checkout, the marker), then the env's quick re-check (PythonEnv).
+    Anything else queues the operations, which read the box again when they run.
     """
     art = settings.catalog.artifact("verl")
-    build, gpus, states, checkout, marker = ask(
+    build, states, checkout, marker = ask(
         (BuildHost, {"venv_python": settings.venv_python, "conda_prefix": settings.conda_prefix,
                      "cuda_prefix": settings.cuda_prefix}),
-        (NvidiaGpus, {}),
         (PathStates, {"paths": env_file_paths(settings)}),
         (VerlCheckout, {"path": settings.verl_src, "ref": art.ref,
                         "patches": box_patch_paths(settings, art.version)}),
         (Marker, {"path": settings.marker("pyenv")}),
     )
-    remember(NvidiaGpus, gpus)          # the training stage plans from the same answer
-    plan = plan_env(settings, gpus, build, compose_overrides(gpus))
+    overrides, compose_note = compose_overrides(gpu, settings)
+    plan = plan_env(settings, gpu, build, overrides)
+    if compose_note:
+        plan = replace(plan, notes=plan.notes + (compose_note,))
     for note in plan.notes:
         host.noop(f"pyenv: {note}")
     if plan.problems:

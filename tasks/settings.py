@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from tasks.facts.gpu import parse_compute_capability
 from tasks.catalog import Catalog, CatalogError, MirrorSet, default_catalog
 
 ARTIFACT_MODES = ("relay", "direct")
@@ -162,8 +163,11 @@ def _gpu_override(host: str, value: Any) -> dict[str, Any] | None:
         raise SettingsError(host, "gpu_override", f"{value!r} is not a GPU description", f"use e.g. {example}")
     cc = str(value["compute_capability"])
     count = value.get("count", 1)
-    if not re.fullmatch(r"\d+\.\d+", cc):
-        raise SettingsError(host, "gpu_override", f"compute_capability {cc!r} is not like 8.6", f"use e.g. {example}")
+    try:
+        parse_compute_capability(cc)
+    except ValueError:
+        raise SettingsError(host, "gpu_override", f"compute_capability {cc!r} is not like 8.6",
+                            f"use e.g. {example}") from None
     for key, num in (("memory_mib", value["memory_mib"]), ("count", count)):
         if not isinstance(num, int) or isinstance(num, bool) or num < 1:
             raise SettingsError(host, "gpu_override", f"{key} {num!r} is not a positive integer", f"use e.g. {example}")

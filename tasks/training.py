@@ -1,7 +1,7 @@
 """Stage: the training plan, launcher and systemd unit of a box.
 
-Reads the box's GPUs (``tasks.facts.gpu.NvidiaGpus``; or host data ``gpu_override``, e.g. for
-a build box without a GPU), makes the plan (``tasks.plan.make_plan``) and writes, under
+Plans for the host's GPU target (tasks/target.py: the box's GPUs, or host data ``gpu_override``,
+e.g. for a build box without a GPU), makes the plan (``tasks.plan.make_plan``) and writes, under
 ``settings.train_dir``:
 
 * ``plan.json``: every setting with its reason, the predicted peak memory, the overrides;
@@ -36,10 +36,9 @@ from pyinfra.operations import files, server, systemd
 from tasks.facts import gpu as gpufact
 from tasks.facts.bundle import ask
 from tasks.facts.files import Marker, PathStates, UnitState
-from tasks.facts.gpu import NvidiaGpus
-from tasks.facts.memo import known, remember
 from tasks.placed import place, rendered, wanted_dir, wanted_file
-from tasks.plan import GpuTarget, PlanError, TrainingPlan, Workload, make_plan, workload_for
+from tasks.plan import PlanError, TrainingPlan, Workload, make_plan, workload_for
+from tasks.target import HostGpu
 from tasks.settings import LabSettings
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
@@ -50,24 +49,6 @@ MARKER_TEMPLATE = TEMPLATES / "train.done.j2"
 GPU_MODULE = Path(gpufact.__file__)
 UNIT_NAME = "verl-lab-train.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
-
-
-class NoTarget(Exception):
-    """This host has no GPU to plan for; the message says why and what to set."""
-
-
-def plan_target(settings: LabSettings, inventory: gpufact.GpuInventory | None) -> tuple[GpuTarget, str]:
-    """The GPU to plan for and where it came from ("nvidia-smi" or "gpu_override")."""
-    if settings.gpu_override:
-        o = settings.gpu_override
-        return GpuTarget(o["name"], o["compute_capability"], o["memory_mib"], o.get("count", 1)), "gpu_override"
-    inventory = inventory or gpufact.GpuInventory(problem="the GPU fact returned nothing")
-    try:
-        return GpuTarget.from_inventory(inventory), "nvidia-smi"
-    except PlanError as exc:
-        raise NoTarget(f"{exc}. Nothing to plan for on this box; to plan for a GPU it does not have, "
-                       "set host data gpu_override = {\"name\": ..., \"compute_capability\": ..., "
-                       "\"memory_mib\": ..., \"count\": 1}") from None
 
 
 def training_workload(settings: LabSettings, flash_attn_installed: bool = False) -> Workload:
@@ -193,23 +174,18 @@ def _flash_attn(env_marker: dict | None) -> bool:
 
 
 @deploy("verl-lab training plan, launcher and unit")
-def install_training(settings: LabSettings):
-    """Plan for this box's GPU; launcher, env file, plan.json and the systemd unit; proofs; marker."""
-    # one command for all this stage reads (tasks/facts/bundle.py); the GPUs only when the env
-    # stage of this run has not read them already
-    have_gpus, inventory = (True, None) if settings.gpu_override else known(NvidiaGpus)
+def install_training(settings: LabSettings, gpu: HostGpu):
+    """Plan for the host's GPU target; launcher, env file, plan.json and the systemd unit; proofs;
+    marker."""
+    # one command for all this stage reads (tasks/facts/bundle.py)
     marker_path = settings.marker("train")
-    asked = [(Marker, {"path": settings.marker("pyenv")}), (Marker, {"path": marker_path}),
-             (PathStates, {"paths": training_paths(settings)}), (UnitState, {"unit": UNIT_NAME})]
-    answers = ask(*asked, *([] if have_gpus else [(NvidiaGpus, {})]))
-    env_marker, marker, states, unit = answers[:4]
-    if not have_gpus:
-        inventory = remember(NvidiaGpus, answers[4])
-    try:
-        target, source = plan_target(settings, inventory)
-    except NoTarget as exc:
-        _fail("Training plan needs a GPU", str(exc))
+    env_marker, marker, states, unit = ask(
+        (Marker, {"path": settings.marker("pyenv")}), (Marker, {"path": marker_path}),
+        (PathStates, {"paths": training_paths(settings)}), (UnitState, {"unit": UNIT_NAME}))
+    if gpu.target is None:
+        _fail("Training plan needs a GPU", gpu.problem or "no GPU target")
         return
+    target, source = gpu.target, gpu.source
     try:
         plan = make_plan(target, training_workload(settings, _flash_attn(env_marker)))
     except PlanError as exc:

@@ -23,7 +23,8 @@ from tasks.facts import gpu as gpufact  # noqa: E402
 from tasks.plan import make_plan  # noqa: E402
 from tasks.settings import load_settings  # noqa: E402
 from tasks.training import (ENV_TEMPLATE, GPU_MODULE, LAUNCHER_TEMPLATE, TrainingLayout,  # noqa: E402
-                            plan_target, training_workload)
+                            training_workload)
+from tasks.target import decide_gpu  # noqa: E402
 
 
 def query_lines(path: Path) -> str:
@@ -50,7 +51,10 @@ def main() -> None:
     inventory = gpufact.parse_gpu_query(query_lines(args.capture), fields)
     settings = load_settings("gpu-machine", {"lab_root": args.lab_root, "env_prefix": f"{args.lab_root}/env",
                                              "launcher_python": args.python})
-    target, source = plan_target(settings, inventory)
+    gpu = decide_gpu(settings, inventory)
+    if gpu.target is None:
+        raise SystemExit(gpu.problem)
+    target, source = gpu.target, gpu.source
     plan = make_plan(target, training_workload(settings))
     layout = TrainingLayout(settings=settings, plan=plan, plan_source=source)
     values = layout.values()

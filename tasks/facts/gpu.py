@@ -11,7 +11,9 @@ published compute capability of each card), and the inventory says so in ``notes
 
 A box without nvidia-smi, without a loaded driver, or without GPUs is an answer too
 (``GpuInventory(gpus=(), problem="...")``), never an exception: a stage decides what to do
-with a GPU-less box, per host.
+with a GPU-less box, per host. The same command also reads the driver where the query fails
+(plain ``nvidia-smi``'s banner, then ``/proc/driver/nvidia/version``), so one fact answers both
+"which GPUs" (the plan, the env) and "which driver" (the CUDA stage's pre-check): ``driver_view``.
 
 This file is also copied beside the training launcher and imported there by the env's
 Python (which has no pyinfra) for the preflight's NVML and nvidia-smi readings: the pyinfra
@@ -95,6 +97,10 @@ class GpuInventory:
     problem: str | None = None          # why there is no usable GPU list (None when gpus is the answer)
     notes: tuple[str, ...] = field(default_factory=tuple)
     source: str = "nvidia-smi"
+    # the driver where the GPU query failed: from nvidia-smi's banner or /proc/driver/nvidia/version
+    fallback_driver: str | None = None
+    fallback_driver_from: str | None = None     # "nvidia-smi" | "proc"
+    has_smi: bool = True                         # nvidia-smi is installed
 
     @property
     def ok(self) -> bool:
@@ -117,7 +123,30 @@ class GpuInventory:
             problem=data.get("problem"),
             notes=tuple(data.get("notes", ())),
             source=data.get("source", "nvidia-smi"),
+            fallback_driver=data.get("fallback_driver"),
+            fallback_driver_from=data.get("fallback_driver_from"),
+            has_smi=data.get("has_smi", True),
         )
+
+
+def driver_view(inv: GpuInventory) -> dict | None:
+    """The box's NVIDIA driver as the CUDA stage's pre-check reads it; None when the box shows no
+    sign of a driver (no nvidia-smi and no /proc/driver/nvidia/version)::
+
+        {"version": "535.104.05" or None, "source": "nvidia-smi" | "proc",
+         "gpus": [{"driver": ..., "name": "Tesla P40", "compute_cap": "6.1" or None}],
+         "error": None or why nvidia-smi gave no GPU list}
+    """
+    if inv.gpus:
+        return {"version": inv.gpus[0].driver_version, "source": "nvidia-smi", "error": None,
+                "gpus": [{"driver": g.driver_version, "name": g.name, "compute_cap": g.compute_capability}
+                         for g in inv.gpus]}
+    if inv.fallback_driver:
+        return {"version": inv.fallback_driver, "source": inv.fallback_driver_from or "proc", "gpus": [],
+                "error": None}
+    if not inv.has_smi:
+        return None
+    return {"version": None, "source": "nvidia-smi", "gpus": [], "error": inv.problem or "nvidia-smi listed no GPU"}
 
 
 def parse_compute_capability(text: str) -> tuple[int, int]:
@@ -208,48 +237,77 @@ def parse_gpu_query(text: str, fields: tuple[str, ...] = QUERY_FIELDS) -> GpuInv
 NO_SMI = "__verl_lab_no_nvidia_smi__"
 OLD_DRIVER = "__verl_lab_no_compute_cap__"
 RC_TAG = "__verl_lab_rc__="
+BANNER_TAG = "__verl_lab_smi_banner__"
+PROC_TAG = "__verl_lab_proc_driver__"
+_PROC_RE = re.compile(r"NVRM version:.*?Kernel Module(?:\s+for\s+\S+)?\s+(\d+\.\d+(?:\.\d+)?)")
+_SMI_BANNER_RE = re.compile(r"Driver Version:\s+(\d+\.\d+(?:\.\d+)?)")
+
+
+def parse_smi_banner(text: str) -> str | None:
+    """The driver version from plain ``nvidia-smi``'s banner (``Driver Version: 580.159.04``)."""
+    match = _SMI_BANNER_RE.search(text or "")
+    return match.group(1) if match else None
+
+
+def parse_proc_driver_version(text: str) -> str | None:
+    """The driver version from ``/proc/driver/nvidia/version`` (proprietary or open module)."""
+    match = _PROC_RE.search(text or "")
+    return match.group(1) if match else None
 
 
 def fact_command() -> str:
     new, old = query_command(QUERY_FIELDS), query_command(QUERY_FIELDS_OLD_DRIVER)
     return (
-        f"if ! command -v nvidia-smi >/dev/null 2>&1; then echo {NO_SMI}; exit 0; fi; "
+        f"if command -v nvidia-smi >/dev/null 2>&1; then "
         f"out=$({new} 2>&1); rc=$?; "
         f"if [ $rc -ne 0 ] && printf '%s' \"$out\" | grep -qi 'compute_cap'; then "
         f"echo {OLD_DRIVER}; out=$({old} 2>&1); rc=$?; fi; "
-        f"printf '%s\\n' \"$out\"; echo {RC_TAG}$rc"
+        f"printf '%s\\n' \"$out\"; echo {RC_TAG}$rc; "
+        f"if [ $rc -ne 0 ]; then echo {BANNER_TAG}; nvidia-smi 2>&1 | head -n 5; fi; "
+        f"else echo {NO_SMI}; fi; "
+        f"echo {PROC_TAG}; cat /proc/driver/nvidia/version 2>/dev/null; true"
     )
 
 
 def parse_fact_output(text: str) -> GpuInventory:
     """Parse what ``fact_command()`` printed."""
     lines = text.splitlines()
-    if any(line.strip() == NO_SMI for line in lines):
-        return GpuInventory(problem="nvidia-smi is not installed (no NVIDIA driver on this box)")
-    rc = 0
-    body: list[str] = []
-    old_driver = False
+    section, body, banner, proc = "query", [], [], []
+    rc, old_driver, has_smi = 0, False, True
     for line in lines:
         s = line.strip()
-        if s == OLD_DRIVER:
+        if s == NO_SMI:
+            has_smi = False
+        elif s == OLD_DRIVER:
             old_driver = True
-        elif s.startswith(RC_TAG):
+        elif s.startswith(RC_TAG) and section == "query":
             rc = int(s[len(RC_TAG):] or 1)
+        elif s == BANNER_TAG:
+            section = "banner"
+        elif s == PROC_TAG:
+            section = "proc"
         else:
-            body.append(line)
+            {"query": body, "banner": banner, "proc": proc}[section].append(line)
+    fallback = parse_smi_banner("\n".join(banner))
+    fallback_from = "nvidia-smi" if fallback else None
+    if not fallback:
+        fallback = parse_proc_driver_version("\n".join(proc))
+        fallback_from = "proc" if fallback else None
+    driver = {"fallback_driver": fallback, "fallback_driver_from": fallback_from, "has_smi": has_smi}
+    if not has_smi:
+        return GpuInventory(problem="nvidia-smi is not installed (no NVIDIA driver on this box)", **driver)
     joined = "\n".join(body)
     fields = QUERY_FIELDS_OLD_DRIVER if old_driver else QUERY_FIELDS
     if rc != 0:
         cause = _failure_cause(joined)
         first = next((b.strip() for b in body if b.strip()), "(no output)")
         why = cause or "nvidia-smi failed"
-        return GpuInventory(problem=f"{why}: nvidia-smi exited {rc} and said {first!r}")
+        return GpuInventory(problem=f"{why}: nvidia-smi exited {rc} and said {first!r}", **driver)
     inv = parse_gpu_query(joined, fields)
+    notes = inv.notes
     if old_driver and inv.ok:
-        inv = GpuInventory(gpus=inv.gpus, source=inv.source,
-                           notes=("this driver's nvidia-smi has no compute_cap field (driver older than ~510)",)
-                           + inv.notes)
-    return inv
+        notes = ("this driver's nvidia-smi has no compute_cap field (driver older than ~510)",) + notes
+    return GpuInventory(gpus=inv.gpus, problem=inv.problem, source=inv.source, notes=notes, **driver)
 
 
 def read_nvml() -> GpuInventory:
@@ -300,11 +358,12 @@ except ImportError:  # inside the training env (launcher preflight): no pyinfra,
 if FactBase is not None:
 
     class NvidiaGpus(FactBase):
-        """Every NVIDIA GPU of the box, as a ``GpuInventory``.
+        """Every NVIDIA GPU of the box and its driver, as a ``GpuInventory``: the one GPU fact.
 
         A box with no nvidia-smi, no loaded driver or no GPU returns an inventory with
-        ``problem`` set and no GPUs; a driver without the ``compute_cap`` field gets the
-        compute capability from the GPU name table, noted in ``notes``.
+        ``problem`` set and no GPUs (and, where the GPU query failed, the driver version from
+        nvidia-smi's banner or /proc: ``driver_view``); a driver without the ``compute_cap``
+        field gets the compute capability from the GPU name table, noted in ``notes``.
         """
 
         def command(self) -> str:

@@ -1,4 +1,5 @@
-"""Facts about a box's NVIDIA state: the driver, the CUDA toolkits and where /usr/local/cuda points.
+"""Facts about a box's CUDA toolkits and where /usr/local/cuda points (the driver and the GPUs are
+one fact of their own: tasks.facts.gpu.NvidiaGpus, read once per host, ``driver_view``).
 
 The parsers are plain functions of the command output (unit-tested against real output
 formats); the fact classes only say what to run and hand the lines to them.
@@ -16,12 +17,8 @@ CUDA_LINK = "/usr/local/cuda"
 # Left inside a toolkit prefix while verl-lab installs into it; removed after the proofs pass.
 IN_PROGRESS = ".verl-lab-in-progress"
 
-_VERSION = r"(\d+\.\d+(?:\.\d+)?)"
 _NVCC_RE = re.compile(r"release\s+(\d+\.\d+),\s+V(\d+\.\d+\.\d+)")
-_PROC_RE = re.compile(r"NVRM version:.*?Kernel Module(?:\s+for\s+\S+)?\s+" + _VERSION)
-_SMI_BANNER_RE = re.compile(r"Driver Version:\s+" + _VERSION)
 _CUDNN_RE = re.compile(r"^\s*#\s*define\s+CUDNN_(MAJOR|MINOR|PATCHLEVEL)\s+(\d+)\s*$")
-_DRIVER_RE = re.compile(r"^" + _VERSION + r"$")
 
 
 def parse_nvcc_version(text: str) -> dict | None:
@@ -30,30 +27,6 @@ def parse_nvcc_version(text: str) -> dict | None:
     if not match:
         return None
     return {"release": match.group(1), "version": match.group(2)}
-
-
-def parse_smi_query(lines: Iterable[str]) -> list[dict]:
-    """Rows of ``nvidia-smi --query-gpu=driver_version,name[,compute_cap] --format=csv,noheader``."""
-    gpus = []
-    for line in lines:
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) < 2 or not _DRIVER_RE.match(cells[0]):
-            continue
-        cc = cells[2] if len(cells) > 2 and re.match(r"^\d+\.\d+$", cells[2]) else None
-        gpus.append({"driver": cells[0], "name": cells[1], "compute_cap": cc})
-    return gpus
-
-
-def parse_smi_banner(text: str) -> str | None:
-    """The driver version from plain ``nvidia-smi``'s banner (``Driver Version: 580.159.04``)."""
-    match = _SMI_BANNER_RE.search(text or "")
-    return match.group(1) if match else None
-
-
-def parse_proc_driver_version(text: str) -> str | None:
-    """The driver version from ``/proc/driver/nvidia/version`` (proprietary or open module)."""
-    match = _PROC_RE.search(text or "")
-    return match.group(1) if match else None
 
 
 def parse_cudnn_version_header(text: str) -> str | None:
@@ -81,52 +54,6 @@ def _sections(lines: Iterable[str]) -> list[tuple[str, list[str]]]:
         elif out:
             out[-1][1].append(line)
     return out
-
-
-class NvidiaDriver(FactBase):
-    """The NVIDIA driver the box runs, from ``nvidia-smi`` or else ``/proc/driver/nvidia/version``.
-
-    Returns ``None`` when the box shows no sign of an NVIDIA driver, else::
-
-        {"version": "535.104.05" or None, "source": "nvidia-smi" | "proc",
-         "gpus": [{"driver": ..., "name": "Tesla P40", "compute_cap": "6.1" or None}],
-         "error": None or the first line nvidia-smi printed when it failed}
-    """
-
-    def command(self) -> str:
-        return (
-            "echo '@@ smi-query'; "
-            "if command -v nvidia-smi >/dev/null 2>&1; then "
-            "nvidia-smi --query-gpu=driver_version,name,compute_cap --format=csv,noheader 2>&1"
-            " || nvidia-smi --query-gpu=driver_version,name --format=csv,noheader 2>&1"
-            " || echo '@@ smi-failed'; "
-            "echo '@@ smi-banner'; nvidia-smi 2>&1 | head -n 5; "
-            "else echo '@@ no-smi'; fi; "
-            "echo '@@ proc'; cat /proc/driver/nvidia/version 2>/dev/null; true"
-        )
-
-    def process(self, output):
-        return driver_from_sections(_sections(output))
-
-
-def driver_from_sections(sections: list[tuple[str, list[str]]]) -> dict | None:
-    """What ``NvidiaDriver`` reports, from its sectioned output (pure)."""
-    names = [name for name, _ in sections]
-    body = {name: lines for name, lines in sections}
-    gpus = parse_smi_query(body.get("smi-query", []))
-    proc = parse_proc_driver_version("\n".join(body.get("proc", [])))
-    banner = parse_smi_banner("\n".join(body.get("smi-banner", [])))
-    if gpus:
-        return {"version": gpus[0]["driver"], "source": "nvidia-smi", "gpus": gpus, "error": None}
-    if banner:
-        return {"version": banner, "source": "nvidia-smi", "gpus": [], "error": None}
-    if proc:
-        return {"version": proc, "source": "proc", "gpus": [], "error": None}
-    if "no-smi" in names:
-        return None
-    failed = [line.strip() for line in body.get("smi-query", []) if line.strip()]
-    return {"version": None, "source": "nvidia-smi", "gpus": [],
-            "error": failed[0] if failed else "nvidia-smi printed no driver version"}
 
 
 class CudaToolkits(FactBase):

@@ -11,7 +11,8 @@ from pyinfra.facts.server import LinuxDistribution
 from tasks.facts.bundle import Bundle, _text
 from tasks.facts.data import FilesPresent
 from tasks.facts.files import Marker, PathStates
-from tasks.facts.nvidia import CudaHostCompiler, NvidiaDriver
+from tasks.facts.gpu import NvidiaGpus
+from tasks.facts.nvidia import CudaHostCompiler
 from tasks.facts.pyenv import VerlCheckout
 
 
@@ -66,7 +67,7 @@ def test_each_answer_is_what_the_fact_gives_alone(tmp_path):
         (FilesPresent, {"paths": [str(tmp_path / "f")]}),
         (VerlCheckout, {"path": str(tmp_path / "no-clone"), "ref": "v0.5.0", "patches": []}),   # exits 0 early
         (LinuxDistribution, {}),
-        (NvidiaDriver, {}),
+        (NvidiaGpus, {}),
         (CudaHostCompiler, {}),
         (Silent, {}),
         (Quoted, {}),

@@ -10,15 +10,12 @@ from pathlib import Path
 import pytest
 
 from tasks.facts.disk import FreeDisk, parse_df_portable
+from tasks.facts.gpu import NvidiaGpus, driver_view, parse_gpu_query, parse_proc_driver_version, parse_smi_banner
 from tasks.facts.nvidia import (
     CudaHostCompiler,
     CudaToolkits,
-    NvidiaDriver,
     parse_cudnn_version_header,
     parse_nvcc_version,
-    parse_proc_driver_version,
-    parse_smi_banner,
-    parse_smi_query,
 )
 from tests.fixtures.standins.cuda import CUDNN_VERSION_H, NVCC_OUTPUT, fake_toolkit
 
@@ -72,17 +69,15 @@ def test_proc_driver_version_formats():
 
 
 @pytest.mark.skipif(not H200_CAPTURE.exists(), reason="real nvidia-smi capture not present")
-def test_smi_banner_and_query_on_real_h200_capture():
-    text = H200_CAPTURE.read_text()
-    assert parse_smi_banner(text) == "580.159.04"
-    # the stage's query order: driver_version,name,compute_cap
-    rows = parse_smi_query(["580.159.04, NVIDIA H200, 9.0"])
-    assert rows == [{"driver": "580.159.04", "name": "NVIDIA H200", "compute_cap": "9.0"}]
+def test_smi_banner_on_real_h200_capture():
+    assert parse_smi_banner(H200_CAPTURE.read_text()) == "580.159.04"
 
 
-def test_smi_query_old_driver_without_compute_cap():
-    rows = parse_smi_query(['Field "compute_cap" is not a valid field to query.', "470.82.01, Tesla P40"])
-    assert rows == [{"driver": "470.82.01", "name": "Tesla P40", "compute_cap": None}]
+def test_driver_view_of_an_old_driver_without_compute_cap():
+    inv = parse_gpu_query("0, Tesla P40, 24576, 24400, 470.82.01",
+                          ("index", "name", "memory.total", "memory.free", "driver_version"))
+    assert driver_view(inv) == {"version": "470.82.01", "source": "nvidia-smi", "error": None,
+                                "gpus": [{"driver": "470.82.01", "name": "Tesla P40", "compute_cap": "6.1"}]}
 
 
 def test_cudnn_header():
@@ -113,28 +108,28 @@ def _fake_smi(tmp_path: Path, body: str, rc: int = 0) -> dict:
     return {**os.environ, "PATH": f"{bindir}:/usr/bin:/bin"}
 
 
-def test_driver_fact_from_smi(tmp_path):
-    env = _fake_smi(tmp_path, "535.104.05, Tesla P40, 6.1")
-    got = run_fact(NvidiaDriver(), env=env)
+def test_driver_from_the_gpu_fact(tmp_path):
+    env = _fake_smi(tmp_path, "0, Tesla P40, 6.1, 24576, 24400, 535.104.05")
+    got = driver_view(run_fact(NvidiaGpus(), env=env))
     assert got["version"] == "535.104.05" and got["source"] == "nvidia-smi"
     assert got["gpus"] == [{"driver": "535.104.05", "name": "Tesla P40", "compute_cap": "6.1"}]
 
 
-def test_driver_fact_smi_failing(tmp_path):
+def test_driver_from_the_gpu_fact_smi_failing(tmp_path):
     env = _fake_smi(tmp_path, SMI_NO_DRIVER, rc=9)
     if Path("/proc/driver/nvidia/version").exists():
         pytest.skip("this machine has a real NVIDIA driver")
-    got = run_fact(NvidiaDriver(), env=env)
+    got = driver_view(run_fact(NvidiaGpus(), env=env))
     assert got["version"] is None and "couldn't communicate" in got["error"]
 
 
-def test_driver_fact_no_driver(tmp_path):
+def test_driver_from_the_gpu_fact_no_driver(tmp_path):
     if Path("/proc/driver/nvidia/version").exists():
         pytest.skip("this machine has a real NVIDIA driver")
     env = {**os.environ, "PATH": f"{tmp_path}:/nonexistent"}  # no nvidia-smi anywhere
-    cmd = NvidiaDriver().command()
+    cmd = NvidiaGpus().command()
     out = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, env=env)
-    assert NvidiaDriver().process(out.stdout.splitlines()) is None
+    assert driver_view(NvidiaGpus().process(out.stdout.splitlines())) is None
 
 
 def test_toolkits_fact_reads_each_prefix(tmp_path):

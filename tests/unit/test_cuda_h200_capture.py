@@ -1,24 +1,31 @@
 """Real output of the CUDA stage's fact commands on the lent H200 box (Ubuntu 24.04, driver
  580.159.04, CUDA 13.0 installed through update-alternatives), captured 2026-12-02 by running
- the commands of tasks/facts/{nvidia,disk}.py there; replayed through the facts and the planner."""
+ the commands of tasks/facts/{nvidia,disk}.py there; replayed through the facts and the planner.
+ The driver's lines (nvidia-smi's query and banner, /proc/driver/nvidia/version) are laid out as
+ the GPU fact (tasks/facts/gpu.py) prints them."""
 
 from __future__ import annotations
 
 from tasks.cuda import CudaFacts, cuda_want, plan_cuda
 from tasks.facts.disk import FreeDisk
-from tasks.facts.nvidia import CudaHostCompiler, CudaToolkits, NvidiaDriver
+from tasks.facts.gpu import NvidiaGpus, driver_view
+from tasks.facts.nvidia import CudaHostCompiler, CudaToolkits
 from tasks.settings import load_settings
 
 H200_DRIVER = """\
-@@ smi-query
-580.159.04, NVIDIA H200, 9.0
-@@ smi-banner
-Wed Dec  2 14:40:08 2026       
-+-----------------------------------------------------------------------------------------+
-| NVIDIA-SMI 580.159.04             Driver Version: 580.159.04     CUDA Version: 13.0     |
-+-----------------------------------------+------------------------+----------------------+
-| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |
-@@ proc
+0, NVIDIA H200, 9.0, 143771, 143156, 580.159.04
+__verl_lab_rc__=0
+__verl_lab_proc_driver__
+NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (nixbld@)  
+GCC version:  gcc version 15.3.0 (GCC) 
+"""
+# the same box with nvidia-smi's query failing: the banner and /proc still name the driver
+H200_DRIVER_QUERY_FAILED = """\
+Failed to initialize NVML: Unknown Error
+__verl_lab_rc__=255
+__verl_lab_smi_banner__
+Failed to initialize NVML: Unknown Error
+__verl_lab_proc_driver__
 NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (nixbld@)  
 GCC version:  gcc version 15.3.0 (GCC) 
 """
@@ -67,16 +74,15 @@ def lines(text: str) -> list[str]:
 
 
 def test_driver_fact_on_real_h200():
-    got = NvidiaDriver().process(lines(H200_DRIVER))
+    got = driver_view(NvidiaGpus().process(lines(H200_DRIVER)))
     assert got == {"version": "580.159.04", "source": "nvidia-smi", "error": None,
                    "gpus": [{"driver": "580.159.04", "name": "NVIDIA H200", "compute_cap": "9.0"}]}
 
 
 def test_proc_fallback_on_real_h200_open_module():
-    # the same box with nvidia-smi's query unusable: the /proc section alone gives the driver
-    only_proc = [line for line in lines(H200_DRIVER) if not line.startswith("580.159.04, ")]
-    only_proc = [line for line in only_proc if "Driver Version" not in line]
-    got = NvidiaDriver().process(only_proc)
+    inv = NvidiaGpus().process(lines(H200_DRIVER_QUERY_FAILED))
+    assert not inv.ok
+    got = driver_view(inv)
     assert got["version"] == "580.159.04" and got["source"] == "proc"
 
 
@@ -101,7 +107,7 @@ def test_plan_for_the_real_h200_box():
     disk = FreeDisk().process(lines(H200_DISK_PREFIX))
     facts = CudaFacts(
         os_release=H200_OS_RELEASE,
-        driver=NvidiaDriver().process(lines(H200_DRIVER)),
+        driver=driver_view(NvidiaGpus().process(lines(H200_DRIVER))),
         toolkits=CudaToolkits().process(lines(H200_TOOLKITS)),
         disk={want.tmpdir: disk, want.prefix: disk, want.box_cache: disk},
         compiler=CudaHostCompiler().process(lines(H200_COMPILER)),

@@ -14,13 +14,16 @@ import tasks.verl_source as verl_source
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.facts.pyenv import parse_build_host, parse_checkout_output, parse_env_output
 from tasks.settings import load_settings
+from tasks.target import decide_gpu
 
 BUILD = {"mem_total_kib": 24 * 1024 * 1024, "cpus": 16, "gcc_major": 12, "gcc11": True,
          "python_version": "3.11", "python_headers": True, "conda": False, "nvcc_release": "11.8"}
 
 
 def gpus(name="Tesla P40", cc="6.1", count=1):
-    return GpuInventory(gpus=tuple(Gpu(i, name, cc, 24576, 24000, "535.104.05") for i in range(count)))
+    """The host's GPU target (tasks/target.py) of a box with these GPUs."""
+    return decide_gpu(load_settings("box1", {}),
+                      GpuInventory(gpus=tuple(Gpu(i, name, cc, 24576, 24000, "535.104.05") for i in range(count))))
 
 
 def settings(**data):
@@ -66,7 +69,7 @@ def test_vllm_only_from_compute_capability_7(gpu, cc, install):
 
 
 def test_vllm_skipped_without_gpu_and_arch_list_falls_back():
-    plan = pyenv.plan_env(settings(), GpuInventory(problem="no nvidia-smi"), BUILD)
+    plan = pyenv.plan_env(settings(), decide_gpu(settings(), GpuInventory(problem="no nvidia-smi")), BUILD)
     assert plan.vllm is False and "no usable NVIDIA GPU" in plan.vllm_reason
     assert plan.arch_list == pyenv.NO_GPU_ARCH_LIST and plan.gpu_cc is None
 

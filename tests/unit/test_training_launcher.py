@@ -23,7 +23,8 @@ from pyinfra.api.util import get_template
 from tasks import training
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.settings import SettingsError, load_settings
-from tasks.training import NoTarget, TrainingLayout, plan_target, training_workload
+from tasks.target import decide_gpu
+from tasks.training import TrainingLayout, training_workload
 from tasks.plan import make_plan
 
 T4_SMI = "0, Tesla T4, 7.5, 15360, 15102, 535.104.05"
@@ -37,16 +38,17 @@ def t4_inventory():
     return GpuInventory(gpus=(Gpu(0, "Tesla T4", "7.5", 15360, 15102, "535.104.05"),))
 
 
-def test_plan_target_from_fact_and_override():
+def test_gpu_target_from_fact_and_override():
     s = settings_for()
-    target, source = plan_target(s, t4_inventory())
-    assert (target.name, target.count, source) == ("Tesla T4", 1, "nvidia-smi")
-    with pytest.raises(NoTarget, match="nvidia-smi is not installed.*gpu_override"):
-        plan_target(s, GpuInventory(problem="nvidia-smi is not installed (no NVIDIA driver on this box)"))
+    gpu = decide_gpu(s, t4_inventory())
+    assert (gpu.target.name, gpu.target.count, gpu.source) == ("Tesla T4", 1, "nvidia-smi")
+    none = decide_gpu(s, GpuInventory(problem="nvidia-smi is not installed (no NVIDIA driver on this box)"))
+    assert none.target is None and none.source == "none"
+    assert "nvidia-smi is not installed" in none.problem and "gpu_override" in none.problem
     o = settings_for(gpu_override={"name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0",
                                    "memory_mib": 81920, "count": 2})
-    target, source = plan_target(o, GpuInventory(problem="no driver"))
-    assert (target.name, target.count, target.compute_capability, source) == (
+    gpu = decide_gpu(o, GpuInventory(problem="no driver"))
+    assert (gpu.target.name, gpu.target.count, gpu.target.compute_capability, gpu.source) == (
         "NVIDIA A100-SXM4-80GB", 2, "8.0", "gpu_override")
 
 
@@ -62,8 +64,8 @@ def test_bad_gpu_override_is_refused_before_anything_runs(bad):
 
 
 def layout_for(s, inventory=None):
-    target, source = plan_target(s, inventory or t4_inventory())
-    return TrainingLayout(settings=s, plan=make_plan(target, training_workload(s)), plan_source=source)
+    gpu = decide_gpu(s, inventory or t4_inventory())
+    return TrainingLayout(settings=s, plan=make_plan(gpu.target, training_workload(s)), plan_source=gpu.source)
 
 
 def test_workload_paths_follow_settings():
