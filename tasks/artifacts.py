@@ -7,6 +7,7 @@ import shlex
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, StringCommand, operation
 
+from tasks.failure import failing_command
 from tasks.catalog import Artifact
 from tasks.facts.files import VerifiedArtifact
 from tasks.fetch import Expected, FetchError, box_fetch_script, box_verify_script, download
@@ -17,11 +18,6 @@ def controller_copy(settings: LabSettings, art: Artifact):
     """Download (once, cached, verified) an artifact into the controller cache; return its path."""
     dest = settings.controller_cache / "artifacts" / art.name / art.version / art.filename
     return download(art.url(settings.mirrors), dest, Expected(art.sha256, art.size))
-
-
-def failing_command(message: str) -> StringCommand:
-    """A command that fails its host with ``message`` on stderr (no secrets: messages name URLs)."""
-    return StringCommand("sh", "-c", shlex.quote(f"echo {shlex.quote('verl-lab: ' + message)} >&2; exit 1"))
 
 
 def box_path(settings: LabSettings, art: Artifact) -> str:
@@ -55,7 +51,7 @@ def artifact_file(settings: LabSettings, artifact: str, dest: str | None = None)
         except FetchError as exc:
             # Fail this host only (every host needing the artifact fails the same way),
             # with the fetcher's message; the run goes on for hosts that don't need it.
-            yield failing_command(f"relay download of {art.name} failed on the controller: {exc}")
+            yield failing_command(f"verl-lab: relay download of {art.name} failed on the controller: {exc}")
             return
         part = dest + ".part"
         yield StringCommand("mkdir", "-p", shlex.quote(dest.rsplit("/", 1)[0]))

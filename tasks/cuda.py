@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Mapping
 
 from pyinfra import host
-from pyinfra.api import StringCommand, deploy, operation
+from pyinfra.api import deploy
 from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import apt, files, server
 
 from tasks.artifacts import artifact_file, box_path
+from tasks.failure import fail_host
 from tasks.facts.bundle import ask
 from tasks.facts.disk import FreeDisk
 from tasks.facts.files import Marker, VerifiedArtifact
@@ -369,22 +370,6 @@ def refusal_text(host_name: str, problems: tuple[str, ...]) -> str:
 # ---------------------------------------------------------------- pyinfra
 
 
-@operation(is_idempotent=False)
-def refuse(message: str):
-    """
-    Fail this host (only this one) with ``message`` on stderr.
-
-    + message: what is wrong and how to fix it
-
-    **Example:**
-
-    .. code:: python
-
-        refuse(name="CUDA pre-checks", message="NVIDIA driver 470.82.01 is too old ...")
-    """
-    yield StringCommand("sh", "-c", shlex.quote(f"printf '%s\\n' {shlex.quote(message)} >&2; exit 1"))
-
-
 def gather_facts(settings: LabSettings, want: CudaWant, gpu: HostGpu) -> CudaFacts:
     """The box's facts for plan_cuda, in one command (tasks/facts/bundle.py); the driver comes
     from the host's GPU fact, read once before the stages (tasks/target.py). Free disk and the
@@ -421,8 +406,8 @@ def install_cuda(settings: LabSettings, gpu: HostGpu):
     plan = plan_cuda(want, gather_facts(settings, want, gpu))
 
     if plan.action == "refuse":
-        refuse(name=f"CUDA {want.cuda_release} pre-checks failed (nothing changed)",
-               message=refusal_text(settings.host, plan.problems))
+        fail_host(name=f"CUDA {want.cuda_release} pre-checks failed (nothing changed)",
+                  message=refusal_text(settings.host, plan.problems))
         return
 
     if plan.install_compiler:

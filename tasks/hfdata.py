@@ -44,6 +44,7 @@ from tasks.catalog import REPO_ROOT, CatalogError
 from tasks.facts.data import FilesPresent, PythonModules, SnapshotStamp, StagedFiles
 from tasks.facts.bundle import ask
 from tasks.facts.files import Marker
+from tasks.failure import fail_host
 from tasks.hfsnapshot import RepoSpec, SnapshotError
 from tasks.settings import LabSettings, SettingsError
 
@@ -204,11 +205,6 @@ def controller_snapshot(settings: LabSettings, spec: RepoSpec, endpoint: str) ->
 
 # ---------------------------------------------------------------- box side
 
-def _fail(name: str, message: str) -> None:
-    """Fail this host only, with a message (a failing command, not an exception for all hosts)."""
-    server.shell(name=name, commands=[f"echo {shlex.quote('verl-lab data: ' + message)} >&2; exit 1"])
-
-
 @operation(is_idempotent=True)
 def hf_snapshot(settings: LabSettings, plan: DataPlan, spec: RepoSpec, dest: str, local: Path | None = None):
     """
@@ -301,7 +297,7 @@ def install_data(settings: LabSettings):
             try:
                 local[spec.artifact] = controller_snapshot(settings, spec, plan.endpoint)
             except (SnapshotError, OSError) as exc:
-                _fail(f"Fetch {spec.repo} on the controller", str(exc))
+                fail_host(name=f"Fetch {spec.repo} on the controller", message=str(exc), stage="data")
                 return
 
     files.file(name="Old data marker removed (re-proving)", path=marker_path, present=False)

@@ -395,16 +395,11 @@ from pyinfra.operations import apt  # noqa: E402
 
 from tasks.artifacts import artifact_file, box_path  # noqa: E402
 from tasks.facts.bundle import ask  # noqa: E402
+from tasks.failure import fail_host  # noqa: E402
 from tasks.facts.files import Marker, PathStates  # noqa: E402
 from tasks.facts.pyenv import BuildHost, PythonEnv, VerlCheckout  # noqa: E402
 from tasks.placed import place, rendered, wanted_dir, wanted_file  # noqa: E402
 from tasks.verl_source import box_patch_paths, checkout_done, patch_wanted, verl_source  # noqa: E402
-
-
-@operation()
-def box_problem(message: str):
-    """Fail this box (only) with ``message``: a condition the operator must fix on the box."""
-    yield StringCommand("sh", "-c", shlex.quote(f"echo {shlex.quote('verl-lab: ' + message)} >&2; exit 1"))
 
 
 @operation()
@@ -514,7 +509,7 @@ def python_env(settings: LabSettings, gpu: HostGpu, force_rebuild: bool = False)
     for note in plan.notes:
         host.noop(f"pyenv: {note}")
     if plan.problems:
-        box_problem(name="Python env prerequisites", message="; ".join(plan.problems))
+        fail_host(name="Python env prerequisites", message="; ".join(plan.problems), stage="env")
         return
     vllm_wheel = box_path(settings, settings.catalog.artifact("vllm")) if plan.vllm else None
     script = f"{pyenv_dir(settings)}/build-env.sh"

@@ -34,6 +34,7 @@ from pyinfra.api import deploy
 from pyinfra.operations import files, server, systemd
 
 from tasks.facts import gpu as gpufact
+from tasks.failure import fail_host
 from tasks.facts.bundle import ask
 from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.placed import place, rendered, wanted_dir, wanted_file
@@ -164,11 +165,6 @@ def training_paths(settings: LabSettings) -> list[str]:
             f"{t}/train-launcher", f"{t}/train.env", UNIT_PATH]
 
 
-def _fail(name: str, message: str) -> None:
-    """Fail this host only, at run time, with the message on stderr."""
-    server.shell(name=name, commands=[f"echo {shlex.quote('verl-lab train: ' + message)} >&2; exit 1"])
-
-
 def _flash_attn(env_marker: dict | None) -> bool:
     return (env_marker or {}).get("flash_attn", "").lower() in ("1", "true", "yes")
 
@@ -183,13 +179,13 @@ def install_training(settings: LabSettings, gpu: HostGpu):
         (Marker, {"path": settings.marker("pyenv")}), (Marker, {"path": marker_path}),
         (PathStates, {"paths": training_paths(settings)}), (UnitState, {"unit": UNIT_NAME}))
     if gpu.target is None:
-        _fail("Training plan needs a GPU", gpu.problem or "no GPU target")
+        fail_host(name="Training plan needs a GPU", message=gpu.problem or "no GPU target", stage="train")
         return
     target, source = gpu.target, gpu.source
     try:
         plan = make_plan(target, training_workload(settings, _flash_attn(env_marker)))
     except PlanError as exc:
-        _fail(f"Training plan for {target.count} x {target.name}", str(exc))
+        fail_host(name=f"Training plan for {target.count} x {target.name}", message=str(exc), stage="train")
         return
     layout = TrainingLayout(settings=settings, plan=plan, plan_source=source)
     values = layout.values()

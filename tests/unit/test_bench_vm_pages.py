@@ -88,21 +88,10 @@ def mirror(tmp_path):
 
 
 def test_piece_writer_makes_the_fetcher_write_32_kib_pieces(mirror, tmp_path, monkeypatch):
-    import builtins
-
     from tasks.fetch import Expected, download
+    from tests.unit.test_fetch import _spy_part_writes
 
-    sizes = []
-    real_open = builtins.open
-
-    def spying_open(file, mode="r", *a, **kw):
-        fh = real_open(file, mode, *a, **kw)
-        if str(file).endswith(".part") and "b" in mode and ("a" in mode or "w" in mode):
-            write = fh.write
-            fh.write = lambda b: (sizes.append(len(b)), write(b))[1]  # type: ignore[method-assign]
-        return fh
-
-    monkeypatch.setattr(builtins, "open", spying_open)
+    sizes = _spy_part_writes(monkeypatch)
     dest = download(f"{mirror.url}/{REL}", tmp_path / "a", Expected(SHA, len(PAYLOAD)), progress=False,
                     write_block=vm_pages.piece_writer(vm_pages.WRITE_PIECE_REPORTING_VM))
     assert dest.read_bytes() == PAYLOAD

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tasks import verl_source
-from tests.unit.test_hf_rollout import PATCH, _tree, python  # noqa: F401 - the cached venv fixture
+from tests.unit.test_hf_rollout import PATCH, _tree
 
 REPO = Path(__file__).resolve().parents[2]
 CHECK = REPO / "tests" / "fixtures" / "gpu_probe_check.py"
@@ -22,13 +22,13 @@ PROBE = REPO / "bench" / "gpu" / "probe"
 
 
 @pytest.mark.parametrize("tree", ["before", "patched"])
-def test_probe_measures_the_rollout_actor_gap(python, tmp_path, tree):  # noqa: F811
+def test_probe_measures_the_rollout_actor_gap(verl_python, tmp_path, tree):
     patches = verl_source.patch_files()
     chosen = [p for p in patches if p.name < PATCH] if tree == "before" else patches
     root = _tree(tmp_path / "tree", chosen)
     probe_dir = tmp_path / "probe"
     env = {**os.environ, "PYTHONPATH": f"{PROBE}{os.pathsep}{root}", "VERL_LAB_PROBE_DIR": str(probe_dir)}
-    res = subprocess.run([str(python), str(CHECK)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([str(verl_python), str(CHECK)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-3000:]
     found = json.loads(lines[-1][len("RESULT "):])

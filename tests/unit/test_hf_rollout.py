@@ -11,7 +11,6 @@ second.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -33,14 +32,8 @@ def _tree(tmp: Path, patches: list[Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def python():
-    if shutil.which("git") is None:
-        pytest.skip("git is missing")
-    try:
-        standin.torch_wheel()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    return standin.test_env()
+def python(verl_python):
+    return verl_python
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ about 2 minutes to build it, later runs reuse it). Patch application needs only 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -78,14 +77,8 @@ def test_patches_refuse_other_verl_sources(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def python():
-    if shutil.which("git") is None:
-        pytest.skip("git is missing")
-    try:
-        standin.torch_wheel()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    return standin.test_env()
+def python(verl_python):
+    return verl_python
 
 
 PROBE_SET = {
