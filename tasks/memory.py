@@ -422,8 +422,6 @@ def generate_peak(shape: ModelShape, batch: int = 1, prompt_len: int = 128, new_
     return Estimate(peak_mib=peak / MIB, breakdown=bd)
 
 
-# ---- verl on one GPU ------------------------------------------------------------------------
-
 # ---- vLLM 0.8.5 on the training GPU -----------------------------------------------------------
 # How vLLM 0.8.5 turns gpu_memory_utilization into a KV cache (read in the release's files):
 # * V1 (default on compute capability >= 8.0), vllm/v1/worker/gpu_worker.py
@@ -489,6 +487,8 @@ def vllm_memory(shape: ModelShape, *, engine: str, dtype: str, gpu_memory_mib: i
                       non_torch_mib=VLLM_NON_TORCH_MIB, kv_wanted_mib=kv_wanted, kv_granted_mib=granted,
                       held_at_start_mib=held_at_start_mib)
 
+
+# ---- verl on one GPU ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class VerlWorkload:
@@ -576,14 +576,13 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
             + (0.0 if wl.critic_optimizer_offload else opt_c)
     res_ref = 0.0 if wl.ref_param_offload else ref_params
 
-    actor_step = train_step_peak(s, "actor", wl.train_dtype, wl.attn, wl.grad_ckpt,
-                                 wl.micro_batch, seq)
     if wl.train_dtype != "fp32" and not wl.grad_ckpt:
         path = _attention_path(s, wl.train_dtype, wl.attn)
         per_token = s.layers * _layer_saved_bytes_per_token(s, True, path) + VERL_ACTOR_LOGIT_BYTES_AUTOCAST * s.vocab
         actor_act = (2.0 * s.layers * s.layer_params + wl.micro_batch * seq * per_token) / MIB
     else:
-        actor_act = _transient(actor_step)
+        actor_act = _transient(train_step_peak(s, "actor", wl.train_dtype, wl.attn, wl.grad_ckpt,
+                                               wl.micro_batch, seq))
         # verl's policy loss adds log-softmax and entropy over the response logits in fp32 (inferred;
         # matches the fp32 measurements within 1%)
         actor_act += 2.0 * 4.0 * s.vocab * wl.micro_batch * wl.response_len / MIB

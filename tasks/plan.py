@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from tasks.gsm8k import VAL_ROWS
 from tasks.verl_config import VERL_VERSION, Override, override_lines
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +59,6 @@ OFFLOAD_KEYS: dict[str, str] = {
 MICRO_BATCH_CHOICES = (16, 8, 4, 2, 1)          # update micro-batches (sequences per GPU)
 FORWARD_MICRO_CHOICES = (64, 32, 16, 8, 4, 2, 1)  # no-gradient passes: actor log-probs, critic values
 ROLLOUT_CHUNK_CHOICES = (256, 128, 64, 32, 16, 8, 4, 2, 1)   # prompts per HF generate() call
-VAL_ROWS = 64              # the data stage's val_small.parquet (tasks/gsm8k.py VAL_ROWS)
 VLLM_SHARE_MAX = 0.9       # never give vLLM more of the GPU than this
 VLLM_SHARE_MIN = 0.05
 
@@ -118,7 +118,7 @@ class Workload:
     experiment_name: str = "qwen2.5-0.5b-gsm8k"
     flash_attn_installed: bool = False
     rollout_engine: str = "auto"         # "auto": vLLM where the GPU has it; "hf": the HF rollout
-    val_rows: int = VAL_ROWS             # rows of the validation file (HF chunks must divide it)
+    val_rows: int = VAL_ROWS             # rows of val_small.parquet (HF chunks must divide them)
 
     @property
     def uses_reference(self) -> bool:
@@ -321,22 +321,18 @@ def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
     best_failure: MemoryEstimate | None = None
     tried = 0
     found: tuple[MemoryChoice, MemoryEstimate] | None = None
-    for ckpt in (False, True):
-        for level in offload_levels(workload, precision):
-            for micro in _micro_choices(mini_per_gpu):
-                choice = MemoryChoice(offload=level, actor_micro_batch=micro, log_prob_micro_batch=1,
-                                      critic_micro_batch=micro, rollout_micro_batch=1, grad_ckpt=ckpt)
-                est = estimator(gpu, workload, precision, choice)
-                tried += 1
-                if est.fits:
-                    found = (choice, est)
-                    break
-                if best_failure is None or est.peak_mib < best_failure.peak_mib:
-                    best_failure = est
-            if found:
-                break
-        if found:
+    candidates = ((ckpt, level, micro) for ckpt in (False, True) for level in offload_levels(workload, precision)
+                  for micro in _micro_choices(mini_per_gpu))
+    for ckpt, level, micro in candidates:
+        choice = MemoryChoice(offload=level, actor_micro_batch=micro, log_prob_micro_batch=1,
+                              critic_micro_batch=micro, rollout_micro_batch=1, grad_ckpt=ckpt)
+        est = estimator(gpu, workload, precision, choice)
+        tried += 1
+        if est.fits:
+            found = (choice, est)
             break
+        if best_failure is None or est.peak_mib < best_failure.peak_mib:
+            best_failure = est
     if found is None:
         assert best_failure is not None
         raise _no_fit(gpu, workload, best_failure)
@@ -508,11 +504,11 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     return o
 
 
-def plan_env(precision: Precision, gpu: GpuTarget | None = None) -> tuple[dict[str, str], list[Reason]]:
+def plan_env(precision: Precision, gpu: GpuTarget) -> tuple[dict[str, str], list[Reason]]:
     env: dict[str, str] = {}
     reasons: list[Reason] = []
     if precision.rollout == "vllm":
-        engine = vllm_engine(gpu) if gpu is not None else "v1"
+        engine = vllm_engine(gpu)
         env["VLLM_USE_V1"] = "1" if engine == "v1" else "0"
         reasons.append(Reason("VLLM_USE_V1", env["VLLM_USE_V1"],
                               f"pins vLLM 0.8.5's {engine.upper()} engine, the one gpu_memory_utilization was sized "
@@ -709,7 +705,7 @@ def gpu_table(workload: Workload) -> str:
         off = ", ".join(k.replace("_offload", "") for k, v in d["offload"].items() if v) or "none"
         mb = d["micro_batches"]
         chunk = mb["rollout"] if d["rollout"] == "hf" else "-"
-        engine = f" {p.env.get('VLLM_USE_V1') == '1' and 'V1' or 'V0'}" if d["rollout"] == "vllm" else ""
+        engine = f" {vllm_engine(p.gpu).upper()}" if d["rollout"] == "vllm" else ""
         rows.append(f"| {name} | {cc} | {mem} | {d['train_dtype']} | {d['rollout']}{engine} ({d['rollout_dtype']}) | "
                     f"{'yes' if d['gradient_checkpointing'] else 'no'} | {off} | {mb['actor']}/{mb['critic']}, "
                     f"{mb['log_prob']}, {chunk} | {d['vllm_gpu_memory_utilization'] or '-'} | "
@@ -731,15 +727,12 @@ def doc_workload(args=None) -> Workload:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    raw = list(sys.argv[1:] if argv is None else argv)
-    if raw == ["--doc-table"]:
-        print(gpu_table(doc_workload()))
-        return 0
-    ap = argparse.ArgumentParser(prog="python -m tasks.plan", description=__doc__.split("\n\n")[0],
-                                 epilog="python -m tasks.plan --doc-table prints docs/plan.md's table of plans")
-    ap.add_argument("--gpu-name", required=True)
-    ap.add_argument("--compute-capability", required=True, help="e.g. 8.6")
-    ap.add_argument("--gpu-memory-mib", required=True, type=int)
+    ap = argparse.ArgumentParser(prog="python -m tasks.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--doc-table", action="store_true",
+                    help="print docs/plan.md's table of plans for its GPU list (no other option needed)")
+    ap.add_argument("--gpu-name")
+    ap.add_argument("--compute-capability", help="e.g. 8.6")
+    ap.add_argument("--gpu-memory-mib", type=int)
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--model-config", type=Path, default=DEFAULT_MODEL_CONFIG)
     ap.add_argument("--model-path", default="/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct")
@@ -748,7 +741,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--flash-attn", action="store_true", help="flash-attn is installed in the env")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(raw)
+    args = ap.parse_args(argv)
+    if args.doc_table:
+        print(gpu_table(doc_workload()))
+        return 0
+    missing = [f"--{k.replace('_', '-')}" for k in ("gpu_name", "compute_capability", "gpu_memory_mib")
+               if getattr(args, k) is None]
+    if missing:
+        ap.error(f"the following arguments are required: {', '.join(missing)} (or --doc-table)")
     try:
         gpu = GpuTarget(args.gpu_name, args.compute_capability, args.gpu_memory_mib, args.gpus)
         gpu.cc

@@ -53,6 +53,10 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tasks.fetch import sha256_of  # noqa: E402
+
 LIMIT_MIB = 56  # the call's 64 MiB less the tracked tree (~2 MiB) and some room
 DEFAULT_CACHE = Path.home() / ".cache" / "verl-lab-gpu-payload"
 DEFAULT_SDIST = Path("/root/.cache/verl-lab-test/sdist/verl-0.5.0.tar.gz")
@@ -131,14 +135,6 @@ def log(msg: str) -> None:
     print(f"payload: {msg}", flush=True)
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -214,7 +210,7 @@ def build_wheels(out: Path, cache: Path, record: Record, python: str, force: boo
     pins = [f"{n}=={v}" for n, v, _ in PINS]
     if (not force and have.get("pins") == pins and wdir.is_dir()
             and sorted(p.name for p in wdir.iterdir()) == sorted(have["files"])
-            and all(sha256_file(wdir / f) == s for f, s in have["files"].items())):
+            and all(sha256_of(wdir / f) == s for f, s in have["files"].items())):
         log(f"wheels: {len(pins)} unchanged")
         return
     wdir.mkdir(parents=True, exist_ok=True)
@@ -243,9 +239,9 @@ def build_wheels(out: Path, cache: Path, record: Record, python: str, force: boo
             p.unlink()
     for name, src in files.items():
         dest = wdir / name
-        if not dest.exists() or sha256_file(dest) != sha256_file(src):
+        if not dest.exists() or sha256_of(dest) != sha256_of(src):
             shutil.copyfile(src, dest)
-    record.put("wheels", {"pins": pins, "files": {f: sha256_file(wdir / f) for f in sorted(files)}})
+    record.put("wheels", {"pins": pins, "files": {f: sha256_of(wdir / f) for f in sorted(files)}})
     log(f"wheels: {len(files)} in {wdir}")
 
 
@@ -283,7 +279,7 @@ def build_ray(out: Path, cache: Path, record: Record, python: str, force: bool) 
     name, version = RAY
     dest = out / f"{name}-{version}.tar.xz"
     have = record.get("ray") or {}
-    if not force and dest.is_file() and have.get("tar_sha256") == sha256_file(dest):
+    if not force and dest.is_file() and have.get("tar_sha256") == sha256_of(dest):
         log(f"ray: {dest.name} unchanged")
         return
     dl = cache / "ray"
@@ -297,7 +293,7 @@ def build_ray(out: Path, cache: Path, record: Record, python: str, force: bool) 
     whl = wheels[0]
     log(f"ray: {whl.name} ({mib(whl.stat().st_size)}) -> {dest.name} without ray/jars/, xz preset 9")
     kept, dropped = pack_without_jars(whl, dest)
-    record.put("ray", {"wheel": whl.name, "wheel_sha256": sha256_file(whl), "tar_sha256": sha256_file(dest),
+    record.put("ray", {"wheel": whl.name, "wheel_sha256": sha256_of(whl), "tar_sha256": sha256_of(dest),
                        "unpacked_bytes": kept, "dropped_jars_bytes": dropped})
     log(f"ray: {mib(kept)} unpacked, {mib(dropped)} of jars dropped, {dest.name} {mib(dest.stat().st_size)}")
 
@@ -342,14 +338,14 @@ def build_verl_tree(out: Path, name: str, ref: str, commit: str, patches: list[t
     vdir = out / "verl"
     vdir.mkdir(parents=True, exist_ok=True)
     dest, meta_path = vdir / f"{name}.tar.xz", vdir / f"{name}.json"
-    meta = {"name": name, "ref": ref, "commit": commit, "sdist": sdist.name, "sdist_sha256": sha256_file(sdist),
+    meta = {"name": name, "ref": ref, "commit": commit, "sdist": sdist.name, "sdist_sha256": sha256_of(sdist),
             "patches": [{"name": n, "sha256": sha256_bytes(b)} for n, b in patches]}
     try:
         old = json.loads(meta_path.read_text())
     except (OSError, ValueError):
         old = None
     if (not force and old and dest.is_file() and {k: old.get(k) for k in meta} == meta
-            and old.get("tar_sha256") == sha256_file(dest)):
+            and old.get("tar_sha256") == sha256_of(dest)):
         log(f"verl {name}: unchanged ({ref}, {len(patches)} patches)")
         return
     with tempfile.TemporaryDirectory(prefix="verl-tree-") as tmp:
@@ -383,7 +379,7 @@ def build_verl_tree(out: Path, name: str, ref: str, commit: str, patches: list[t
                     tf.addfile(ti, fh)
         os.replace(tmp_tar, dest)
     meta["files"] = len(files)
-    meta["tar_sha256"] = sha256_file(dest)
+    meta["tar_sha256"] = sha256_of(dest)
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     record.put(f"verl:{name}", {"ref": ref, "commit": commit, "tar_sha256": meta["tar_sha256"]})
     log(f"verl {name}: {ref} ({commit[:12]}), {len(patches)} patches, {len(files)} files, {mib(dest.stat().st_size)}")
@@ -771,7 +767,7 @@ def build_data(out: Path, record: Record, force: bool) -> None:
     words = sorted(len(r["question"].split()) for r in rows["train"] + rows["test"])
     record.put("data", {"train_seed": DATA_SEED, "test_seed": DATA_SEED + 1,
                         "question_words": {"min": words[0], "median": words[len(words) // 2], "max": words[-1]},
-                        "files": {n: sha256_file(ddir / n) for n in gsm8k_module().OUTPUTS.values()}})
+                        "files": {n: sha256_of(ddir / n) for n in gsm8k_module().OUTPUTS.values()}})
 
 
 # --------------------------------------------------------------------------------- tokenizer
@@ -898,7 +894,7 @@ def build_tokenizer(out: Path, record: Record, force: bool) -> None:
     have = record.get("tokenizer") or {}
     names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
     if (not force and have.get("recipe") == recipe and all((tdir / n).is_file() for n in names)
-            and all(sha256_file(tdir / n) == have["files"].get(n) for n in names)):
+            and all(sha256_of(tdir / n) == have["files"].get(n) for n in names)):
         facts = prove_tokenizer(tdir / "tokenizer.json")
         log(f"tokenizer: unchanged ({facts['vocab_size']} tokens)")
         return
@@ -926,7 +922,7 @@ def build_tokenizer(out: Path, record: Record, force: bool) -> None:
     (tdir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
     facts = prove_tokenizer(tdir / "tokenizer.json")
     facts["trained"] = trained
-    record.put("tokenizer", {"recipe": recipe, "facts": facts, "files": {n: sha256_file(tdir / n) for n in names}})
+    record.put("tokenizer", {"recipe": recipe, "facts": facts, "files": {n: sha256_of(tdir / n) for n in names}})
     log(f"tokenizer: {trained} trained tokens, filled to {REGULAR_TOKENS}, + {len(SPECIALS)} special = "
         f"{facts['vocab_size']}; sample {facts['sample_chars']} chars -> {facts['sample_tokens']} tokens, "
         "round trip ok")

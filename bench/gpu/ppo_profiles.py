@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,7 +112,6 @@ def seed_overrides(profile: Profile) -> list[str]:
 def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
     """Render one profile with the planning code under ``code_root`` (imported here)."""
     sys.path.insert(0, str(code_root))
-    from tasks.placed import Wanted  # noqa: F401 - proves the tree has the placed-files API
     from tasks.plan import GpuTarget, make_plan
     from tasks.settings import load_settings
     from tasks.training import TrainingLayout, training_wanted, training_workload
@@ -175,7 +174,7 @@ def render(names: list[str], out_root: Path, today_ref: str) -> None:
             # a launcher older than the `--` passthrough: run its overrides directly
             if "-- KEY=VALUE" not in (out / "train" / "train-launcher").read_text():
                 record["kind"] = "print-overrides"
-        if profile.validate is False:
+        if not profile.validate:
             record["extra_overrides"].append("trainer.test_freq=-1")
         (out / "profile.json").write_text(json.dumps(record, indent=2) + "\n")
         plan = record.get("plan") or {}

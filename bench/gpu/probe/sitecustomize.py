@@ -229,8 +229,6 @@ def _patch_workers(module) -> None:
 def _logprob_gap(data, out) -> None:
     if data.batch is None or "rollout_log_probs" not in data.batch.keys():
         return
-    import torch
-
     rollout = data.batch["rollout_log_probs"].detach().float().cpu()
     actor = out.batch["old_log_probs"].detach().float().cpu()
     mask = data.batch["attention_mask"][:, -rollout.shape[1]:].bool().cpu()
@@ -241,7 +239,6 @@ def _logprob_gap(data, out) -> None:
             "prob_gap_max": round(float(prob_gap.max()), 6),
             "rollout_logprob_mean": round(float(rollout[mask].mean()), 4),
             "actor_logprob_mean": round(float(actor[mask].mean()), 4)})
-    del torch
 
 
 # ------------------------------------------------------------------ HF rollout
