@@ -14,8 +14,8 @@ when the run folder has none.
   ``predicted_peak_mib`` (its allocated peak + 1908 MiB allowed outside torch), re-estimated
   with the memory model as it is now for exactly the configuration that ran
   (``estimate_as_ran``); the prediction when the profile was rendered is kept beside it.
-* s/step = the mean of verl's ``timing_s/step`` over steps 2.. (step 1 warms up; the last
-  step's validation is reported apart as ``timing_s/testing``); prompts/s = train batch / s/step;
+* s/step = the mean of verl's ``timing_s/step`` over steps 2.. (step 1 warms up) less the
+  step's validation (``timing_s/testing``, which verl counts inside the step that validates); prompts/s = train batch / s/step;
   tokens/s = generated tokens per step / s/step.
 * log-prob gap = the largest |rollout log-prob - actor log-prob| of the same sampled tokens
   (probe), with verl's own ``training/rollout_probs_diff_max``.
@@ -104,7 +104,9 @@ def summarise(run: Path) -> dict:
     predicted = as_ran["peak_mib"] if as_ran else plan.get("predicted_peak_mib")
     breakdown = as_ran["breakdown"] if as_ran else (plan.get("breakdown") or {})
     later = [s for n, s in steps.items() if n >= 2 and "timing_s/step" in s] or list(steps.values())
-    s_step = statistics.mean(s["timing_s/step"] for s in later if "timing_s/step" in s) if later else None
+    # verl's timing_s/step of a step that validated includes the validation (timing_s/testing)
+    s_step = statistics.mean(s["timing_s/step"] - s.get("timing_s/testing", 0.0)
+                             for s in later if "timing_s/step" in s) if later else None
     batch = plan.get("train_batch_size") or _batch_from_overrides(profile)
     resp = statistics.mean(s["response_length/mean"] for s in later if "response_length/mean" in s) if later else None
     gaps = [r for r in probe if r.get("event") == "logprob_gap"]

@@ -80,3 +80,16 @@ def test_fixed_rollout_samples_the_actors_policy_and_the_old_one_did_not(summari
     assert fixed and old
     assert all(r["logprob_gap_max"] < 1e-3 for r in fixed)
     assert all(r["logprob_gap_max"] > 0.1 for r in old)
+
+
+def test_speed_claims_in_the_docs_are_the_records(summaries):
+    """docs/training-runs.md's throughput ratios come from this session's records (calls 4 and 5:
+    one profile at a time): the P40 plan against the plan before this work (same call) and
+    against the seed recipe; the targets are 3x and 20x."""
+    plan = summaries["call4/p40"]["prompts_per_s"]
+    before = summaries["call4/p40-today"]["prompts_per_s"]
+    seed = summaries["call5/seed"]["prompts_per_s"]
+    docs = (REPO / "docs" / "training-runs.md").read_text()
+    assert f"**{plan / before:.2f}x**" in docs and f"**{plan / seed:.1f}x**" in docs
+    assert f"**{plan:.2f}**" in docs
+    assert plan / before >= 3 and plan / seed >= 20

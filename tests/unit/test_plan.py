@@ -99,7 +99,7 @@ def test_plan_table(name, cc, mem, dtype, rollout, rdtype, attn, compile_ok):
         share = ov["actor_rollout_ref.rollout.gpu_memory_utilization"]
         assert 0.05 <= share <= 0.9
         assert ov["actor_rollout_ref.rollout.max_num_batched_tokens"] >= 256 + 256
-        assert ov["actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs"] == 128
+        assert ov["actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs"] == 256
         assert "PYTORCH_CUDA_ALLOC_CONF" not in p.env   # vLLM sleep mode refuses expandable segments
     else:
         assert "actor_rollout_ref.rollout.gpu_memory_utilization" not in ov
