@@ -408,7 +408,7 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     # data
     add("data.train_files", w.train_files, "GSM8K train split in verl's RL format (data stage)")
     add("data.val_files", w.val_files, "GSM8K test split in verl's RL format (data stage)")
-    add("data.train_batch_size", w.train_batch_size, "prompts per PPO step (verl's GSM8K quick start: 256; the HF rollout generates them in one call)")
+    add("data.train_batch_size", w.train_batch_size, "prompts per PPO step (verl's GSM8K quick start: 256, mini-batch 64)")
     add("data.max_prompt_length", w.max_prompt_length, "GSM8K questions with the chat template and instruction fit in this; longer ones are filtered")
     add("data.max_response_length", w.max_response_length, "room for a step-by-step answer ending in '#### n'")
     add("data.filter_overlong_prompts", True,
