@@ -5,9 +5,9 @@ Not a bench script itself: `pyinfra INV bench/deploy_without_env.py`."""
 
 from tasks.base import base_layout
 from tasks.cuda import install_cuda
-from tasks.hfdata import install_data
+from tasks.data import install_data
 from tasks.hostdata import check_inventory, settings_for
-from tasks.training import install_training
+from tasks.train import install_train
 
 check_inventory()
 settings = settings_for()
@@ -15,4 +15,4 @@ settings = settings_for()
 gpu = base_layout(settings)
 install_cuda(settings, gpu)
 install_data(settings)
-install_training(settings, gpu)
+install_train(settings, gpu)

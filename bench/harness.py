@@ -227,9 +227,9 @@ class Pipeline:
         urls = {**lab.mirror_urls, "huggingface": self.endpoint.url}
         data: dict[str, Any] = {"env_backend": "venv", "venv_python": "python3"}
         if stages == "full":
-            from tests.fixtures.standins import pyenv as pyenv_standin
-            overrides.update(pyenv_standin.publish(lab.mirror.root))
-            urls["pypi"] = pyenv_standin.pypi_base(lab.mirror_url)
+            from tests.fixtures.standins import env as env_standin
+            overrides.update(env_standin.publish(lab.mirror.root))
+            urls["pypi"] = env_standin.pypi_base(lab.mirror_url)
         self.data = {**data, "mirror_urls": urls, "catalog_overrides": overrides}
 
     def close(self) -> None:

@@ -2,10 +2,10 @@
 
 from tasks.hostdata import check_inventory, settings_for
 from tasks.base import base_layout
-from tasks.pyenv import python_env
+from tasks.env import install_env
 
 check_inventory()
 settings = settings_for()
 
 gpu = base_layout(settings)
-python_env(settings, gpu)
+install_env(settings, gpu)

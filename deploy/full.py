@@ -7,16 +7,16 @@ beside the old one (the env stage swaps only after the new env passes its proofs
 
 from tasks.base import base_layout
 from tasks.cuda import install_cuda
-from tasks.hfdata import install_data
+from tasks.data import install_data
 from tasks.hostdata import check_inventory, settings_for
-from tasks.pyenv import python_env
-from tasks.training import install_training
+from tasks.env import install_env
+from tasks.train import install_train
 
 check_inventory()
 settings = settings_for()
 
 gpu = base_layout(settings)        # the host's GPU target, decided once for every stage
 install_cuda(settings, gpu)
-python_env(settings, gpu)
+install_env(settings, gpu)
 install_data(settings)
-install_training(settings, gpu)
+install_train(settings, gpu)

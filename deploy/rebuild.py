@@ -6,10 +6,10 @@ env stays in place (and in use) until the new one passes, and is kept as <env_pr
 
 from tasks.hostdata import check_inventory, settings_for
 from tasks.base import base_layout
-from tasks.pyenv import python_env
+from tasks.env import install_env
 
 check_inventory()
 settings = settings_for()
 
 gpu = base_layout(settings)
-python_env(settings, gpu, force_rebuild=True)
+install_env(settings, gpu, force_rebuild=True)

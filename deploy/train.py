@@ -6,10 +6,10 @@ launcher and the unit (the launcher's --check then reports what is missing).
 
 from tasks.base import base_layout
 from tasks.hostdata import check_inventory, settings_for
-from tasks.training import install_training
+from tasks.train import install_train
 
 check_inventory()
 settings = settings_for()
 
 gpu = base_layout(settings)
-install_training(settings, gpu)
+install_train(settings, gpu)

@@ -1,7 +1,7 @@
 """One pinned snapshot of a Hugging Face repo, downloaded, verified and swapped into place.
 
 Runs in two places with the same code: on the controller (relay mode, imported by
-``tasks/hfdata.py``) and on a box (direct mode, pushed there and run with the env's python:
+``tasks/data.py``) and on a box (direct mode, pushed there and run with the env's python:
 ``python hfsnapshot.py fetch --spec spec.json --dest DIR``). No pyinfra import; only the
 ``fetch`` path needs ``huggingface_hub`` (imported late), ``install`` and ``prove`` need only
 the standard library, so relay boxes need no Hub client at all.

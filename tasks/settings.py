@@ -72,6 +72,7 @@ def near_miss(key: str) -> str | None:
 
 # The systemd unit that runs training on every box (files/templates/verl-lab-train.service.j2).
 TRAIN_UNIT = "verl-lab-train.service"
+LEGACY_STAGE_NAMES = {"env": "pyenv"}     # stage -> the marker name it had before
 
 
 class SettingsError(ValueError):
@@ -120,6 +121,13 @@ class LabSettings:
     def marker(self, stage: str) -> str:
         """A stage's marker: written only after the stage's proofs pass (key=value lines)."""
         return f"{self.marker_dir}/{stage}.done"
+
+    def legacy_marker(self, stage: str) -> str | None:
+        """The marker a stage wrote under its old name (the env stage was "pyenv"): read when
+        the marker is missing, so an upgraded box keeps its proven env; the stage's next write
+        replaces it."""
+        old = LEGACY_STAGE_NAMES.get(stage)
+        return f"{self.marker_dir}/{old}.done" if old else None
 
     @property
     def env_python(self) -> str:

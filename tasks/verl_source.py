@@ -40,7 +40,7 @@ import shlex  # noqa: E402
 from pyinfra import host  # noqa: E402
 from pyinfra.api import StringCommand, deploy, operation  # noqa: E402
 
-from tasks.facts.pyenv import VerlCheckout  # noqa: E402
+from tasks.facts.env import VerlCheckout  # noqa: E402
 from tasks.placed import Wanted, wanted_dir, wanted_file  # noqa: E402
 from tasks.settings import LabSettings  # noqa: E402
 

@@ -114,7 +114,10 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
     sys.path.insert(0, str(code_root))
     from tasks.plan import GpuTarget, make_plan
     from tasks.settings import load_settings
-    from tasks.training import TrainingLayout, training_wanted, training_workload
+    try:
+        from tasks.train import TrainingLayout, training_wanted, training_workload
+    except ImportError:                  # trees before the stages had one name each
+        from tasks.training import TrainingLayout, training_wanted, training_workload
 
     root = lab_root(profile)
     settings = load_settings(profile.name, {"lab_root": root, "env_prefix": f"{root}/env",

@@ -22,7 +22,7 @@ from jinja2 import Environment, StrictUndefined  # noqa: E402
 from tasks.facts import gpu as gpufact  # noqa: E402
 from tasks.plan import make_plan  # noqa: E402
 from tasks.settings import load_settings  # noqa: E402
-from tasks.training import (ENV_TEMPLATE, GPU_MODULE, LAUNCHER_TEMPLATE, TrainingLayout,  # noqa: E402
+from tasks.train import (ENV_TEMPLATE, GPU_MODULE, LAUNCHER_TEMPLATE, TrainingLayout,  # noqa: E402
                             training_workload)
 from tasks.target import decide_gpu  # noqa: E402
 

@@ -42,8 +42,12 @@ class VerifiedArtifact(FactBase):
 class Marker(FactBase):
     """The contents of a stage marker file as a dict of ``key=value`` lines, or None."""
 
-    def command(self, path: str) -> str:
+    def command(self, path: str, legacy: str | None = None) -> str:
+        """``legacy``: a stage's marker under its old name, read when ``path`` is missing."""
         p = shlex.quote(path)
+        if legacy:
+            q = shlex.quote(legacy)
+            return f"if [ -f {p} ]; then cat {p}; elif [ -f {q} ]; then cat {q}; else echo __none__; fi"
         return f"if [ -f {p} ]; then cat {p}; else echo __none__; fi"
 
     def process(self, output):

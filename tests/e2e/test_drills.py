@@ -16,7 +16,7 @@
 Drills 1-4 run the cheap stages (deploy/cuda.py, deploy/data.py, deploy/train.py in one pyinfra
 run; the data stage gets a plain venv with pyarrow + huggingface_hub instead of the env stage's
 env). Drill 5 runs the env stage (deploy/env.py, deploy/rebuild.py) with the helpers of
-tests/e2e/test_pyenv.py. What each stage's own e2e test proves is not repeated here (see
+tests/e2e/test_env.py. What each stage's own e2e test proves is not repeated here (see
 docs/drills.md).
 """
 
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.facts.pyenv import PythonEnv
-from tests.e2e import test_pyenv
+from tasks.facts.env import PythonEnv
+from tests.e2e import test_env
 from tests.fixtures.standins import cuda as cuda_standin
 from tests.fixtures.standins import fleet
-from tests.fixtures.standins import pyenv as pyenv_standin
+from tests.fixtures.standins import env as env_standin
 from tests.fixtures.standins.hf_endpoint import DATASET_REPO, MODEL_REPO
 from tests.lab import BoxSpec
 from tests.lab.results import DeployResult, parse, strip_ansi
@@ -633,16 +633,16 @@ def test_bad_boxes_fail_alone_with_their_reason(lab):
 
 # ------------------------------------------------------------------ 5. the env broken three ways
 
-ENV = test_pyenv.ENV
+ENV = test_env.ENV
 PATCH_0001 = f"{LAB_ROOT}/patches/verl-0.5.0/0001-autocast-dtype-follows-param-dtype.diff"
 
 
 @pytest.fixture(scope="module")
 def env_lab(lab_factory):
-    """test_pyenv's setup (its box name, its stand-ins, its deploy helper), in a lab of its own."""
-    lab = lab_factory([BoxSpec(test_pyenv.BOX, gpu="p40")])
-    lab.pyenv_overrides = pyenv_standin.publish(lab.mirror.root)
-    test_pyenv.deploy(lab).assert_ok()
+    """test_env's setup (its box name, its stand-ins, its deploy helper), in a lab of its own."""
+    lab = lab_factory([BoxSpec(test_env.BOX, gpu="p40")])
+    lab.pyenv_overrides = env_standin.publish(lab.mirror.root)
+    test_env.deploy(lab).assert_ok()
     return lab
 
 
@@ -651,57 +651,57 @@ def health(lab) -> dict:
     own parser."""
     fact = PythonEnv()
     expect = {"torch": "2.13.0", "cuda": "none", "gpu_cc": "6.1", "vllm": None,
-              "vllm_skip": "compute capability 6.1 < 7.0", "verl": "0.5.0", "verl_src": test_pyenv.VERL_SRC,
+              "vllm_skip": "compute capability 6.1 < 7.0", "verl": "0.5.0", "verl_src": test_env.VERL_SRC,
               "compose": True, "overrides": []}
-    out = test_pyenv.ssh(lab, fact.command(prefix=ENV, expect=expect)).stdout
+    out = test_env.ssh(lab, fact.command(prefix=ENV, expect=expect)).stdout
     return fact.process(out.splitlines())
 
 
 def env_python(lab, code: str) -> str:
-    return test_pyenv.ssh(lab, f"cd / && {test_pyenv.PY} -c {json.dumps(code)}").stdout.strip()
+    return test_env.ssh(lab, f"cd / && {test_env.PY} -c {json.dumps(code)}").stdout.strip()
 
 
 def test_env_broken_three_ways_is_named_and_rebuilt(env_lab):
     lab = env_lab
     assert health(lab)["healthy"]
-    before = test_pyenv.link(lab, ENV)
+    before = test_env.link(lab, ENV)
     # 1. an Apex extension deleted
     ext = env_python(lab, "import amp_C; print(amp_C.__file__)")
-    test_pyenv.ssh(lab, f"rm -f {ext}")
+    test_env.ssh(lab, f"rm -f {ext}")
     h = health(lab)
     # the proof names it, and so does the RECORD check of the installed files
     assert h["broken"] == ["apex", "files"], h
     assert "amp_C" in h["checks"]["apex"]["detail"]
     assert "amp_C" in h["checks"]["files"]["detail"], h["checks"]["files"]
     # 2. a project patch reverted in the verl checkout
-    test_pyenv.ssh(lab, f"git -C {test_pyenv.VERL_SRC} apply -R {PATCH_0001}")
+    test_env.ssh(lab, f"git -C {test_env.VERL_SRC} apply -R {PATCH_0001}")
     h = health(lab)
     assert "verl" in h["broken"] and "apex" in h["broken"], h
     assert "autocast_dtype_of" in h["checks"]["verl"]["detail"], h["checks"]["verl"]
     # 3. verl's install removed from the env
-    test_pyenv.ssh(lab, f"{test_pyenv.PY} -m pip uninstall -y -q verl")
+    test_env.ssh(lab, f"{test_env.PY} -m pip uninstall -y -q verl")
     h = health(lab)
     assert {"apex", "verl", "compose"} <= set(h["broken"]), h
     assert "No module named 'verl'" in h["checks"]["verl"]["detail"], h["checks"]["verl"]
     # the marker still names the old generation: the stage decides from the fact, not the marker
-    assert test_pyenv.marker(lab)["generation"] == before
+    assert test_env.marker(lab)["generation"] == before
 
-    test_pyenv.deploy(lab, "deploy/rebuild.py").assert_ok()
-    after = test_pyenv.link(lab, ENV)
-    assert after != before and test_pyenv.link(lab, f"{ENV}.prev") == before
+    test_env.deploy(lab, "deploy/rebuild.py").assert_ok()
+    after = test_env.link(lab, ENV)
+    assert after != before and test_env.link(lab, f"{ENV}.prev") == before
     h = health(lab)
     assert h["healthy"], h
-    assert test_pyenv.marker(lab)["generation"] == after
-    test_pyenv.ssh(lab, f"git -C {test_pyenv.VERL_SRC} apply -R --check {PATCH_0001}")    # applied again
-    test_pyenv.deploy(lab).assert_idempotent()
+    assert test_env.marker(lab)["generation"] == after
+    test_env.ssh(lab, f"git -C {test_env.VERL_SRC} apply -R --check {PATCH_0001}")    # applied again
+    test_env.deploy(lab).assert_idempotent()
 
 
 def test_killed_rebuild_leaves_the_old_env_working(env_lab):
     """deploy/rebuild.py killed while pip fills the new generation: the env link, the marker
     and the env itself are as they were; the next run of the stage has nothing to do."""
     lab = env_lab
-    current = test_pyenv.link(lab, ENV)
-    marker = test_pyenv.marker(lab)
+    current = test_env.link(lab, ENV)
+    marker = test_env.marker(lab)
     nxt = f"{ENV}.gen{int(current.rsplit('gen', 1)[1]) + 1}"
     state = {"last": 0.0, "since": None}
 
@@ -710,16 +710,16 @@ def test_killed_rebuild_leaves_the_old_env_working(env_lab):
         if state["since"] is None and now - state["last"] > 1.0:
             state["last"] = now
             probe_cmd = f"ls -d {nxt}/lib/python3*/site-packages/torch 2>/dev/null"
-            if test_pyenv.ssh(lab, probe_cmd, check=False).stdout.strip():
+            if test_env.ssh(lab, probe_cmd, check=False).stdout.strip():
                 state["since"] = now
         return state["since"] is not None and now - state["since"] > 2.0
 
-    data = {"mirror_urls": {**lab.mirror_urls, "pypi": pyenv_standin.pypi_base(lab.mirror_url)},
+    data = {"mirror_urls": {**lab.mirror_urls, "pypi": env_standin.pypi_base(lab.mirror_url)},
             "catalog_overrides": lab.pyenv_overrides, "env_backend": "venv", "venv_python": "python3"}
-    killed = run(lab, ("deploy/rebuild.py",), [test_pyenv.BOX], data, trigger=filling, timeout=600)
+    killed = run(lab, ("deploy/rebuild.py",), [test_env.BOX], data, trigger=filling, timeout=600)
     assert isinstance(killed, Killed) and state["since"] is not None, "the rebuild was not caught filling its env"
-    assert lab.box(test_pyenv.BOX).exists(nxt), "no half-built generation: the kill came too late"
-    assert test_pyenv.link(lab, ENV) == current
-    assert test_pyenv.marker(lab) == marker
+    assert lab.box(test_env.BOX).exists(nxt), "no half-built generation: the kill came too late"
+    assert test_env.link(lab, ENV) == current
+    assert test_env.marker(lab) == marker
     assert health(lab)["healthy"]
-    test_pyenv.deploy(lab).assert_idempotent()
+    test_env.deploy(lab).assert_idempotent()

@@ -107,7 +107,7 @@ def test_verify_base_layout(lab, converged, name):
     assert denied.returncode != 0 and "Permission denied" in denied.stderr
 
 
-STAGES = ("cuda", "pyenv", "data", "train")
+STAGES = ("cuda", "env", "data", "train")
 PLANS = {  # what each stand-in GPU must get (tasks/plan.py decides; docs/plan.md says why)
     "p40": {"rollout": "hf", "train_dtype": "fp32"},
     "t4": {"rollout": "vllm", "train_dtype": "fp32"},
@@ -146,7 +146,7 @@ DRIFTED = {   # file -> (how it is damaged, what the stage puts back: mode, owne
     "/opt/verl-lab/train/train-launcher": ("echo '# edited by hand' >> {p}", ("750", "root", "verl")),
     "/opt/verl-lab/train/train.env": ("chmod 644 {p}", ("640", "root", "verl")),
     "/etc/systemd/system/verl-lab-train.service": ("echo '# edited' >> {p}", ("644", "root", "root")),
-    "/opt/verl-lab/pyenv/build-env.sh": ("chown verl {p}", ("755", "root", "root")),
+    "/opt/verl-lab/env-build/build-env.sh": ("chown verl {p}", ("755", "root", "root")),
     "/opt/verl-lab/patches/verl-0.5.0/0001-autocast-dtype-follows-param-dtype.diff":
         ("rm -f {p}; ln -s /etc/hostname {p}", ("644", "root", "root")),
 }

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.fixtures.standins import pyenv as standin
+from tests.fixtures.standins import env as standin
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from tasks.facts.data import FilesPresent
 from tasks.facts.files import Marker, PathStates
 from tasks.facts.gpu import NvidiaGpus
 from tasks.facts.nvidia import CudaHostCompiler
-from tasks.facts.pyenv import VerlCheckout
+from tasks.facts.env import VerlCheckout
 
 
 class Failing(FactBase):
@@ -57,7 +57,7 @@ def alone(cls, kwargs):
 
 
 def test_each_answer_is_what_the_fact_gives_alone(tmp_path):
-    marker = tmp_path / "pyenv.done"
+    marker = tmp_path / "envstage.done"
     marker.write_text("stamp=abc\ngeneration=/x.gen1\n")
     (tmp_path / "f").write_text("x")
     facts = [

@@ -53,7 +53,7 @@ EXCERPTS = {
                          "15360 MiB, the plan assumed 81559 MiB (re-run deploy/train.py to plan for this GPU)",
     "gpu-memory-short": "  FAIL  gpu memory: 15360 MiB free on a GPU, the plan's predicted peak is 40210 MiB "
                         "(another process holds GPU memory: nvidia-smi shows which)",
-    "stage-not-finished": "  FAIL  env marker: /opt/verl-lab/markers/pyenv.done missing: the Python env stage has "
+    "stage-not-finished": "  FAIL  env marker: /opt/verl-lab/markers/env.done missing: the Python env stage has "
                           "not finished on this box",
 }
 
@@ -67,7 +67,7 @@ NOT_MATCHES = {
     "driver-too-old": "driver 535.104.05 is new enough for CUDA 11.8",
     "gpu-memory-short": "  ok    gpu memory: 23000 MiB free >= predicted peak 19018 MiB",
     "plan-gpu-mismatch": "  ok    gpu: 1 x Tesla T4, 15360 MiB, driver 535.104.05",
-    "stage-not-finished": "  ok    env marker: /opt/verl-lab/markers/pyenv.done",
+    "stage-not-finished": "  ok    env marker: /opt/verl-lab/markers/env.done",
 }
 
 

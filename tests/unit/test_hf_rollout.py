@@ -4,7 +4,7 @@ sample with exactly the configured temperature/top-k/top-p.
 
 tests/fixtures/hf_rollout_probe.py runs verl's own HFRollout from a source tree made from the
 sdist, once with the patches before 0004 applied and once with the whole set, in the cached venv
-of tests/fixtures/standins/pyenv.py; every check below must fail on the first and pass on the
+of tests/fixtures/standins/env.py; every check below must fail on the first and pass on the
 second.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tasks import verl_source
-from tests.fixtures.standins import pyenv as standin
+from tests.fixtures.standins import env as standin
 
 PROBE = Path(__file__).resolve().parents[1] / "fixtures" / "hf_rollout_probe.py"
 PATCH = "0004-hf-rollout-positions-and-sampling.diff"

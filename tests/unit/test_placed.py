@@ -12,9 +12,9 @@ import pytest
 
 from tasks.facts.files import PathStates, UnitState
 from tasks.placed import differs, rendered, wanted_dir, wanted_file
-from tasks import pyenv, training
-from tests.unit import test_pyenv as pyenv_test
-from tests.unit import test_training_launcher as launcher_test
+from tasks import env as envstage, train
+from tests.unit import test_env as env_test
+from tests.unit import test_train_launcher as launcher_test
 
 
 def run_fact(fact, **kwargs):
@@ -100,16 +100,16 @@ def test_rendered_matches_pyinfra_template_rendering(tmp_path):
 def test_env_stage_asks_for_exactly_the_paths_it_places(backend):
     """The env stage's bundle asks PathStates for env_file_paths before it has a plan; place()
     would ask again for any path missing there (one command more on every run)."""
-    s = pyenv_test.settings(env_backend=backend)
-    plan = pyenv.plan_env(s, pyenv_test.gpus(), pyenv_test.BUILD)
-    wanted, condarc = pyenv.env_wanted(s, plan, None)
-    assert [w.path for w in wanted + condarc] == pyenv.env_file_paths(s)
+    s = env_test.settings(env_backend=backend)
+    plan = envstage.plan_env(s, env_test.gpus(), env_test.BUILD)
+    wanted, condarc = envstage.env_wanted(s, plan, None)
+    assert [w.path for w in wanted + condarc] == envstage.env_file_paths(s)
     assert bool(condarc) == (backend == "conda")
 
 
 def test_training_stage_asks_for_exactly_the_paths_it_places():
     s = launcher_test.settings_for()
-    assert [w.path for w in training.training_wanted(launcher_test.layout_for(s))] == training.training_paths(s)
+    assert [w.path for w in train.training_wanted(launcher_test.layout_for(s))] == train.training_paths(s)
 
 
 @pytest.mark.parametrize("lines,enabled,active", [

@@ -2,7 +2,7 @@
 it claims to, shown on CPU against the pristine 0.5.0 tree.
 
 The behaviour probes (tests/fixtures/verl_probes.py) run in a cached venv holding the CPU torch
-from /opt/wheels and verl's pinned dependencies (tests/fixtures/standins/pyenv.py: first run
+from /opt/wheels and verl's pinned dependencies (tests/fixtures/standins/env.py: first run
 about 2 minutes to build it, later runs reuse it). Patch application needs only git.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tasks import verl_source
-from tests.fixtures.standins import pyenv as standin
+from tests.fixtures.standins import env as standin
 
 PROBES = Path(__file__).resolve().parents[1] / "fixtures" / "verl_probes.py"
 

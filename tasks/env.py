@@ -8,14 +8,14 @@ Layout on the box (env_prefix = /opt/verl-lab/envs/verl by default):
     <env_prefix>.prev     symlink -> the generation before (kept until a newer one passes)
     <env_prefix>.genN/    a real env; its verl-lab-constraints.txt pins torch and verl's deps
 
-A build (files/templates/pyenv-build.sh.j2) always makes a new generation beside the current
-one, proves it with files/templates/pyenv-prove.py, and only then swaps the link (rename of a
+A build (files/templates/env-build.sh.j2) always makes a new generation beside the current
+one, proves it with files/templates/env-prove.py, and only then swaps the link (rename of a
 symlink: atomic). A failed build leaves the link where it was. The stage builds when the
 ``PythonEnv`` fact finds no env, a broken one, or one built from another plan (stamp);
 deploy/rebuild.py builds a new generation unconditionally.
 
 The first half of this module is pure planning (``plan_env`` and friends), unit-tested
-without pyinfra; ``python_env`` carries the plan out.
+without pyinfra; ``install_env`` carries the plan out.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def host_compilers(gcc_major: int | None, gcc11: bool) -> tuple[str | None, str 
 def stamp_of(data: dict) -> str:
     """What a generation was built from; a different stamp means the env must be rebuilt."""
     blob = json.dumps(data, sort_keys=True).encode()
-    for path in (REQUIREMENTS, BUILD_TOOLS, TEMPLATES / "pyenv-build.sh.j2"):
+    for path in (REQUIREMENTS, BUILD_TOOLS, TEMPLATES / "env-build.sh.j2"):
         blob += path.read_bytes()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -185,7 +185,7 @@ class EnvPlan:
 
     @property
     def expect(self) -> dict:
-        """What pyenv-prove.py checks (also the PythonEnv fact's argument)."""
+        """What env-prove.py checks (also the PythonEnv fact's argument)."""
         return {
             "torch": self.torch_version, "cuda": self.cuda, "gpu_cc": self.gpu_cc,
             "vllm": self.vllm_version if self.vllm else None,
@@ -300,8 +300,9 @@ def plan_env(settings: LabSettings, gpu: HostGpu, build: dict, overrides: tuple[
     )
 
 
-def pyenv_dir(settings: LabSettings) -> str:
-    return f"{settings.lab_root}/pyenv"
+def build_dir(settings: LabSettings) -> str:
+    """Where the env stage keeps its build script, constraints and proofs on the box."""
+    return f"{settings.lab_root}/env-build"
 
 
 def conda_bin(settings: LabSettings) -> str:
@@ -309,11 +310,11 @@ def conda_bin(settings: LabSettings) -> str:
 
 
 def build_script_context(settings: LabSettings, plan: EnvPlan, vllm_wheel: str | None) -> dict:
-    """Everything pyenv-build.sh.j2 needs; ``q`` holds the shell-quoted values."""
-    d = pyenv_dir(settings)
+    """Everything env-build.sh.j2 needs; ``q`` holds the shell-quoted values."""
+    d = build_dir(settings)
     values = {
         "env_prefix": settings.env_prefix,
-        "pyenv_dir": d,
+        "build_dir": d,
         "stamp": plan.stamp,
         "conda": conda_bin(settings),
         "python_version": plan.python_version or CONDA_PYTHON,
@@ -339,7 +340,8 @@ def build_script_context(settings: LabSettings, plan: EnvPlan, vllm_wheel: str |
         "verl_src": settings.verl_src,
         "prove": f"{d}/prove-env.py",
         "expect": json.dumps({**plan.expect, "verl_src": settings.verl_src}, sort_keys=True),
-        "marker": settings.marker("pyenv"),
+        "marker": settings.marker("env"),
+        "legacy_marker": settings.legacy_marker("env") or "",
         "marker_dir": settings.marker_dir,
     }
     q = {k: shlex.quote(str(v)) for k, v in values.items()}
@@ -397,7 +399,7 @@ from tasks.artifacts import artifact_file, box_path  # noqa: E402
 from tasks.facts.bundle import ask  # noqa: E402
 from tasks.failure import fail_host  # noqa: E402
 from tasks.facts.files import Marker, PathStates  # noqa: E402
-from tasks.facts.pyenv import BuildHost, PythonEnv, VerlCheckout  # noqa: E402
+from tasks.facts.env import BuildHost, PythonEnv, VerlCheckout  # noqa: E402
 from tasks.placed import place, rendered, wanted_dir, wanted_file  # noqa: E402
 from tasks.verl_source import box_patch_paths, checkout_done, patch_wanted, verl_source  # noqa: E402
 
@@ -419,13 +421,13 @@ def env_generation(settings: LabSettings, plan: EnvPlan, script: str, force: boo
     Build, prove and swap in a new env generation, unless the current env is healthy and
     built from this plan (then nothing; a missing marker alone is rewritten).
     """
-    marker = host.get_fact(Marker, path=settings.marker("pyenv"))
+    marker = host.get_fact(Marker, path=settings.marker("env"), legacy=settings.legacy_marker("env"))
     expect = expect_for(settings, plan)
     if not force and marker and marker.get("stamp") == plan.stamp and settings.env_health_check == "quick":
         # This env passed every proof (imports, GPU, config compose) when it was built from
         # this plan. A re-run re-checks what breaks in place without importing anything:
         # versions, every installed file against its RECORD, Apex's extension files, verl's
-        # patched source (files/templates/pyenv-prove.py, "quick"). A change of plan (a new
+        # patched source (files/templates/env-prove.py, "quick"). A change of plan (a new
         # stamp), deploy/rebuild.py and env_health_check = "full" prove everything again.
         expect = {**expect, "quick": True}
     env = host.get_fact(PythonEnv, prefix=settings.env_prefix, expect=expect)
@@ -437,10 +439,12 @@ def env_generation(settings: LabSettings, plan: EnvPlan, script: str, force: boo
         lines = [f"generation={env.get('target')}", f"stamp={plan.stamp}", f"torch={plan.torch_version}",
                  f"verl={plan.verl_version}", f"vllm={plan.vllm_version if plan.vllm else 'skipped'}",
                  f"xformers={plan.xformers_version if plan.xformers else 'skipped'}"]
-        path = settings.marker("pyenv")
+        path = settings.marker("env")
         body = "".join(f"echo {shlex.quote(line)}; " for line in lines)
+        legacy = settings.legacy_marker("env")
+        drop = f" && rm -f {shlex.quote(legacy)}" if legacy else ""
         yield StringCommand("sh", "-c", shlex.quote(f"{{ {body}}} > {shlex.quote(path)}.part && mv -f "
-                                                    f"{shlex.quote(path)}.part {shlex.quote(path)}"))
+                                                    f"{shlex.quote(path)}.part {shlex.quote(path)}{drop}"))
         return
     yield StringCommand("echo", shlex.quote(f"verl-lab: building a new env generation: {why}"))
     yield StringCommand("bash", shlex.quote(script))
@@ -449,7 +453,7 @@ def env_generation(settings: LabSettings, plan: EnvPlan, script: str, force: boo
 def env_file_paths(settings: LabSettings) -> list[str]:
     """The paths of ``env_wanted``, known before the plan is made (asked in the stage's one
     bundle; tests/unit/test_placed.py checks the two agree)."""
-    d = pyenv_dir(settings)
+    d = build_dir(settings)
     paths = [d, settings.install_tmpdir, f"{settings.box_cache}/pip", str(Path(settings.env_prefix).parent),
              *(w.path for w in patch_wanted(settings)),
              *(f"{d}/{name}" for name in ("constraints.txt", "verl-requirements.txt", "build-tools.txt",
@@ -462,18 +466,18 @@ def env_file_paths(settings: LabSettings) -> list[str]:
 def env_wanted(settings: LabSettings, plan: EnvPlan, vllm_wheel: str | None) -> tuple[list, list]:
     """The folders and files the env stage places (tasks/placed.py), and the conda box's .condarc
     (placed apart: after Miniforge, whose installer refuses an existing prefix)."""
-    d = pyenv_dir(settings)
+    d = build_dir(settings)
     wanted = [
         *(wanted_dir(path) for path in (d, settings.install_tmpdir, f"{settings.box_cache}/pip",
                                         str(Path(settings.env_prefix).parent))),
         *patch_wanted(settings),
         wanted_file(f"{d}/constraints.txt", "Env constraints",
-                    rendered(TEMPLATES / "pyenv-constraints.txt.j2", lines=list(plan.constraints))),
+                    rendered(TEMPLATES / "env-constraints.txt.j2", lines=list(plan.constraints))),
         wanted_file(f"{d}/verl-requirements.txt", "verl runtime requirements", REQUIREMENTS.read_bytes()),
         wanted_file(f"{d}/build-tools.txt", "Build tools requirements", BUILD_TOOLS.read_bytes()),
-        wanted_file(f"{d}/prove-env.py", "Env proofs", (TEMPLATES / "pyenv-prove.py").read_bytes()),
+        wanted_file(f"{d}/prove-env.py", "Env proofs", (TEMPLATES / "env-prove.py").read_bytes()),
         wanted_file(f"{d}/build-env.sh", "Env build script",
-                    rendered(TEMPLATES / "pyenv-build.sh.j2", **build_script_context(settings, plan, vllm_wheel)),
+                    rendered(TEMPLATES / "env-build.sh.j2", **build_script_context(settings, plan, vllm_wheel)),
                     mode="755"),
     ]
     condarc = []
@@ -485,7 +489,7 @@ def env_wanted(settings: LabSettings, plan: EnvPlan, vllm_wheel: str | None) -> 
 
 
 @deploy("verl-lab Python env")
-def python_env(settings: LabSettings, gpu: HostGpu, force_rebuild: bool = False):
+def install_env(settings: LabSettings, gpu: HostGpu, force_rebuild: bool = False):
     """The env stage: prerequisites, verl source, the build inputs, then env_generation.
 
     ``gpu``: the host's GPU target (tasks/target.py), decided before the stages. A re-run on a
@@ -500,19 +504,19 @@ def python_env(settings: LabSettings, gpu: HostGpu, force_rebuild: bool = False)
         (PathStates, {"paths": env_file_paths(settings)}),
         (VerlCheckout, {"path": settings.verl_src, "ref": art.ref,
                         "patches": box_patch_paths(settings, art.version)}),
-        (Marker, {"path": settings.marker("pyenv")}),
+        (Marker, {"path": settings.marker("env"), "legacy": settings.legacy_marker("env")}),
     )
     overrides, compose_note = compose_overrides(gpu, settings)
     plan = plan_env(settings, gpu, build, overrides)
     if compose_note:
         plan = replace(plan, notes=plan.notes + (compose_note,))
     for note in plan.notes:
-        host.noop(f"pyenv: {note}")
+        host.noop(f"env: {note}")
     if plan.problems:
         fail_host(name="Python env prerequisites", message="; ".join(plan.problems), stage="env")
         return
     vllm_wheel = box_path(settings, settings.catalog.artifact("vllm")) if plan.vllm else None
-    script = f"{pyenv_dir(settings)}/build-env.sh"
+    script = f"{build_dir(settings)}/build-env.sh"
     wanted, condarc = env_wanted(settings, plan, vllm_wheel)
     states = states or {}
     placed = place(wanted, states)

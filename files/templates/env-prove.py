@@ -1,6 +1,6 @@
 """verl-lab: prove a Python env (run by that env's python). Prints one JSON object.
 
-    python pyenv-prove.py '<json expectations>'
+    python env-prove.py '<json expectations>'
 
 Expectations: torch (pinned version), cuda ("11.8", or "none" for a CPU torch stand-in),
 gpu_cc ("6.1" or null), vllm (version expected, or null with vllm_skip saying why), xformers

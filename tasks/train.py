@@ -40,7 +40,7 @@ from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.plan import PlanError, TrainingPlan, Workload, make_plan, workload_for
 from tasks.target import HostGpu
-from tasks.settings import LabSettings
+from tasks.settings import TRAIN_UNIT, LabSettings
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
 LAUNCHER_TEMPLATE = TEMPLATES / "train-launcher.py.j2"
@@ -48,8 +48,7 @@ UNIT_TEMPLATE = TEMPLATES / "verl-lab-train.service.j2"
 ENV_TEMPLATE = TEMPLATES / "train.env.j2"
 MARKER_TEMPLATE = TEMPLATES / "train.done.j2"
 GPU_MODULE = Path(gpufact.__file__)
-UNIT_NAME = "verl-lab-train.service"
-UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
+UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
 
 
 def training_workload(settings: LabSettings, flash_attn_installed: bool = False) -> Workload:
@@ -117,14 +116,14 @@ class TrainingLayout:
             "env_python": s.env_python,
             "env_prefix": s.env_prefix,
             "cuda_prefix": s.cuda_prefix,
-            "env_marker": s.marker("pyenv"),
+            "env_marker": s.marker("env"),
             "data_marker": s.marker("data"),
             "data_files": [self.plan_workload_file("train_files"), self.plan_workload_file("val_files")],
             "model_dir": s.model_dir,
             "train_user": s.train_user,
             "home": self.home,
             "hf_home": f"{self.cache_dir}/huggingface",
-            "unit_name": UNIT_NAME,
+            "unit_name": TRAIN_UNIT,
             "unit_state": s.train_unit_state,
             "read_write_paths": [self.work_dir, self.checkpoint_dir, self.cache_dir, f"-{self.home}"],
         }
@@ -153,7 +152,7 @@ def training_wanted(layout: TrainingLayout) -> list:
                     mode="750", group=user),
         wanted_file(layout.env_file, "Training environment file", rendered(ENV_TEMPLATE, **values),
                     mode="640", group=user),
-        wanted_file(UNIT_PATH, f"Unit {UNIT_NAME}", rendered(UNIT_TEMPLATE, **values)),
+        wanted_file(UNIT_PATH, f"Unit {TRAIN_UNIT}", rendered(UNIT_TEMPLATE, **values)),
     ]
 
 
@@ -170,14 +169,14 @@ def _flash_attn(env_marker: dict | None) -> bool:
 
 
 @deploy("verl-lab training plan, launcher and unit")
-def install_training(settings: LabSettings, gpu: HostGpu):
+def install_train(settings: LabSettings, gpu: HostGpu):
     """Plan for the host's GPU target; launcher, env file, plan.json and the systemd unit; proofs;
     marker."""
     # one command for all this stage reads (tasks/facts/bundle.py)
     marker_path = settings.marker("train")
     env_marker, marker, states, unit = ask(
-        (Marker, {"path": settings.marker("pyenv")}), (Marker, {"path": marker_path}),
-        (PathStates, {"paths": training_paths(settings)}), (UnitState, {"unit": UNIT_NAME}))
+        (Marker, {"path": settings.marker("env"), "legacy": settings.legacy_marker("env")}), (Marker, {"path": marker_path}),
+        (PathStates, {"paths": training_paths(settings)}), (UnitState, {"unit": TRAIN_UNIT}))
     if gpu.target is None:
         fail_host(name="Training plan needs a GPU", message=gpu.problem or "no GPU target", stage="train")
         return
@@ -206,10 +205,10 @@ def install_training(settings: LabSettings, gpu: HostGpu):
     want_enabled, want_running = state != "installed", state == "started"
     unit = unit or {"enabled": False, "active": False}
     if unit_changed or unit["enabled"] != want_enabled or (want_running and not unit["active"]):
-        systemd.service(name=f"Unit {UNIT_NAME}: {state}", service=UNIT_NAME,
+        systemd.service(name=f"Unit {TRAIN_UNIT}: {state}", service=TRAIN_UNIT,
                         enabled=want_enabled, running=True if want_running else None)
     if want_running and unit_changed:
-        systemd.service(name=f"Restart {UNIT_NAME} for the changed unit", service=UNIT_NAME,
+        systemd.service(name=f"Restart {TRAIN_UNIT} for the changed unit", service=TRAIN_UNIT,
                         running=True, restarted=True)
 
     if proven:

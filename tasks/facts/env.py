@@ -1,6 +1,6 @@
 """Facts of the Python-env stage: the env's health, the verl checkout, the build host.
 
-``PythonEnv`` runs the env's own proofs (files/templates/pyenv-prove.py, sent on stdin so it
+``PythonEnv`` runs the env's own proofs (files/templates/env-prove.py, sent on stdin so it
 works before anything was uploaded) and answers what is healthy and what is broken.
 """
 
@@ -14,7 +14,7 @@ from pyinfra.api import FactBase
 
 from tasks.catalog import REPO_ROOT
 
-PROVE_SCRIPT = REPO_ROOT / "files" / "templates" / "pyenv-prove.py"
+PROVE_SCRIPT = REPO_ROOT / "files" / "templates" / "env-prove.py"
 _EOF = "VERL_LAB_PROVE_EOF"
 
 

@@ -1,7 +1,7 @@
 """The Python-env stage on lab-in-a-box hosts, a P40 box and a T4 box (venv backend; conda
-cannot be fetched here and is tested at the command level in tests/unit/test_pyenv.py).
+cannot be fetched here and is tested at the command level in tests/unit/test_env.py).
 
-Stand-ins (tests/fixtures/standins/pyenv.py): the CPU torch 2.13.0 from /opt/wheels under a
+Stand-ins (tests/fixtures/standins/env.py): the CPU torch 2.13.0 from /opt/wheels under a
 test catalog profile (torch.cuda = "none"), an Apex-shaped source tree, the real verl 0.5.0
 sdist as a git repo, the vLLM 0.8.5 cu118 wheel and the cu118 index's xformers 0.0.29.post2, all
 served by the lab mirror; verl's pinned deps (and the pinned pip) come from the real PyPI once
@@ -20,13 +20,13 @@ import time
 
 import pytest
 
-from tests.fixtures.standins import pyenv as standin
+from tests.fixtures.standins import env as standin
 from tests.lab import BoxSpec
 
 LAB_ROOT = "/opt/verl-lab"
 ENV = f"{LAB_ROOT}/envs/verl"
 PY = f"{ENV}/bin/python"
-MARKER = f"{LAB_ROOT}/markers/pyenv.done"
+MARKER = f"{LAB_ROOT}/markers/env.done"
 VERL_SRC = f"{LAB_ROOT}/src/verl"
 BOX = "envbox"
 T4_BOX = "envt4"
@@ -73,7 +73,7 @@ def marker(lab, box=BOX):
 def proofs(lab, box=BOX, **expected):
     expect = {"torch": "2.13.0", "cuda": "none", "gpu_cc": "6.1", "vllm": None, "vllm_skip": "test",
               "verl": "0.5.0", "verl_src": VERL_SRC, "compose": True, "overrides": [], **expected}
-    out = ssh(lab, f"{PY} {LAB_ROOT}/pyenv/prove-env.py '{json.dumps(expect)}'", check=False, box=box)
+    out = ssh(lab, f"{PY} {LAB_ROOT}/env-build/prove-env.py '{json.dumps(expect)}'", check=False, box=box)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -9,10 +9,10 @@ import shlex
 import jinja2
 import pytest
 
-import tasks.pyenv as pyenv
+import tasks.env as envstage
 import tasks.verl_source as verl_source
 from tasks.facts.gpu import Gpu, GpuInventory
-from tasks.facts.pyenv import parse_build_host, parse_checkout_output, parse_env_output
+from tasks.facts.env import parse_build_host, parse_checkout_output, parse_env_output
 from tasks.settings import load_settings
 from tasks.target import decide_gpu
 
@@ -31,7 +31,7 @@ def settings(**data):
 
 
 def render(name, **ctx):
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(pyenv.TEMPLATES)), keep_trailing_newline=True)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(envstage.TEMPLATES)), keep_trailing_newline=True)
     return env.get_template(name).render(**ctx)
 
 
@@ -59,7 +59,7 @@ def run_op(op, monkeypatch, module, facts, **kwargs):
     ("Tesla T4", "7.5", True), ("NVIDIA GeForce RTX 3090", "8.6", True), ("NVIDIA H200", "9.0", True),
 ])
 def test_vllm_only_from_compute_capability_7(gpu, cc, install):
-    plan = pyenv.plan_env(settings(), gpus(gpu, cc), BUILD)
+    plan = envstage.plan_env(settings(), gpus(gpu, cc), BUILD)
     assert plan.vllm is install
     assert plan.arch_list == cc
     if not install:
@@ -69,13 +69,13 @@ def test_vllm_only_from_compute_capability_7(gpu, cc, install):
 
 
 def test_vllm_skipped_without_gpu_and_arch_list_falls_back():
-    plan = pyenv.plan_env(settings(), decide_gpu(settings(), GpuInventory(problem="no nvidia-smi")), BUILD)
+    plan = envstage.plan_env(settings(), decide_gpu(settings(), GpuInventory(problem="no nvidia-smi")), BUILD)
     assert plan.vllm is False and "no usable NVIDIA GPU" in plan.vllm_reason
-    assert plan.arch_list == pyenv.NO_GPU_ARCH_LIST and plan.gpu_cc is None
+    assert plan.arch_list == envstage.NO_GPU_ARCH_LIST and plan.gpu_cc is None
 
 
 def test_torch_pins_index_and_constraints_from_catalog():
-    plan = pyenv.plan_env(settings(), gpus(), BUILD)
+    plan = envstage.plan_env(settings(), gpus(), BUILD)
     assert plan.torch_requirements == ("torch==2.6.0+cu118", "torchvision==0.21.0+cu118", "torchaudio==2.6.0+cu118")
     assert plan.torch_version == "2.6.0+cu118" and plan.cuda == "11.8"
     assert plan.torch_index == "https://download.pytorch.org/whl/cu118"
@@ -87,7 +87,7 @@ def test_torch_pins_index_and_constraints_from_catalog():
 
 
 def test_cn_profile_points_every_index_at_the_cn_mirrors():
-    plan = pyenv.plan_env(settings(mirror_profile="cn"), gpus(), BUILD)
+    plan = envstage.plan_env(settings(mirror_profile="cn"), gpus(), BUILD)
     assert plan.pypi_index == "https://pypi.tuna.tsinghua.edu.cn/simple"
     assert plan.torch_index == "https://mirror.nju.edu.cn/pytorch/whl/cu118"
     assert plan.apex_url == "https://github.com/NVIDIA/apex.git" and plan.apex_ref == "25.09"
@@ -95,38 +95,38 @@ def test_cn_profile_points_every_index_at_the_cn_mirrors():
 
 @pytest.mark.parametrize("mem_gib,cpus,jobs", [(24, 16, 6), (128, 16, 16), (3, 8, 1), (8, 1, 1), (None, None, 1)])
 def test_max_jobs_bounded_by_ram(mem_gib, cpus, jobs):
-    assert pyenv.build_jobs(mem_gib * 1024 * 1024 if mem_gib else None, cpus) == jobs
+    assert envstage.build_jobs(mem_gib * 1024 * 1024 if mem_gib else None, cpus) == jobs
 
 
 def test_compilers():
-    assert pyenv.host_compilers(12, True) == ("gcc-11", "g++-11", False)
-    assert pyenv.host_compilers(12, False) == ("gcc-11", "g++-11", True)
-    assert pyenv.host_compilers(11, False) == (None, None, False)
+    assert envstage.host_compilers(12, True) == ("gcc-11", "g++-11", False)
+    assert envstage.host_compilers(12, False) == ("gcc-11", "g++-11", True)
+    assert envstage.host_compilers(11, False) == (None, None, False)
 
 
 def test_box_problems_fail_the_box_with_a_fix():
-    no_nvcc = pyenv.plan_env(settings(), gpus(), {**BUILD, "nvcc_release": None})
+    no_nvcc = envstage.plan_env(settings(), gpus(), {**BUILD, "nvcc_release": None})
     assert any("run the CUDA stage first" in p for p in no_nvcc.problems)
-    wrong = pyenv.plan_env(settings(), gpus(), {**BUILD, "nvcc_release": "12.2"})
+    wrong = envstage.plan_env(settings(), gpus(), {**BUILD, "nvcc_release": "12.2"})
     assert any("release 12.2" in p for p in wrong.problems)
-    old = pyenv.plan_env(settings(env_backend="venv"), gpus(), {**BUILD, "python_version": "3.9"})
+    old = envstage.plan_env(settings(env_backend="venv"), gpus(), {**BUILD, "python_version": "3.9"})
     assert any("needs >= 3.10" in p for p in old.problems)
 
 
 def test_cpu_standin_profile():
     s = settings(catalog_overrides={"torch": {"requirements": ["torch==2.13.0"], "cuda": "none", "version": "2.13.0"}},
                  env_backend="venv")
-    plan = pyenv.plan_env(s, gpus(), {**BUILD, "nvcc_release": None})
+    plan = envstage.plan_env(s, gpus(), {**BUILD, "nvcc_release": None})
     assert plan.problems == ()  # no nvcc needed for the CPU stand-in
     assert plan.cuda == "none" and plan.torch_version == "2.13.0" and plan.python_version == "3.11"
     assert any("CPU stand-in" in n for n in plan.notes)
 
 
 def test_stamp_follows_the_plan():
-    a = pyenv.plan_env(settings(), gpus(), BUILD)
-    assert a.stamp == pyenv.plan_env(settings(), gpus(), {**BUILD, "conda": True}).stamp
-    assert a.stamp != pyenv.plan_env(settings(), gpus("Tesla T4", "7.5"), BUILD).stamp
-    assert a.stamp != pyenv.plan_env(settings(mirror_profile="cn"), gpus(), BUILD).stamp
+    a = envstage.plan_env(settings(), gpus(), BUILD)
+    assert a.stamp == envstage.plan_env(settings(), gpus(), {**BUILD, "conda": True}).stamp
+    assert a.stamp != envstage.plan_env(settings(), gpus("Tesla T4", "7.5"), BUILD).stamp
+    assert a.stamp != envstage.plan_env(settings(mirror_profile="cn"), gpus(), BUILD).stamp
 
 
 # ------------------------------------------------------------------ conda path commands
@@ -134,9 +134,9 @@ def test_stamp_follows_the_plan():
 def test_miniforge_install_command(monkeypatch):
     s = settings()
     installer = "/opt/verl-lab/cache/miniforge_installer/Miniforge3-25.3.0-3-Linux-x86_64.sh"
-    cmds, _ = run_op(pyenv.miniforge, monkeypatch, pyenv, {"BuildHost": BUILD}, settings=s, installer=installer)
+    cmds, _ = run_op(envstage.miniforge, monkeypatch, envstage, {"BuildHost": BUILD}, settings=s, installer=installer)
     assert cmds == [f"bash {installer} -b -p /opt/verl-lab/miniforge3"]
-    cmds, fake = run_op(pyenv.miniforge, monkeypatch, pyenv, {"BuildHost": {**BUILD, "conda": True}},
+    cmds, fake = run_op(envstage.miniforge, monkeypatch, envstage, {"BuildHost": {**BUILD, "conda": True}},
                         settings=s, installer=installer)
     assert cmds == [] and "already" in fake.noops[0]
 
@@ -155,12 +155,12 @@ def test_condarc_from_mirror_profile(profile, base):
 
 
 def _build_script(s, plan, wheel=None):
-    return render("pyenv-build.sh.j2", **pyenv.build_script_context(s, plan, wheel))
+    return render("env-build.sh.j2", **envstage.build_script_context(s, plan, wheel))
 
 
 def test_conda_env_create_and_pip_commands():
     s = settings()
-    plan = pyenv.plan_env(s, gpus("Tesla T4", "7.5"), BUILD)
+    plan = envstage.plan_env(s, gpus("Tesla T4", "7.5"), BUILD)
     text = _build_script(s, plan, "/opt/verl-lab/cache/vllm/vllm-0.8.5+cu118-cp38-abi3-manylinux1_x86_64.whl")
     assert ("/opt/verl-lab/miniforge3/bin/conda create -y -q -p \"$GEN\" --override-channels -c conda-forge"
             " python=3.10") in text
@@ -181,13 +181,13 @@ def test_conda_env_create_and_pip_commands():
     # order: the env's pip, build tools, torch, Apex, verl deps, vLLM, verl; proofs before the swap, marker last
     assert "PIP_PIN=pip==25.1.1 MIN_PIP=23.1" in text
     order = [text.index(k) for k in ("conda create", 'pip_install "$PIP_PIN"', "pip_new_enough \"$pip_now\"",
-                                     "pip_install -r /opt/verl-lab/pyenv/build-tools.txt", "pip_install torch==",
+                                     "pip_install -r /opt/verl-lab/env-build/build-tools.txt", "pip_install torch==",
                                      "pip install -v --no-build-isolation",
-                                     "pip_install -r /opt/verl-lab/pyenv/verl-requirements.txt",
+                                     "pip_install -r /opt/verl-lab/env-build/verl-requirements.txt",
                                      "pip_install --no-deps --index-url https://download.pytorch.org/whl/cu118 xformers",
                                      "pip_install /opt/verl-lab/cache/vllm", "pip_install --no-deps -e",
                                      "verl-lab-proof.json", "mv -T \"$PREFIX.link-new\" \"$PREFIX\"",
-                                     "/opt/verl-lab/markers/pyenv.done.part")]
+                                     "/opt/verl-lab/markers/env.done.part")]
     assert order == sorted(order)
 
 
@@ -207,7 +207,7 @@ def test_vllm_boxes_get_the_cu118_xformers_before_vllm(gpu, cc, engine, profile,
     install keeps it. 7.x boxes run vLLM's V0 engine, whose attention is xformers; 8.0+ boxes run
     V1, which does not use it, and get the same build (vLLM requires it on every box)."""
     s = settings(mirror_profile=profile)
-    plan = pyenv.plan_env(s, gpus(gpu, cc), BUILD)
+    plan = envstage.plan_env(s, gpus(gpu, cc), BUILD)
     assert plan.xformers and plan.xformers_version == "0.0.29.post2" and plan.xformers_index == index
     assert f"{engine} engine" in plan.xformers_reason
     assert "xformers==0.0.29.post2" in plan.constraints
@@ -215,14 +215,14 @@ def test_vllm_boxes_get_the_cu118_xformers_before_vllm(gpu, cc, engine, profile,
     text = _build_script(s, plan, VLLM_WHEEL)
     line = XFORMERS.format(index=index)
     assert line in text
-    assert text.index("pip_install -r /opt/verl-lab/pyenv/verl-requirements.txt") < text.index(line)
+    assert text.index("pip_install -r /opt/verl-lab/env-build/verl-requirements.txt") < text.index(line)
     assert text.index(line) < text.index(f"pip_install {VLLM_WHEEL}")
     assert "echo xformers=0.0.29.post2" in text
 
 
 def test_no_vllm_no_xformers():
     s = settings()
-    plan = pyenv.plan_env(s, gpus(), BUILD)                     # a P40
+    plan = envstage.plan_env(s, gpus(), BUILD)                     # a P40
     assert not plan.xformers and "no vLLM" in plan.xformers_reason
     assert not any(c.startswith("xformers") for c in plan.constraints)
     assert plan.expect["xformers"] is None and plan.expect["xformers_skip"]
@@ -232,7 +232,7 @@ def test_no_vllm_no_xformers():
 
 def test_cn_profile_build_script_and_vllm_skip_message():
     s = settings(mirror_profile="cn")
-    plan = pyenv.plan_env(s, gpus(), BUILD)
+    plan = envstage.plan_env(s, gpus(), BUILD)
     text = _build_script(s, plan)
     assert "export PIP_INDEX_URL=https://pypi.tuna.tsinghua.edu.cn/simple" in text
     assert "export PIP_EXTRA_INDEX_URL=https://mirror.nju.edu.cn/pytorch/whl/cu118" in text
@@ -242,7 +242,7 @@ def test_cn_profile_build_script_and_vllm_skip_message():
 
 def test_venv_backend_script():
     s = settings(env_backend="venv", venv_python="/usr/bin/python3")
-    text = _build_script(s, pyenv.plan_env(s, gpus(), BUILD))
+    text = _build_script(s, envstage.plan_env(s, gpus(), BUILD))
     assert "/usr/bin/python3 -m venv \"$GEN\"" in text and "conda create" not in text
     # the venv's bundled pip (22.0.2 on Ubuntu 22.04) is replaced before the Apex build needs it
     assert text.index('pip_install "$PIP_PIN"') < text.index('--config-settings "--build-option=--cpp_ext"')
@@ -251,12 +251,12 @@ def test_venv_backend_script():
 def test_a_pip_pin_below_23_1_is_refused(tmp_path):
     old = tmp_path / "build-tools.txt"
     old.write_text("pip==23.0.1\nsetuptools==80.9.0\n")
-    with pytest.raises(pyenv.EnvPlanError, match="pip==23.0.1.*need pip >= 23.1"):
-        pyenv.env_pip_version(old)
+    with pytest.raises(envstage.EnvPlanError, match="pip==23.0.1.*need pip >= 23.1"):
+        envstage.env_pip_version(old)
     old.write_text("setuptools==80.9.0\n")
-    with pytest.raises(pyenv.EnvPlanError, match="pin no pip=="):
-        pyenv.env_pip_version(old)
-    assert pyenv.env_pip_version() == "25.1.1"
+    with pytest.raises(envstage.EnvPlanError, match="pin no pip=="):
+        envstage.env_pip_version(old)
+    assert envstage.env_pip_version() == "25.1.1"
 
 
 # ------------------------------------------------------------------ verl source ops
@@ -299,16 +299,16 @@ def test_fact_parsers():
 
 
 def test_env_decision():
-    plan = pyenv.plan_env(settings(), gpus(), BUILD)
+    plan = envstage.plan_env(settings(), gpus(), BUILD)
     healthy = {"present": True, "healthy": True, "stamp": plan.stamp, "target": "verl.gen1", "broken": [], "checks": {}}
-    assert pyenv.env_decision(healthy, plan, {"stamp": plan.stamp})[0] == "ok"
-    assert pyenv.env_decision(healthy, plan, None)[0] == "marker"
-    assert pyenv.env_decision(healthy, plan, {"stamp": plan.stamp}, force=True)[0] == "build"
-    assert pyenv.env_decision({**healthy, "stamp": "old"}, plan, {"stamp": plan.stamp})[0] == "build"
+    assert envstage.env_decision(healthy, plan, {"stamp": plan.stamp})[0] == "ok"
+    assert envstage.env_decision(healthy, plan, None)[0] == "marker"
+    assert envstage.env_decision(healthy, plan, {"stamp": plan.stamp}, force=True)[0] == "build"
+    assert envstage.env_decision({**healthy, "stamp": "old"}, plan, {"stamp": plan.stamp})[0] == "build"
     broken = {**healthy, "healthy": False, "broken": ["torch"], "checks": {"torch": {"ok": False, "detail": "gone"}}}
-    action, why = pyenv.env_decision(broken, plan, {"stamp": plan.stamp})
+    action, why = envstage.env_decision(broken, plan, {"stamp": plan.stamp})
     assert action == "build" and "torch: gone" in why
-    assert pyenv.env_decision({"present": False}, plan, None)[0] == "build"
+    assert envstage.env_decision({"present": False}, plan, None)[0] == "build"
 
 
 def test_catalog_torch_cuda_is_overridable():

@@ -2,7 +2,7 @@
 (Ubuntu 22.04's `python3 -m venv` brings pip 22.0.2), so the build script brings it to the pin
 in files/requirements/build-tools.txt first. Run against a real venv holding pip 22.0.2.
 
-The pip wheels come from PyPI once into the test cache (tests/fixtures/standins/pyenv.py,
+The pip wheels come from PyPI once into the test cache (tests/fixtures/standins/env.py,
 ``pip_wheel``); the build script then installs from a PEP 503 index of them on disk.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import jinja2
 import pytest
 
-import tasks.pyenv as pyenv
-from tests.fixtures.standins import pyenv as standin
-from tests.unit.test_pyenv import BUILD, gpus, settings
+import tasks.env as envstage
+from tests.fixtures.standins import env as standin
+from tests.unit.test_env import BUILD, gpus, settings
 
 OLD_PIP = "22.0.2"          # Ubuntu 22.04's python3-pip-whl, what its `python3 -m venv` installs
 SECTION = re.compile(r"^# pip \(begin\).*?^# pip \(end\)$", re.S | re.M)
@@ -87,9 +87,9 @@ def config_settings_call(python: Path, project: Path, record: Path) -> subproces
 
 
 def build_tools_pip() -> str:
-    lines = pyenv.requirement_lines(pyenv.BUILD_TOOLS)
+    lines = envstage.requirement_lines(envstage.BUILD_TOOLS)
     pins = [line.partition("==")[2] for line in lines if line.partition("==")[0].strip().lower() == "pip"]
-    assert pins, f"{pyenv.BUILD_TOOLS} pins no pip==<version>"
+    assert pins, f"{envstage.BUILD_TOOLS} pins no pip==<version>"
     return pins[0]
 
 
@@ -98,14 +98,14 @@ def pip_section(tmp: Path, pypi: Path) -> tuple[str, Path]:
     (placed where the stage places it)."""
     s = settings(env_backend="venv", lab_root=str(tmp / "lab"), env_prefix=str(tmp / "lab" / "envs" / "verl"),
                  mirror_urls={"pypi": pypi.as_uri(), "pytorch": (tmp / "no-torch-index").as_uri()})
-    plan = pyenv.plan_env(s, gpus(), BUILD)
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(pyenv.TEMPLATES)), keep_trailing_newline=True)
-    script = env.get_template("pyenv-build.sh.j2").render(**pyenv.build_script_context(s, plan, None))
+    plan = envstage.plan_env(s, gpus(), BUILD)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(envstage.TEMPLATES)), keep_trailing_newline=True)
+    script = env.get_template("env-build.sh.j2").render(**envstage.build_script_context(s, plan, None))
     found = SECTION.search(script)
     assert found, "the build script has no '# pip (begin)' ... '# pip (end)' part"
-    constraints = Path(pyenv.pyenv_dir(s)) / "constraints.txt"
+    constraints = Path(envstage.build_dir(s)) / "constraints.txt"
     constraints.parent.mkdir(parents=True)
-    constraints.write_text(env.get_template("pyenv-constraints.txt.j2").render(lines=list(plan.constraints)))
+    constraints.write_text(env.get_template("env-constraints.txt.j2").render(lines=list(plan.constraints)))
     return found.group(0), constraints
 
 
@@ -156,5 +156,5 @@ def test_pip_that_cannot_be_brought_up_fails_the_build_naming_its_version(old_ve
 
 def test_build_tools_pin_a_pip_with_repeatable_config_settings():
     assert tuple(int(x) for x in build_tools_pip().split(".")[:2]) >= (23, 1)
-    plan = pyenv.plan_env(settings(), gpus(), BUILD)
+    plan = envstage.plan_env(settings(), gpus(), BUILD)
     assert f"pip=={build_tools_pip()}" in plan.constraints

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +18,11 @@ from pathlib import Path
 import pytest
 from pyinfra.api.util import get_template
 
-from tasks import training
+from tasks import train as train_stage
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.settings import SettingsError, load_settings
 from tasks.target import decide_gpu
-from tasks.training import TrainingLayout, training_workload
+from tasks.train import TrainingLayout, training_workload
 from tasks.plan import make_plan
 
 T4_SMI = "0, Tesla T4, 7.5, 15360, 15102, 535.104.05"
@@ -88,7 +86,7 @@ def render(template: Path, values: dict) -> str:
 
 def test_unit_and_env_file():
     lay = layout_for(settings_for())
-    unit = render(training.UNIT_TEMPLATE, lay.values())
+    unit = render(train_stage.UNIT_TEMPLATE, lay.values())
     for line in ("User=verl", "Group=verl", "Restart=on-failure", "RestartSec=30", "NoNewPrivileges=yes",
                  "ProtectSystem=strict", "PrivateTmp=yes", "ProtectHome=yes", "StandardOutput=journal",
                  "EnvironmentFile=/opt/verl-lab/train/train.env",
@@ -100,20 +98,20 @@ def test_unit_and_env_file():
     # GPU access stays possible: nothing hides /dev/nvidia*
     for forbidden in ("PrivateDevices=", "DevicePolicy=", "MemoryDenyWriteExecute="):
         assert not any(line.startswith(forbidden) for line in unit.splitlines())
-    env = dict(line.split("=", 1) for line in render(training.ENV_TEMPLATE, lay.values()).splitlines()
+    env = dict(line.split("=", 1) for line in render(train_stage.ENV_TEMPLATE, lay.values()).splitlines()
                if line and not line.startswith("#"))
     assert env["CUDA_HOME"] == "/usr/local/cuda-11.8"
     assert env["PATH"].startswith("/opt/verl-lab/envs/verl/bin:")
     assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == "1"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env      # T4: vLLM rollout, sleep mode
     p40 = layout_for(settings_for(), GpuInventory(gpus=(Gpu(0, "Tesla P40", "6.1", 24576, 24400, "535.104.05"),)))
-    env40 = render(training.ENV_TEMPLATE, p40.values())
+    env40 = render(train_stage.ENV_TEMPLATE, p40.values())
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env40.splitlines()
 
 
 def test_launcher_is_python_with_reasons_beside_overrides():
     lay = layout_for(settings_for())
-    text = render(training.LAUNCHER_TEMPLATE, lay.values())
+    text = render(train_stage.LAUNCHER_TEMPLATE, lay.values())
     ast.parse(text)
     lines = text.splitlines()
     start = lines.index("OVERRIDES = [")
@@ -137,11 +135,11 @@ def box(tmp_path):
     for d in (train, Path(lay.work_dir), Path(lay.checkpoint_dir), Path(s.marker_dir)):
         d.mkdir(parents=True, exist_ok=True)
     (train / "plan.json").write_text(lay.plan_json())
-    shutil.copy(training.GPU_MODULE, train / "verl_lab_gpu.py")
+    shutil.copy(train_stage.GPU_MODULE, train / "verl_lab_gpu.py")
     launcher = train / "train-launcher"
-    launcher.write_text(render(training.LAUNCHER_TEMPLATE, lay.values()))
+    launcher.write_text(render(train_stage.LAUNCHER_TEMPLATE, lay.values()))
     launcher.chmod(0o755)
-    (train / "train.env").write_text(render(training.ENV_TEMPLATE, lay.values()))
+    (train / "train.env").write_text(render(train_stage.ENV_TEMPLATE, lay.values()))
     bindir = tmp_path / "bin"
     bindir.mkdir()
     smi = bindir / "nvidia-smi"
@@ -175,7 +173,7 @@ def make_env(box, torch_cuda: bool):
     py.parent.mkdir(parents=True)
     py.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
     py.chmod(0o755)
-    Path(s.marker("pyenv")).write_text("stage=pyenv\n")
+    Path(s.marker("env")).write_text("stage=env\n")
 
 
 def make_data(box):

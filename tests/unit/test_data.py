@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import hfdata, hfsnapshot
+from tasks import data as data_stage, hfsnapshot
 from tasks.hfsnapshot import RepoSpec, SnapshotError
 from tasks.settings import SettingsError, load_settings
 from tests.fixtures.standins.hf_endpoint import (DATASET_REPO, MODEL_REPO, HfEndpoint, StandinRepo,
@@ -44,7 +44,7 @@ def settings_for_endpoint(ep: HfEndpoint, tmp_path: Path, **extra):
 
 
 def plan_for(ep, tmp_path, **extra):
-    return hfdata.data_plan(settings_for_endpoint(ep, tmp_path, **extra))
+    return data_stage.data_plan(settings_for_endpoint(ep, tmp_path, **extra))
 
 
 def test_plan_from_settings(endpoint, tmp_path):
@@ -64,7 +64,7 @@ def test_plan_from_settings(endpoint, tmp_path):
 
 
 def test_plan_of_the_real_catalog():
-    plan = hfdata.data_plan(load_settings("box1", {"mirror_profile": "cn"}))
+    plan = data_stage.data_plan(load_settings("box1", {"mirror_profile": "cn"}))
     assert plan.endpoint == "https://hf-mirror.com"
     assert plan.rows == {"train": 7473, "test": 1319, "val_small": 64}
     assert plan.model.files["model.safetensors"]["size"] == 988097824
@@ -75,20 +75,20 @@ def test_plan_refuses_moving_revisions_and_wrong_kinds(endpoint, tmp_path):
     over = catalog_overrides(endpoint)
     over["qwen_model"]["revision"] = "main"
     with pytest.raises(SettingsError, match=r"catalog_overrides.qwen_model.revision.*not a 40-digit commit"):
-        hfdata.data_plan(load_settings("box1", {"catalog_overrides": over}))
+        data_stage.data_plan(load_settings("box1", {"catalog_overrides": over}))
     with pytest.raises(SettingsError, match=r"model_artifact: artifact 'gsm8k' is of kind 'hf-dataset'"):
-        hfdata.data_plan(load_settings("box1", {"model_artifact": "gsm8k"}))
+        data_stage.data_plan(load_settings("box1", {"model_artifact": "gsm8k"}))
     over = catalog_overrides(endpoint)
     over["gsm8k"]["files"] = {"data/other.parquet": {"size": 3}}
     with pytest.raises(SettingsError, match="cannot tell which file is the train split"):
-        hfdata.data_plan(load_settings("box1", {"catalog_overrides": over}))
+        data_stage.data_plan(load_settings("box1", {"catalog_overrides": over}))
 
 
 def test_controller_fetch_verifies_and_then_needs_no_network(endpoint, tmp_path):
     settings = settings_for_endpoint(endpoint, tmp_path)
-    plan = hfdata.data_plan(settings)
-    mdir = hfdata.controller_snapshot(settings, plan.model, plan.endpoint)
-    ddir = hfdata.controller_snapshot(settings, plan.dataset, plan.endpoint)
+    plan = data_stage.data_plan(settings)
+    mdir = data_stage.controller_snapshot(settings, plan.model, plan.endpoint)
+    ddir = data_stage.controller_snapshot(settings, plan.dataset, plan.endpoint)
     model = endpoint.repos[("model", MODEL_REPO)]
     names = sorted(p.relative_to(mdir).as_posix() for p in mdir.rglob("*") if p.is_file())
     assert names == ["LICENSE", "README.md", "config.json", "generation_config.json", "merges.txt",
@@ -104,7 +104,7 @@ def test_controller_fetch_verifies_and_then_needs_no_network(endpoint, tmp_path)
     before = len(endpoint.requests)
     endpoint.set_fault("down")
     try:
-        assert hfdata.controller_snapshot(settings, plan.model, plan.endpoint) == mdir
+        assert data_stage.controller_snapshot(settings, plan.model, plan.endpoint) == mdir
     finally:
         endpoint.clear_fault()
     assert len(endpoint.requests) == before
@@ -183,7 +183,7 @@ def test_token_is_sent_but_never_shown(tmp_path):
     secret = "hf_TESTTOKEN_do_not_print_0123456789"
     with HfEndpoint(standard_repos(token=secret)) as ep:
         settings = settings_for_endpoint(ep, tmp_path)
-        plan = hfdata.data_plan(settings)
+        plan = data_stage.data_plan(settings)
         with pytest.raises(SnapshotError, match=r"no such repo \(or it is private\).*hf_token_file") as err:
             hfsnapshot.fetch(plan.dataset, tmp_path / "d0", ep.url, progress=False)
         assert secret not in str(err.value)
@@ -191,8 +191,8 @@ def test_token_is_sent_but_never_shown(tmp_path):
         token_file.write_text(secret + "\n")
         token_file.chmod(0o600)
         settings = settings_for_endpoint(ep, tmp_path, hf_token_file=str(token_file))
-        assert hfdata.hf_token(settings) == secret
-        ddir = hfdata.controller_snapshot(settings, plan.dataset, plan.endpoint)
+        assert data_stage.hf_token(settings) == secret
+        ddir = data_stage.controller_snapshot(settings, plan.dataset, plan.endpoint)
         assert hfsnapshot.prove(plan.dataset, ddir)["files"] == 2
         assert all(s.authorized for s in ep.requests[-4:])
         # the box-side command line (direct mode) reads the token from a file, never from argv
@@ -212,8 +212,8 @@ def test_token_is_sent_but_never_shown(tmp_path):
 
 def test_relay_install_checks_every_pushed_file(endpoint, tmp_path):
     settings = settings_for_endpoint(endpoint, tmp_path)
-    plan = hfdata.data_plan(settings)
-    local = hfdata.controller_snapshot(settings, plan.model, plan.endpoint)
+    plan = data_stage.data_plan(settings)
+    local = data_stage.controller_snapshot(settings, plan.model, plan.endpoint)
     manifest = hfsnapshot.read_stamp(local)["files"]
     staging = tmp_path / "box" / "model.staging"
     shutil.copytree(local, staging)

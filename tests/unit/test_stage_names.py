@@ -1,0 +1,65 @@
+"""One name per stage: deploy/<stage>.py runs tasks/<stage>.py's install_<stage>, whose proofs end
+in the marker markers/<stage>.done. A box provisioned when the env stage was called "pyenv" keeps
+its proven env: the marker under the old name is read when the new one is missing."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tasks.facts.files import Marker
+from tasks.settings import LEGACY_STAGE_NAMES, load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+STAGES = ("cuda", "env", "data", "train")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_deploy_file_module_and_operation_share_the_stage_name(stage):
+    module = importlib.import_module(f"tasks.{stage}")
+    assert callable(getattr(module, f"install_{stage}")), f"tasks/{stage}.py has no install_{stage}"
+    tree = ast.parse((REPO / "deploy" / f"{stage}.py").read_text())
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert f"install_{stage}" in called
+    full = {n.func.id for n in ast.walk(ast.parse((REPO / "deploy" / "full.py").read_text()))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert f"install_{stage}" in full
+
+
+def test_no_stage_module_keeps_an_old_name():
+    for old in ("pyenv", "hfdata", "training"):
+        assert not (REPO / "tasks" / f"{old}.py").exists()
+        assert not (REPO / "tasks" / "facts" / f"{old}.py").exists()
+
+
+def _read_marker(tmp_path, path, legacy=None):
+    out = subprocess.run(["sh", "-c", Marker().command(path, legacy)], capture_output=True, text=True, check=True)
+    return Marker().process(out.stdout.splitlines())
+
+
+def test_env_marker_falls_back_to_the_old_name_only_when_missing(tmp_path):
+    s = load_settings("box1", {"lab_root": str(tmp_path)})
+    assert LEGACY_STAGE_NAMES == {"env": "pyenv"}
+    new, old = s.marker("env"), s.legacy_marker("env")
+    assert new.endswith("/markers/env.done") and old.endswith("/markers/pyenv.done")
+    assert s.legacy_marker("cuda") is None
+    Path(new).parent.mkdir(parents=True)
+    assert _read_marker(tmp_path, new, old) is None
+    Path(old).write_text("stamp=old\n")
+    assert _read_marker(tmp_path, new, old) == {"stamp": "old"}
+    assert _read_marker(tmp_path, new) is None                  # without the fallback: missing
+    Path(new).write_text("stamp=new\n")
+    assert _read_marker(tmp_path, new, old) == {"stamp": "new"}
+
+
+def test_env_build_replaces_the_old_marker_after_writing_its_own():
+    from tests.unit import test_env as env_test
+
+    s = env_test.settings()
+    text = env_test._build_script(s, env_test.envstage.plan_env(s, env_test.gpus(), env_test.BUILD))
+    write = text.index(f"mv -f {s.marker('env')}.part {s.marker('env')}")
+    assert text.index(f"rm -f {s.legacy_marker('env')}") > write
