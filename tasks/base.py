@@ -1,35 +1,41 @@
 """Stage 0: the box-side layout every later stage writes into, and the training user; and the
-host's GPU target (tasks/target.py), read in the same command and returned to the stages."""
+host's target (tasks/target.py: its GPU, and the host compiler nvcc 11.8 and Apex's build use),
+read in the same command, returned to the stages; gcc-11 installed here where the box needs it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pyinfra import host
 from pyinfra.api import deploy
-from pyinfra.operations import server
+from pyinfra.facts.server import LinuxDistribution
+from pyinfra.operations import apt, server
 
 from tasks.facts.bundle import ask
 from tasks.facts.files import PasswdEntry, PathStates
 from tasks.facts.gpu import NvidiaGpus
+from tasks.facts.nvidia import CudaHostCompiler
 from tasks.placed import place, wanted_dir
 from tasks.settings import LabSettings
-from tasks.target import HostGpu, decide_gpu
+from tasks.target import HOST_COMPILER_PACKAGES, HostTarget, decide_compiler, decide_gpu
 
 SHELL = "/usr/sbin/nologin"
 
 
 @deploy("verl-lab base layout")
-def base_layout(settings: LabSettings) -> HostGpu:
+def base_layout(settings: LabSettings) -> HostTarget:
     """Create lab_root with its markers/ and cache/ folders, and the unprivileged training user;
-    return the host's GPU target for the stages after it.
+    return the host's target (GPU, host compiler) for the stages after it.
 
-    One command decides (the user's passwd entry, the folders' modes, the GPUs and driver): a
-    re-run on a box that is as it should be issues no operation at all.
+    One command decides (the user's passwd entry, the folders' modes, the GPUs and driver, the
+    distro and its gcc): a re-run on a box that is as it should be issues no operation at all.
     """
     home = f"{settings.lab_root}/home"
     dirs = [wanted_dir(settings.lab_root), wanted_dir(settings.marker_dir),
             wanted_dir(settings.box_cache, mode="750")]
-    states, entry, gpus = ask((PathStates, {"paths": [home] + [d.path for d in dirs]}),
-                              (PasswdEntry, {"user": settings.train_user}), (NvidiaGpus, {}))
+    states, entry, gpus, distro, gcc = ask((PathStates, {"paths": [home] + [d.path for d in dirs]}),
+                                           (PasswdEntry, {"user": settings.train_user}), (NvidiaGpus, {}),
+                                           (LinuxDistribution, {}), (CudaHostCompiler, {}))
     home_state = (states or {}).get(home)
     if (entry and entry["uid"] != 0 and entry["home"] == home and entry["shell"] == SHELL
             and home_state and home_state.get("kind") == "dir" and home_state.get("user") == settings.train_user):
@@ -44,4 +50,9 @@ def base_layout(settings: LabSettings) -> HostGpu:
             create_home=True,
         )
     place(dirs, states or {})
-    return decide_gpu(settings, gpus)
+    compiler = decide_compiler((distro or {}).get("release_meta") or {}, gcc)
+    if compiler.install:
+        apt.update(name="apt update (for gcc-11, the newest gcc nvcc 11.8 accepts)")
+        apt.packages(name=f"Host compiler for nvcc 11.8 and the Apex build: {compiler.reason}",
+                     packages=list(HOST_COMPILER_PACKAGES), no_recommends=True)
+    return replace(decide_gpu(settings, gpus), compiler=compiler)

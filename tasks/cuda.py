@@ -32,7 +32,7 @@ from typing import Mapping
 from pyinfra import host
 from pyinfra.api import deploy
 from pyinfra.facts.server import LinuxDistribution
-from pyinfra.operations import apt, files, server
+from pyinfra.operations import files, server
 
 from tasks.artifacts import artifact_file, box_path
 from tasks.failure import fail_host
@@ -42,23 +42,17 @@ from tasks.facts.files import Marker, VerifiedArtifact
 from tasks.facts.nvidia import (
     CUDA_LINK,
     IN_PROGRESS,
-    CudaHostCompiler,
     CudaToolkits,
     version_tuple,
 )
-from tasks.target import HostGpu
+from tasks.target import DISTRO_DEFAULT_GCC, HostCompiler, HostTarget
 from tasks.settings import LabSettings
 
 RUNFILE = "cuda_runfile"
 CUDNN = "cudnn_archive"
 TEMPLATE = Path(__file__).resolve().parent.parent / "files" / "templates" / "cuda-install.sh.j2"
 
-SUPPORTED_DISTROS = {
-    ("debian", "11"): 10, ("debian", "12"): 12,
-    ("ubuntu", "20.04"): 9, ("ubuntu", "22.04"): 11, ("ubuntu", "24.04"): 13,
-}  # (ID, VERSION_ID) from /etc/os-release -> the distro's default gcc major
-NVCC_MAX_GCC = 11          # nvcc 11.8 rejects gcc > 11
-HOST_COMPILER_PACKAGES = ("gcc-11", "g++-11")
+SUPPORTED_DISTROS = DISTRO_DEFAULT_GCC     # the distros the runfile is run on
 TMPDIR_NEED_MIB = 10240
 PREFIX_NEED_MIB = 8192
 INSTALLER_TMP_LOG = "/tmp/cuda-installer.log"   # stale copies crash the runfile
@@ -132,7 +126,7 @@ class CudaFacts:
     driver: Mapping | None                    # tasks.facts.gpu.driver_view of the host's GPU fact
     toolkits: Mapping                         # CudaToolkits
     disk: Mapping[str, Mapping | None]        # path -> FreeDisk
-    compiler: Mapping[str, str | None]        # CudaHostCompiler
+    compiler: HostCompiler                    # decided once for the host (tasks/target.py)
     marker: Mapping[str, str] | None          # Marker(settings.marker("cuda"))
     cached: frozenset = frozenset()           # artifact names already verified in the box cache
 
@@ -142,7 +136,6 @@ class CudaPlan:
     action: str                               # refuse | done | adopt | install
     reason: str
     problems: tuple[str, ...] = ()
-    install_compiler: bool = False
     host_cc: str = "gcc"
     host_cxx: str = "g++"
     fetch: tuple[str, ...] = ()               # catalog artifacts to put in the box cache
@@ -242,18 +235,6 @@ def check_disk(want: CudaWant, disk: Mapping[str, Mapping | None], cached: froze
     return None
 
 
-def host_compiler(os_release: Mapping[str, str], compiler: Mapping[str, str | None]) -> tuple[bool, bool]:
-    """(gcc-11 is needed, gcc-11/g++-11 must be installed)."""
-    gcc = compiler.get("gcc")
-    if gcc:
-        major = version_tuple(gcc.split("-")[0])[0]
-    else:
-        major = SUPPORTED_DISTROS.get((os_release.get("ID"), os_release.get("VERSION_ID")), NVCC_MAX_GCC + 1)
-    needed = major > NVCC_MAX_GCC
-    have = bool(compiler.get("gcc-11") and compiler.get("g++-11"))
-    return needed, needed and not have
-
-
 # ---------------------------------------------------------------- the plan (pure)
 
 
@@ -285,10 +266,7 @@ def plan_cuda(want: CudaWant, facts: CudaFacts) -> CudaPlan:
         check_prefix(want.prefix),
     ) if p]
 
-    needed, install_compiler = host_compiler(facts.os_release, facts.compiler)
-    cc, cxx = ((facts.compiler.get("gcc-11") or "/usr/bin/gcc-11", facts.compiler.get("g++-11") or "/usr/bin/g++-11")
-               if needed else ("gcc", "g++"))
-    common = dict(install_compiler=install_compiler, host_cc=cc, host_cxx=cxx)
+    common = dict(host_cc=facts.compiler.cc, host_cxx=facts.compiler.cxx)
 
     tk = (facts.toolkits.get("toolkits") or {}).get(want.prefix)
     nvcc = (tk or {}).get("nvcc") or {}
@@ -370,14 +348,13 @@ def refusal_text(host_name: str, problems: tuple[str, ...]) -> str:
 # ---------------------------------------------------------------- pyinfra
 
 
-def gather_facts(settings: LabSettings, want: CudaWant, gpu: HostGpu) -> CudaFacts:
+def gather_facts(settings: LabSettings, want: CudaWant, gpu: HostTarget) -> CudaFacts:
     """The box's facts for plan_cuda, in one command (tasks/facts/bundle.py); the driver comes
     from the host's GPU fact, read once before the stages (tasks/target.py). Free disk and the
     cached archives matter only to an install: a box whose toolkit is installed and marked is
     not asked for them."""
-    distro, toolkits, marker, compiler = ask(
-        (LinuxDistribution, {}), (CudaToolkits, {"prefixes": [want.prefix]}), (Marker, {"path": want.marker}),
-        (CudaHostCompiler, {}))
+    distro, toolkits, marker = ask(
+        (LinuxDistribution, {}), (CudaToolkits, {"prefixes": [want.prefix]}), (Marker, {"path": want.marker}))
     driver = gpu.driver
     distro, toolkits = distro or {}, toolkits or {}
     cached, disk = set(), {}
@@ -393,14 +370,14 @@ def gather_facts(settings: LabSettings, want: CudaWant, gpu: HostGpu) -> CudaFac
         driver=driver,
         toolkits=toolkits,
         disk=disk,
-        compiler=compiler or {},
+        compiler=gpu.compiler,
         marker=marker,
         cached=frozenset(cached),
     )
 
 
 @deploy("CUDA 11.8 toolkit and cuDNN 8.9.7")
-def install_cuda(settings: LabSettings, gpu: HostGpu):
+def install_cuda(settings: LabSettings, gpu: HostTarget):
     """Install CUDA 11.8 (toolkit only) and cuDNN 8.9.7 into settings.cuda_prefix, side by side."""
     want = cuda_want(settings)
     plan = plan_cuda(want, gather_facts(settings, want, gpu))
@@ -409,11 +386,6 @@ def install_cuda(settings: LabSettings, gpu: HostGpu):
         fail_host(name=f"CUDA {want.cuda_release} pre-checks failed (nothing changed)",
                   message=refusal_text(settings.host, plan.problems))
         return
-
-    if plan.install_compiler:
-        apt.update(name="apt update (for gcc-11, the newest gcc nvcc 11.8 accepts)")
-        apt.packages(name="Host compiler for nvcc 11.8: gcc-11, g++-11",
-                     packages=list(HOST_COMPILER_PACKAGES), no_recommends=True)
 
     if plan.action == "done":
         host.noop(plan.reason)

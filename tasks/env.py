@@ -30,7 +30,7 @@ from pathlib import Path
 from tasks.catalog import REPO_ROOT
 from tasks.facts.gpu import parse_compute_capability
 from tasks.settings import LabSettings
-from tasks.target import HostGpu
+from tasks.target import HostTarget
 
 REQUIREMENTS = REPO_ROOT / "files" / "requirements" / "verl-0.5.0.txt"
 BUILD_TOOLS = REPO_ROOT / "files" / "requirements" / "build-tools.txt"
@@ -135,13 +135,6 @@ def build_jobs(mem_total_kib: int | None, cpus: int | None) -> int:
     return max(1, min(by_ram, cpus or 1))
 
 
-def host_compilers(gcc_major: int | None, gcc11: bool) -> tuple[str | None, str | None, bool]:
-    """(CC, CXX, need_gcc11_packages): nvcc 11.8 rejects gcc > 11, so use gcc-11 there."""
-    if gcc_major is not None and gcc_major <= 11:
-        return None, None, False
-    return "gcc-11", "g++-11", not gcc11
-
-
 def stamp_of(data: dict) -> str:
     """What a generation was built from; a different stamp means the env must be rebuilt."""
     blob = json.dumps(data, sort_keys=True).encode()
@@ -167,7 +160,6 @@ class EnvPlan:
     max_jobs: int
     cc: str | None
     cxx: str | None
-    need_gcc11: bool
     gpu_cc: str | None
     vllm: bool
     vllm_reason: str
@@ -204,7 +196,7 @@ class EnvPlan:
         return stamp_of(data)
 
 
-def compose_overrides(gpu: HostGpu, settings: LabSettings) -> tuple[tuple[str, ...], str | None]:
+def compose_overrides(gpu: HostTarget, settings: LabSettings) -> tuple[tuple[str, ...], str | None]:
     """The host's own training plan's overrides for the compose proof (its settings, its GPU
     target), and a note when there is no plan to compose (then verl's config is composed bare)."""
     from tasks.plan import PlanError, plan_overrides_for_host
@@ -218,7 +210,7 @@ def compose_overrides(gpu: HostGpu, settings: LabSettings) -> tuple[tuple[str, .
                     "checks verl's config without a plan")
 
 
-def plan_env(settings: LabSettings, gpu: HostGpu, build: dict, overrides: tuple[str, ...] = ()) -> EnvPlan:
+def plan_env(settings: LabSettings, gpu: HostTarget, build: dict, overrides: tuple[str, ...] = ()) -> EnvPlan:
     """Decide the env for one box from its settings, its GPU target (tasks/target.py: the box's
     GPUs or its gpu_override) and its BuildHost fact."""
     cat = settings.catalog
@@ -239,7 +231,8 @@ def plan_env(settings: LabSettings, gpu: HostGpu, build: dict, overrides: tuple[
     xformers_reqs = list(xformers.get("requirements") or [])
     xformers_version = pinned_version(xformers_reqs, "xformers", "the xformers artifact's requirements")
     want_xformers, xformers_why = xformers_decision(want_vllm, gpu_cc)
-    cc, cxx, need_gcc11 = host_compilers(build.get("gcc_major"), build.get("gcc11", False))
+    # the host compiler is decided once for the host (tasks/target.py; the base stage installs gcc-11)
+    cc, cxx = (gpu.compiler.cc, gpu.compiler.cxx) if gpu.compiler.needed else (None, None)
     problems, notes = [], []
     if settings.env_backend == "venv":
         version = build.get("python_version")
@@ -282,7 +275,6 @@ def plan_env(settings: LabSettings, gpu: HostGpu, build: dict, overrides: tuple[
         max_jobs=build_jobs(build.get("mem_total_kib"), build.get("cpus")),
         cc=cc,
         cxx=cxx,
-        need_gcc11=need_gcc11,
         gpu_cc=gpu_cc,
         vllm=want_vllm,
         vllm_reason=why,
@@ -489,7 +481,7 @@ def env_wanted(settings: LabSettings, plan: EnvPlan, vllm_wheel: str | None) -> 
 
 
 @deploy("verl-lab Python env")
-def install_env(settings: LabSettings, gpu: HostGpu, force_rebuild: bool = False):
+def install_env(settings: LabSettings, gpu: HostTarget, force_rebuild: bool = False):
     """The env stage: prerequisites, verl source, the build inputs, then env_generation.
 
     ``gpu``: the host's GPU target (tasks/target.py), decided before the stages. A re-run on a
@@ -522,8 +514,6 @@ def install_env(settings: LabSettings, gpu: HostGpu, force_rebuild: bool = False
     placed = place(wanted, states)
 
     packages = []
-    if plan.need_gcc11:
-        packages += ["gcc-11", "g++-11"]
     if settings.env_backend == "venv" and not build["python_headers"]:
         packages += [f"python{plan.python_version}-dev"]
     if packages:

@@ -1,33 +1,79 @@
-"""The GPU target of a host: decided once, before any stage, and read by every stage that
-depends on it (the CUDA stage's driver check, the env stage's vLLM/xformers/Apex choices and its
-compose proof, the training plan).
+"""The target of a host: its GPU and its host compiler, decided once, before any stage, and read
+by every stage that depends on them (the CUDA stage's driver check and nvcc's host compiler, the
+env stage's vLLM/xformers/Apex choices, its Apex build compiler and its compose proof, the
+training plan).
 
 It comes from the box's one GPU fact (``tasks.facts.gpu.NvidiaGpus``: GPUs and driver in one
 command) or, where host data sets ``gpu_override``, from that (a build box without a GPU, or a
-box whose nvidia-smi cannot tell). ``decide_gpu`` is pure; ``read_gpu`` asks the fact; the base
-stage asks it in its own bundle (tasks/base.py) so a whole deploy reads the GPUs once.
+box whose nvidia-smi cannot tell). The host compiler comes from the box's default gcc
+(``CudaHostCompiler``, or the distro's default where gcc is missing): nvcc 11.8 accepts gcc <= 11,
+so a newer default gets gcc-11/g++-11, installed once by the base stage. ``decide_gpu`` and
+``decide_compiler`` are pure; the base stage asks both facts in its own bundle (tasks/base.py),
+so a whole deploy reads them once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from tasks.facts.gpu import GpuInventory, driver_view
 from tasks.plan import GpuTarget, PlanError
 from tasks.settings import LabSettings
+from tasks.facts.nvidia import version_tuple
+
+DISTRO_DEFAULT_GCC = {
+    ("debian", "11"): 10, ("debian", "12"): 12,
+    ("ubuntu", "20.04"): 9, ("ubuntu", "22.04"): 11, ("ubuntu", "24.04"): 13,
+}  # (ID, VERSION_ID) from /etc/os-release -> the distro's default gcc major (the supported distros)
+NVCC_MAX_GCC = 11          # nvcc 11.8 rejects gcc > 11
+HOST_COMPILER_PACKAGES = ("gcc-11", "g++-11")
 
 OVERRIDE_HINT = ('set host data gpu_override = {"name": ..., "compute_capability": ..., "memory_mib": ..., '
                  '"count": 1}')
 
 
 @dataclass(frozen=True)
-class HostGpu:
-    """What a host's stages plan for."""
+class HostCompiler:
+    """The C/C++ compiler nvcc 11.8 (``-ccbin``) and Apex's CUDA build use on this host."""
+
+    cc: str
+    cxx: str
+    needed: bool                 # the default gcc is too new for nvcc 11.8: gcc-11 is used
+    install: bool                # ...and gcc-11/g++-11 are not there yet (the base stage installs them)
+    reason: str
+
+
+DEFAULT_COMPILER = HostCompiler("gcc", "g++", False, False, "the default gcc")
+
+
+def decide_compiler(os_release: Mapping[str, str], compiler: Mapping[str, str | None] | None) -> HostCompiler:
+    """``compiler``: the ``CudaHostCompiler`` fact (default gcc version, paths of gcc-11/g++-11)."""
+    compiler = compiler or {}
+    gcc = compiler.get("gcc")
+    if gcc:
+        major, seen = version_tuple(gcc.split("-")[0])[0], f"gcc {gcc}"
+    else:
+        major = DISTRO_DEFAULT_GCC.get((os_release.get("ID"), os_release.get("VERSION_ID")), NVCC_MAX_GCC + 1)
+        seen = f"no gcc yet (the distro's default: gcc {major})"
+    if major <= NVCC_MAX_GCC:
+        return HostCompiler("gcc", "g++", False, False, f"{seen}: nvcc 11.8 accepts it")
+    have = bool(compiler.get("gcc-11") and compiler.get("g++-11"))
+    return HostCompiler(compiler.get("gcc-11") or "/usr/bin/gcc-11", compiler.get("g++-11") or "/usr/bin/g++-11",
+                        True, not have,
+                        f"{seen} is newer than nvcc 11.8 accepts (<= {NVCC_MAX_GCC}): gcc-11/g++-11"
+                        + ("" if have else ", installed by the base stage"))
+
+
+@dataclass(frozen=True)
+class HostTarget:
+    """What a host's stages plan for: its GPU target and its host compiler."""
 
     inventory: GpuInventory             # what the box's nvidia-smi said (also without an override)
     target: GpuTarget | None            # None: nothing to plan for (``problem`` says why)
     source: str                         # "nvidia-smi" | "gpu_override" | "none"
     problem: str | None = None
+    compiler: HostCompiler = DEFAULT_COMPILER
 
     @property
     def compute_capability(self) -> str | None:
@@ -39,24 +85,14 @@ class HostGpu:
         return driver_view(self.inventory)
 
 
-def decide_gpu(settings: LabSettings, inventory: GpuInventory | None) -> HostGpu:
+def decide_gpu(settings: LabSettings, inventory: GpuInventory | None) -> HostTarget:
     inventory = inventory or GpuInventory(problem="the GPU fact returned nothing")
     if settings.gpu_override:
         o = settings.gpu_override
-        return HostGpu(inventory, GpuTarget(o["name"], o["compute_capability"], o["memory_mib"], o.get("count", 1)),
+        return HostTarget(inventory, GpuTarget(o["name"], o["compute_capability"], o["memory_mib"], o.get("count", 1)),
                        "gpu_override")
     try:
-        return HostGpu(inventory, GpuTarget.from_inventory(inventory), "nvidia-smi")
+        return HostTarget(inventory, GpuTarget.from_inventory(inventory), "nvidia-smi")
     except PlanError as exc:
-        return HostGpu(inventory, None, "none",
+        return HostTarget(inventory, None, "none",
                        f"{exc}. Nothing to plan for on this box; to plan for a GPU it does not have, {OVERRIDE_HINT}")
-
-
-def read_gpu(settings: LabSettings) -> HostGpu:
-    """Ask this host's GPU fact (one command) and decide its target: for a deploy that does not
-    start with the base stage (deploy/cuda.py)."""
-    from pyinfra import host
-
-    from tasks.facts.gpu import NvidiaGpus
-
-    return decide_gpu(settings, host.get_fact(NvidiaGpus))

@@ -39,7 +39,7 @@ from tasks.facts.bundle import ask
 from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.plan import PlanError, TrainingPlan, Workload, make_plan, workload_for
-from tasks.target import HostGpu
+from tasks.target import HostTarget
 from tasks.settings import TRAIN_UNIT, LabSettings
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
@@ -169,7 +169,7 @@ def _flash_attn(env_marker: dict | None) -> bool:
 
 
 @deploy("verl-lab training plan, launcher and unit")
-def install_train(settings: LabSettings, gpu: HostGpu):
+def install_train(settings: LabSettings, gpu: HostTarget):
     """Plan for the host's GPU target; launcher, env file, plan.json and the systemd unit; proofs;
     marker."""
     # one command for all this stage reads (tasks/facts/bundle.py)

@@ -127,8 +127,6 @@ def parse_build_host(lines: list[str]) -> dict:
     return {
         "mem_total_kib": num("mem_kib"),
         "cpus": num("cpus"),
-        "gcc_major": num("gcc_major"),
-        "gcc11": head.get("gcc11") == "1",
         "python_version": head.get("python") or None,
         "python_headers": head.get("python_h") == "1",
         "conda": head.get("conda") == "1",
@@ -137,9 +135,10 @@ def parse_build_host(lines: list[str]) -> dict:
 
 
 class BuildHost(FactBase):
-    """What the env build needs from the box: RAM, CPUs, compilers, Python, conda, nvcc.
+    """What the env build needs from the box: RAM, CPUs, Python, conda, nvcc (the host compiler
+    is the host target's, tasks/target.py).
 
-    Returns ``{"mem_total_kib", "cpus", "gcc_major", "gcc11", "python_version",
+    Returns ``{"mem_total_kib", "cpus", "python_version",
     "python_headers", "conda", "nvcc_release"}`` (python_*: the venv interpreter's).
     """
 
@@ -152,8 +151,6 @@ class BuildHost(FactBase):
         return "; ".join([
             "echo mem_kib=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)",
             "echo cpus=$(nproc)",
-            "echo gcc_major=$(gcc -dumpversion 2>/dev/null | cut -d. -f1)",
-            "if command -v gcc-11 >/dev/null 2>&1 && command -v g++-11 >/dev/null 2>&1; then echo gcc11=1; fi",
             f"{py} -c {shlex.quote(probe)} 2>/dev/null || true",
             f"if [ -x {conda} ]; then echo conda=1; fi",
             f"if [ -x {nvcc} ]; then echo nvcc=$({nvcc} --version | sed -n 's/.*release \\([0-9.]*\\).*/\\1/p'); fi",

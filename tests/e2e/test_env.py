@@ -92,7 +92,7 @@ def test_converge_builds_a_proven_env(lab):
     assert p["checks"]["gpu"]["detail"].startswith("skipped: CPU torch stand-in")
     # Apex: the stand-in's extensions were built with this box's arch, the bounded jobs and gcc-11
     info = ssh(lab, f"cd / && {PY} -c 'import amp_C, fused_layer_norm_cuda, apex_C; print(amp_C.build_info())'").stdout
-    assert "cpp_ext=1;cuda_ext=1" in info and "TORCH_CUDA_ARCH_LIST=6.1" in info and "CC=gcc-11" in info
+    assert "cpp_ext=1;cuda_ext=1" in info and "TORCH_CUDA_ARCH_LIST=6.1" in info and "CC=/usr/bin/gcc-11" in info
     assert "MAX_JOBS=" + m["max_jobs"] in info
     # the constraints file pins torch for every later install
     constraints = ssh(lab, f"cat {ENV}/verl-lab-constraints.txt").stdout

@@ -10,6 +10,7 @@ from tasks.cuda import CudaFacts, cuda_want, plan_cuda
 from tasks.facts.disk import FreeDisk
 from tasks.facts.gpu import NvidiaGpus, driver_view
 from tasks.facts.nvidia import CudaHostCompiler, CudaToolkits
+from tasks.target import decide_compiler
 from tasks.settings import load_settings
 
 H200_DRIVER = """\
@@ -110,11 +111,11 @@ def test_plan_for_the_real_h200_box():
         driver=driver_view(NvidiaGpus().process(lines(H200_DRIVER))),
         toolkits=CudaToolkits().process(lines(H200_TOOLKITS)),
         disk={want.tmpdir: disk, want.prefix: disk, want.box_cache: disk},
-        compiler=CudaHostCompiler().process(lines(H200_COMPILER)),
+        compiler=decide_compiler(H200_OS_RELEASE, CudaHostCompiler().process(lines(H200_COMPILER))),
         marker=None,
     )
     plan = plan_cuda(want, facts)
     # driver 580 >= 520.61.05, Hopper is not limited to branch <= 580, 65 GB free > 23.4 GB needed;
     # gcc 13 is too new for nvcc 11.8, so gcc-11/g++-11 get installed
     assert plan.action == "install" and not plan.problems
-    assert plan.install_compiler and plan.host_cc == "/usr/bin/gcc-11"
+    assert facts.compiler.install and plan.host_cc == "/usr/bin/gcc-11"

@@ -10,6 +10,7 @@ import pytest
 from tasks import cuda
 from tasks.cuda import CudaFacts, cuda_want, plan_cuda, runfile_command, script_values
 from tasks.settings import load_settings
+from tasks.target import decide_compiler
 
 BOOKWORM = {"ID": "debian", "VERSION_ID": "12", "PRETTY_NAME": "Debian GNU/Linux 12 (bookworm)"}
 JAMMY = {"ID": "ubuntu", "VERSION_ID": "22.04", "PRETTY_NAME": "Ubuntu 22.04.4 LTS"}
@@ -34,7 +35,7 @@ def facts(**changes) -> CudaFacts:
     base = CudaFacts(
         os_release=BOOKWORM, driver=P40, toolkits={"link": None, "toolkits": {}},
         disk={w.tmpdir: ROOMY, w.prefix: ROOMY, w.box_cache: ROOMY},
-        compiler=GCC12_WITH_11, marker=None,
+        compiler=decide_compiler(BOOKWORM, GCC12_WITH_11), marker=None,
     )
     return dataclasses.replace(base, **changes)
 
@@ -217,28 +218,12 @@ def test_other_toolkits_do_not_matter():
 # ---------------------------------------------------------------- host compiler
 
 
-def test_gcc12_gets_gcc11_installed():
-    plan = plan_cuda(want(), facts(compiler=GCC12))
-    assert plan.install_compiler and plan.host_cc == "/usr/bin/gcc-11" and plan.host_cxx == "/usr/bin/g++-11"
-
-
-def test_gcc11_present_is_not_reinstalled():
-    plan = plan_cuda(want(), facts(compiler=GCC12_WITH_11))
-    assert not plan.install_compiler and plan.host_cc == "/usr/bin/gcc-11"
-
-
-def test_default_gcc_old_enough():
-    plan = plan_cuda(want(), facts(os_release=JAMMY, compiler={"gcc": "11.4.0", "gcc-11": None, "g++-11": None}))
-    assert not plan.install_compiler and plan.host_cc == "gcc"
-
-
-def test_no_gcc_decides_by_distro_default():
-    nogcc = {"gcc": None, "gcc-11": None, "g++-11": None}
-    assert plan_cuda(want(), facts(compiler=nogcc)).install_compiler           # Debian 12: gcc 12
-    noble = {"ID": "ubuntu", "VERSION_ID": "24.04"}
-    assert plan_cuda(want(), facts(os_release=noble, compiler=nogcc)).install_compiler
-    focal = {"ID": "ubuntu", "VERSION_ID": "20.04"}
-    assert not plan_cuda(want(), facts(os_release=focal, compiler=nogcc)).install_compiler
+def test_nvcc_gets_the_host_targets_compiler():
+    """The compiler is decided once for the host (tests/unit/test_target.py); the plan passes it on."""
+    plan = plan_cuda(want(), facts(compiler=decide_compiler(BOOKWORM, GCC12)))
+    assert plan.host_cc == "/usr/bin/gcc-11" and plan.host_cxx == "/usr/bin/g++-11"
+    jammy = decide_compiler(JAMMY, {"gcc": "11.4.0", "gcc-11": None, "g++-11": None})
+    assert plan_cuda(want(), facts(os_release=JAMMY, compiler=jammy)).host_cc == "gcc"
 
 
 # ---------------------------------------------------------------- commands

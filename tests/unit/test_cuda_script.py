@@ -20,6 +20,7 @@ from pyinfra.api.util import get_template
 from tasks import cuda
 from tasks.cuda import CudaFacts, cuda_want, plan_cuda, script_values
 from tasks.facts.nvidia import IN_PROGRESS
+from tasks.target import decide_compiler
 from tasks.settings import load_settings
 from tests.fixtures.standins import cuda as standin
 
@@ -45,7 +46,7 @@ class Rig:
 
     def render(self, action: str = "install") -> Path:
         facts = CudaFacts(os_release={"ID": "debian", "VERSION_ID": "12"}, driver=None,
-                          toolkits={"link": None, "toolkits": {}}, disk={}, compiler={"gcc": "10.2.1"},
+                          toolkits={"link": None, "toolkits": {}}, disk={}, compiler=decide_compiler({}, {"gcc": "10.2.1"}),
                           marker=None, cached=frozenset({"cuda_runfile", "cudnn_archive"}))
         plan = plan_cuda(dataclasses.replace(self.want, allow_no_driver=True), facts)
         plan = dataclasses.replace(plan, action=action)

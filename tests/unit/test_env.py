@@ -5,6 +5,7 @@ the fact parsers, and the build/keep decision."""
 from __future__ import annotations
 
 import shlex
+from dataclasses import replace
 
 import jinja2
 import pytest
@@ -14,16 +15,21 @@ import tasks.verl_source as verl_source
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.facts.env import parse_build_host, parse_checkout_output, parse_env_output
 from tasks.settings import load_settings
-from tasks.target import decide_gpu
+from tasks.target import decide_compiler, decide_gpu
 
-BUILD = {"mem_total_kib": 24 * 1024 * 1024, "cpus": 16, "gcc_major": 12, "gcc11": True,
+BUILD = {"mem_total_kib": 24 * 1024 * 1024, "cpus": 16,
          "python_version": "3.11", "python_headers": True, "conda": False, "nvcc_release": "11.8"}
 
 
+DEBIAN12_GCC = decide_compiler({"ID": "debian", "VERSION_ID": "12"},
+                               {"gcc": "12.2.0", "gcc-11": "/usr/bin/gcc-11", "g++-11": "/usr/bin/g++-11"})
+
+
 def gpus(name="Tesla P40", cc="6.1", count=1):
-    """The host's GPU target (tasks/target.py) of a box with these GPUs."""
-    return decide_gpu(load_settings("box1", {}),
-                      GpuInventory(gpus=tuple(Gpu(i, name, cc, 24576, 24000, "535.104.05") for i in range(count))))
+    """The host's target (tasks/target.py) of a Debian 12 box (gcc 12, gcc-11 there) with these GPUs."""
+    return replace(decide_gpu(load_settings("box1", {}),
+                              GpuInventory(gpus=tuple(Gpu(i, name, cc, 24576, 24000, "535.104.05") for i in range(count)))),
+                   compiler=DEBIAN12_GCC)
 
 
 def settings(**data):
@@ -98,12 +104,6 @@ def test_max_jobs_bounded_by_ram(mem_gib, cpus, jobs):
     assert envstage.build_jobs(mem_gib * 1024 * 1024 if mem_gib else None, cpus) == jobs
 
 
-def test_compilers():
-    assert envstage.host_compilers(12, True) == ("gcc-11", "g++-11", False)
-    assert envstage.host_compilers(12, False) == ("gcc-11", "g++-11", True)
-    assert envstage.host_compilers(11, False) == (None, None, False)
-
-
 def test_box_problems_fail_the_box_with_a_fix():
     no_nvcc = envstage.plan_env(settings(), gpus(), {**BUILD, "nvcc_release": None})
     assert any("run the CUDA stage first" in p for p in no_nvcc.problems)
@@ -170,7 +170,7 @@ def test_conda_env_create_and_pip_commands():
     assert "export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cu118" in text
     assert "pip_install torch==2.6.0+cu118 torchvision==0.21.0+cu118 torchaudio==2.6.0+cu118" in text
     assert "export TORCH_CUDA_ARCH_LIST=7.5 MAX_JOBS=6" in text
-    assert "export CC=gcc-11 CXX=g++-11" in text
+    assert "export CC=/usr/bin/gcc-11 CXX=/usr/bin/g++-11" in text
     assert "export CUDA_HOME=/usr/local/cuda-11.8 PATH=/usr/local/cuda-11.8/bin:$PATH" in text
     assert ('--config-settings "--build-option=--cpp_ext" --config-settings "--build-option=--cuda_ext" .'
             in text)
@@ -294,8 +294,9 @@ def test_fact_parsers():
     assert parse_checkout_output(["exists=0"]) is None
     co = parse_checkout_output(["exists=1", "head=abc", "tag=abc", "patch:0001-x.diff=applied", "patch:0002-y.diff=conflict"])
     assert co["at_ref"] and co["patches"] == {"0001-x.diff": "applied", "0002-y.diff": "conflict"}
-    bh = parse_build_host(["mem_kib=24000000", "cpus=2", "gcc_major=12", "gcc11=1", "python=3.11", "python_h=0"])
-    assert bh["cpus"] == 2 and bh["gcc11"] and not bh["python_headers"] and bh["nvcc_release"] is None
+    bh = parse_build_host(["mem_kib=24000000", "cpus=2", "python=3.11", "python_h=0"])
+    assert bh["cpus"] == 2 and not bh["python_headers"] and bh["nvcc_release"] is None
+    assert "gcc" not in " ".join(bh)              # the host compiler is the host target's
 
 
 def test_env_decision():

@@ -1,13 +1,15 @@
-"""One GPU target per host (tasks/target.py), read by every stage that depends on the GPU: the
+"""One target per host (tasks/target.py: GPU and host compiler), read by every stage that depends on it: the
 env stage's vLLM choice and compose proof agree with the training plan, also under gpu_override."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import tasks.env as envstage
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.plan import make_plan
 from tasks.settings import load_settings
-from tasks.target import decide_gpu
+from tasks.target import decide_compiler, decide_gpu
 from tasks.train import training_workload
 from tests.unit.test_env import BUILD
 
@@ -49,3 +51,43 @@ def test_compose_proof_says_when_there_is_no_plan():
     assert overrides == () and "no training plan" in note and "short by" in note
     overrides, note = envstage.compose_overrides(decide_gpu(settings, GpuInventory(problem="no nvidia-smi")), settings)
     assert overrides == () and "no GPU target" in note
+
+
+# ---------------------------------------------------------------- the host compiler, decided once
+
+GCC = {"gcc": None, "gcc-11": None, "g++-11": None}
+BOOKWORM = {"ID": "debian", "VERSION_ID": "12"}
+
+
+def test_a_gcc_newer_than_nvcc_accepts_gets_gcc11_installed_once():
+    c = decide_compiler(BOOKWORM, {**GCC, "gcc": "12.2.0"})
+    assert (c.cc, c.cxx, c.needed, c.install) == ("/usr/bin/gcc-11", "/usr/bin/g++-11", True, True)
+    assert "gcc 12.2.0" in c.reason and "installed by the base stage" in c.reason
+
+
+def test_gcc11_already_there_is_used_not_reinstalled():
+    c = decide_compiler(BOOKWORM, {"gcc": "12.2.0", "gcc-11": "/opt/gcc11/bin/gcc-11", "g++-11": "/opt/gcc11/bin/g++-11"})
+    assert (c.cc, c.needed, c.install) == ("/opt/gcc11/bin/gcc-11", True, False)
+    half = decide_compiler(BOOKWORM, {"gcc": "12.2.0", "gcc-11": "/usr/bin/gcc-11", "g++-11": None})
+    assert half.install                               # g++-11 missing: both packages are installed
+
+
+def test_a_default_gcc_nvcc_accepts_is_kept():
+    c = decide_compiler({"ID": "ubuntu", "VERSION_ID": "22.04"}, {**GCC, "gcc": "11.4.0"})
+    assert (c.cc, c.cxx, c.needed, c.install) == ("gcc", "g++", False, False)
+
+
+def test_no_gcc_decides_by_the_distros_default():
+    assert decide_compiler(BOOKWORM, GCC).install                                   # Debian 12: gcc 12
+    assert decide_compiler({"ID": "ubuntu", "VERSION_ID": "24.04"}, GCC).install    # gcc 13
+    assert not decide_compiler({"ID": "ubuntu", "VERSION_ID": "20.04"}, GCC).needed  # gcc 9
+    assert decide_compiler({"ID": "arch"}, None).install                             # unknown: assume too new
+
+
+def test_the_env_builds_apex_with_the_host_targets_compiler():
+    settings = load_settings("box1", {})
+    gpu = replace(decide_gpu(settings, P40_BOX), compiler=decide_compiler(BOOKWORM, {**GCC, "gcc": "12.2.0"}))
+    env = envstage.plan_env(settings, gpu, BUILD)
+    assert (env.cc, env.cxx) == ("/usr/bin/gcc-11", "/usr/bin/g++-11")
+    plain = envstage.plan_env(settings, decide_gpu(settings, P40_BOX), BUILD)     # the default: gcc
+    assert (plain.cc, plain.cxx) == (None, None)
