@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
 PHASE_ORDER = ("generate_sequences", "compute_log_prob", "compute_values", "update_critic", "update_actor")
 PLAN_PHASE = {"generate_sequences": "phase_rollout", "compute_log_prob": "phase_actor_logprob",
               "compute_values": "phase_critic_values", "update_critic": "phase_critic_update",
@@ -39,21 +37,11 @@ PLAN_PHASE = {"generate_sequences": "phase_rollout", "compute_log_prob": "phase_
 
 
 def parse_steps(console: str) -> dict[int, dict[str, float]]:
-    steps: dict[int, dict[str, float]] = {}
-    for line in console.splitlines():
-        m = STEP_LINE.search(line)
-        if not m:
-            continue
-        metrics = {}
-        for part in m.group(2).split(" - "):
-            key, _, value = part.partition(":")
-            value = re.sub(r"^np\.\w+\((.*)\)$", r"\1", value.strip())   # np.float64(0.0) -> 0.0
-            try:
-                metrics[key.strip()] = float(value)
-            except ValueError:
-                continue
-        steps[int(m.group(1))] = metrics
-    return steps
+    """verl's per-step metrics, read by the product's own log reader (tasks/status.py)."""
+    sys.path.insert(0, str(REPO))
+    from tasks.status import parse_log
+
+    return {s["step"]: s["metrics"] for s in parse_log(console).steps}
 
 
 def read_probe(folder: Path) -> list[dict]:

@@ -1,0 +1,194 @@
+"""How a training run is doing, read from verl 0.5.0's console output (as the training unit's
+journal or a saved log holds it). Runs on the controller; standard library only.
+
+    python -m tasks.status [--json] LOGFILE
+
+verl's trainer prints one line per PPO step, ``step:N - key:value - key:value ...``, through Ray
+(``(TaskRunner pid=...)`` prefixes, ANSI colour codes) and with numpy values written as
+``np.float64(...)``; the journal adds its own ``Mon DD HH:MM:SS host unit[pid]:`` prefix. The
+progress bar line (``Training Progress: 40%|... | 2/5``) gives the run's total steps.
+
+``--json`` prints ``{"steps": [{"step": N, "metrics": {"<verl metric name>": value}}], "total_steps",
+"summary", "problems"}`` with verl's own metric names (``timing_s/step``, ``critic/score/mean``).
+A cut or garbled log gives a clear message and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+STEP = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
+PROGRESS = re.compile(r"Training Progress:.*?\|\s*(\d+)/(\d+)\s*\[")
+NUMPY_VALUE = re.compile(r"^np\.\w+\((.*)\)$")
+SCORE = "critic/score/mean"
+STEP_SECONDS = "timing_s/step"
+TESTING_SECONDS = "timing_s/testing"
+RESPONSE_LENGTH = "response_length/mean"
+VALIDATION_PREFIX = "val-core/"
+PEAK_GB = "perf/max_memory_allocated_gb"
+
+
+@dataclass
+class RunLog:
+    steps: list[dict] = field(default_factory=list)          # [{"step": N, "metrics": {...}}], by step
+    total_steps: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+    def latest(self, key: str) -> tuple[int, float] | None:
+        for s in reversed(self.steps):
+            if key in s["metrics"]:
+                return s["step"], s["metrics"][key]
+        return None
+
+    def validation(self) -> tuple[int, dict[str, float]] | None:
+        for s in reversed(self.steps):
+            val = {k: v for k, v in s["metrics"].items() if k.startswith(VALIDATION_PREFIX)}
+            if val:
+                return s["step"], val
+        return None
+
+    def seconds_per_step(self) -> float | None:
+        """Mean training seconds of the steps after the first (it warms up), less validation."""
+        timed = [s["metrics"][STEP_SECONDS] - s["metrics"].get(TESTING_SECONDS, 0.0)
+                 for s in self.steps if STEP_SECONDS in s["metrics"]]
+        later = timed[1:] or timed
+        return sum(later) / len(later) if later else None
+
+    def summary(self) -> dict:
+        done = self.steps[-1]["step"] if self.steps else 0
+        sps = self.seconds_per_step()
+        score, val, peak = self.latest(SCORE), self.validation(), self.latest(PEAK_GB)
+        left = (self.total_steps - done) if self.total_steps else None
+        return {
+            "step": done, "total_steps": self.total_steps,
+            "score": score[1] if score else None,
+            "validation": val[1] if val else None, "validation_step": val[0] if val else None,
+            "seconds_per_step": round(sps, 2) if sps is not None else None,
+            "eta_s": round(left * sps) if left is not None and sps is not None else None,
+            "response_length": (self.latest(RESPONSE_LENGTH) or (None, None))[1],
+            "peak_allocated_gb": peak[1] if peak else None,
+        }
+
+
+def _value(text: str) -> float | None:
+    text = NUMPY_VALUE.sub(r"\1", text.strip())
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _json_safe(value):
+    """JSON has no NaN or infinity (verl may log them, e.g. a grad norm): those become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def parse_step_metrics(body: str) -> tuple[dict[str, float], bool]:
+    """The ``key:value`` pairs of one step line; (metrics, whether the line looks cut)."""
+    metrics: dict[str, float] = {}
+    parts = body.split(" - ")
+    cut = False
+    for i, part in enumerate(parts):
+        key, sep, value = part.partition(":")
+        v = _value(value) if sep else None
+        if v is None or not key.strip():
+            cut = cut or i == len(parts) - 1           # only the last pair may be half written
+            continue
+        metrics[key.strip()] = v
+    return metrics, cut
+
+
+def parse_log(text: str) -> RunLog:
+    run = RunLog()
+    by_step: dict[int, dict[str, float]] = {}
+    lines = text.splitlines()
+    unfinished = bool(text) and not text.endswith("\n")       # the writer stopped inside the last line
+    for n, raw in enumerate(lines, 1):
+        line = ANSI.sub("", raw)
+        m = STEP.search(line)
+        if m:
+            body = m.group(2)
+            if unfinished and n == len(lines):
+                body = body.rsplit(" - ", 1)[0] + " - <cut>"      # its last value may be half a number
+            metrics, cut = parse_step_metrics(body)
+            if cut:
+                run.problems.append(f"line {n}: step {m.group(1)}'s metrics end mid-value (a cut log?); "
+                                    f"kept the {len(metrics)} complete ones")
+            if not metrics:
+                run.problems.append(f"line {n}: step {m.group(1)} has no readable metric")
+                continue
+            by_step.setdefault(int(m.group(1)), {}).update(metrics)
+            continue
+        for done, total in PROGRESS.findall(line):
+            run.total_steps = int(total)
+    run.steps = [{"step": k, "metrics": by_step[k]} for k in sorted(by_step)]
+    return run
+
+
+def read_log(path: Path) -> RunLog:
+    """The log's text as the journal or a file holds it; bytes that are not UTF-8 are replaced
+    (and counted as a problem), never fatal."""
+    data = path.read_bytes()
+    text = data.decode("utf-8", errors="replace")
+    run = parse_log(text)
+    bad = text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
+    if bad:
+        run.problems.insert(0, f"{bad} bytes that are not UTF-8 (a garbled log?)")
+    return run
+
+
+def render(run: RunLog, name: str) -> str:
+    s = run.summary()
+    total = f"/{s['total_steps']}" if s["total_steps"] else ""
+
+    def fmt(v, unit=""):
+        return "-" if v is None else (f"{v:.4g}{unit}" if isinstance(v, float) else f"{v}{unit}")
+
+    val = ", ".join(f"{k[len(VALIDATION_PREFIX):]} {fmt(v)}" for k, v in (s["validation"] or {}).items())
+    lines = [f"{name}: step {s['step']}{total}",
+             f"  score ({SCORE}): {fmt(s['score'])}",
+             f"  validation{' at step ' + str(s['validation_step']) if s['validation_step'] else ''}: {val or '-'}",
+             f"  seconds/step: {fmt(s['seconds_per_step'])}   ETA: {fmt(s['eta_s'], ' s')}",
+             f"  response length: {fmt(s['response_length'])}   peak allocated: {fmt(s['peak_allocated_gb'], ' GB')}"]
+    lines += [f"  note: {p}" for p in run.problems]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tasks.status", description=__doc__.splitlines()[0])
+    ap.add_argument("logfile", type=Path, help="verl's console output (journalctl -u verl-lab-train.service > LOG)")
+    ap.add_argument("--json", action="store_true", help="the steps with verl's metric names, as JSON")
+    args = ap.parse_args(argv)
+    try:
+        run = read_log(args.logfile)
+    except OSError as exc:
+        print(f"cannot read {args.logfile}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    if not run.steps:
+        print(f"{args.logfile}: no verl step lines ('step:N - key:value ...'): the run has not finished a "
+              "step yet, or this is not verl 0.5.0's console output"
+              + (f" ({'; '.join(run.problems)})" if run.problems else ""), file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(_json_safe({"steps": run.steps, "total_steps": run.total_steps,
+                                     "summary": run.summary(), "problems": run.problems}), allow_nan=False))
+    else:
+        print(render(run, str(args.logfile)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""tasks/status.py on a real verl 0.5.0 console log (the P40 plan's 5 PPO steps on the H200,
+captured by the GPU harness: tests/fixtures/verl_logs/p40-plan-h200.log, the same file as
+bench/gpu/results/ppo-20261203/call4/p40/console.log), as the journal holds it, and cut or
+garbled."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.status import main, parse_log, read_log
+
+REPO = Path(__file__).resolve().parents[2]
+REAL = REPO / "tests" / "fixtures" / "verl_logs" / "p40-plan-h200.log"
+
+
+@pytest.fixture(scope="module")
+def text():
+    return REAL.read_text()
+
+
+def test_real_log_gives_every_step_with_verls_metric_names(text):
+    run = parse_log(text)
+    assert [s["step"] for s in run.steps] == [1, 2, 3, 4, 5] and run.total_steps == 5
+    for s in run.steps:
+        m = s["metrics"]
+        assert {"timing_s/step", "critic/score/mean", "response_length/mean", "actor/entropy"} <= set(m)
+        assert all(isinstance(v, float) for v in m.values())
+    assert run.steps[1]["metrics"]["timing_s/step"] == pytest.approx(45.39635156899996)
+    # np.float64(...) values are read as numbers, and validation is in the last step
+    assert run.steps[4]["metrics"]["val-core/openai/gsm8k/reward/mean@1"] == 0.0
+    assert run.steps[4]["metrics"]["timing_s/testing"] == pytest.approx(11.019600873999991)
+    s = run.summary()
+    assert s["step"] == 5 and s["eta_s"] == 0 and s["validation_step"] == 5
+    # the same seconds per step bench/gpu/ppo_results.py reports for this run (docs/training-runs.md)
+    assert s["seconds_per_step"] == 44.75
+    assert run.problems == []
+
+
+def test_journal_prefixes_change_nothing(text):
+    journal = "\n".join(f"Dec 03 21:3{i % 10}:00 box1 python3[4242]: {line}" for i, line in enumerate(text.splitlines()))
+    assert parse_log(journal).steps == parse_log(text).steps
+
+
+def test_a_log_cut_inside_a_step_line_keeps_what_is_complete_and_says_so(tmp_path, text, capsys):
+    at = text.index("step:3 - ")
+    mid = at + text[at:].index("critic/vf_loss:np.float64(") + len("critic/vf_loss:np.float64(0.")
+    cut = text[:mid]                                  # ends inside critic/vf_loss's value
+    log = tmp_path / "cut.log"
+    log.write_text(cut)
+    run = read_log(log)
+    assert [s["step"] for s in run.steps] == [1, 2, 3]
+    assert "critic/vf_loss" not in run.steps[2]["metrics"] and "actor/entropy" in run.steps[2]["metrics"]
+    assert any("step 3" in p and "cut log" in p for p in run.problems)
+    # cut inside a plain number: the half-written value is dropped, not read as a smaller number
+    num = at + text[at:].index("global_seqlen/mean:") + len("global_seqlen/mean:98")
+    log2 = tmp_path / "cut2.log"
+    log2.write_text(text[:num])
+    third = read_log(log2).steps[2]["metrics"]
+    assert "global_seqlen/mean" not in third and "global_seqlen/min" in third
+    assert main([str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "step 3/5" in out and "note: line" in out
+
+
+def test_garbled_bytes_are_reported_not_fatal(tmp_path, text, capsys):
+    raw = text.encode()
+    mid = raw.index(b"step:2 - ")
+    log = tmp_path / "garbled.log"
+    log.write_bytes(raw[:mid] + b"\xff\xfe\x00\x9c garbage \xc3\n" + raw[mid:])
+    run = read_log(log)
+    assert [s["step"] for s in run.steps] == [1, 2, 3, 4, 5]
+    assert run.problems and "not UTF-8" in run.problems[0]
+    junk = tmp_path / "junk.log"
+    junk.write_bytes(bytes(range(256)) * 4)
+    assert main([str(junk)]) == 2
+    err = capsys.readouterr().err
+    assert "no verl step lines" in err and "not UTF-8" in err
+
+
+def test_missing_file_and_empty_log_are_clear_messages(tmp_path, capsys):
+    assert main([str(tmp_path / "nope.log")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    empty = tmp_path / "empty.log"
+    empty.write_text("")
+    assert main([str(empty)]) == 2
+    assert "has not finished a step yet" in capsys.readouterr().err
+
+
+def test_json_is_machine_readable_on_its_own(tmp_path, text):
+    """--json alone on stdout, valid JSON (a NaN metric, which verl can log, becomes null)."""
+    log = tmp_path / "nan.log"
+    log.write_text(re.sub(r"actor/pg_loss:[^ ]+", "actor/pg_loss:np.float64(nan)", text, count=1))
+    out = subprocess.run([sys.executable, "-m", "tasks.status", "--json", str(log)], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    got = json.loads(out)
+    assert [s["step"] for s in got["steps"]] == [1, 2, 3, 4, 5]
+    assert got["steps"][0]["metrics"]["actor/pg_loss"] is None
+    assert got["steps"][1]["metrics"]["critic/score/mean"] == 0.0
+    assert got["summary"]["seconds_per_step"] == 44.75 and got["total_steps"] == 5
