@@ -45,6 +45,7 @@ from tasks.facts.nvidia import (
     CudaToolkits,
     version_tuple,
 )
+from tasks.placed import OnBox, marker_command
 from tasks.target import DISTRO_DEFAULT_GCC, HostCompiler, HostTarget
 from tasks.settings import LabSettings
 
@@ -52,7 +53,6 @@ RUNFILE = "cuda_runfile"
 CUDNN = "cudnn_archive"
 TEMPLATE = Path(__file__).resolve().parent.parent / "files" / "templates" / "cuda-install.sh.j2"
 
-SUPPORTED_DISTROS = DISTRO_DEFAULT_GCC     # the distros the runfile is run on
 TMPDIR_NEED_MIB = 10240
 PREFIX_NEED_MIB = 8192
 INSTALLER_TMP_LOG = "/tmp/cuda-installer.log"   # stale copies crash the runfile
@@ -148,10 +148,10 @@ class CudaPlan:
 
 def check_distro(os_release: Mapping[str, str]) -> str | None:
     distro, version = os_release.get("ID"), os_release.get("VERSION_ID")
-    if (distro, version) in SUPPORTED_DISTROS:
+    if (distro, version) in DISTRO_DEFAULT_GCC:   # the distros the runfile is run on
         return None
     name = os_release.get("PRETTY_NAME") or f"{distro or 'unknown'} {version or ''}".strip()
-    supported = ", ".join(f"{d.capitalize()} {v}" for d, v in sorted(SUPPORTED_DISTROS))
+    supported = ", ".join(f"{d.capitalize()} {v}" for d, v in sorted(DISTRO_DEFAULT_GCC))
     return (f"unsupported distribution {name!r} (/etc/os-release ID={distro}, VERSION_ID={version}): "
             f"the CUDA stage supports {supported}. Use one of those, or install CUDA 11.8 yourself "
             "and leave this box out of the cuda stage.")
@@ -306,6 +306,7 @@ def runfile_command(want: CudaWant) -> list[str]:
 def script_values(want: CudaWant, plan: CudaPlan, *, cuda_link: str = CUDA_LINK,
                   installer_tmp_log: str = INSTALLER_TMP_LOG, installer_log: str = INSTALLER_LOG) -> dict:
     """The variables of files/templates/cuda-install.sh.j2 (``q`` holds shell-quoted ones)."""
+    mode = "install" if plan.action == "install" else "adopt"
     remove_after = [want.runfile_path, want.runfile_path + ".sha256",
                     want.cudnn_path, want.cudnn_path + ".sha256"] if plan.action == "install" else []
     q = {
@@ -313,7 +314,7 @@ def script_values(want: CudaWant, plan: CudaPlan, *, cuda_link: str = CUDA_LINK,
         "workdir": want.workdir,
         "cuda_link": cuda_link,
         "marker": want.marker,
-        "mode": "install" if plan.action == "install" else "adopt",
+        "mode": mode,
         "installer_log": installer_tmp_log,
         "runfile_log": installer_log,
         "cudnn_archive": want.cudnn_path,
@@ -332,10 +333,13 @@ def script_values(want: CudaWant, plan: CudaPlan, *, cuda_link: str = CUDA_LINK,
         "prefix": want.prefix,
         "runfile_log": installer_log,
         "runfile_command": shlex.join(runfile_command(want)),
-        "host_cc": plan.host_cc,
-        "host_cxx": plan.host_cxx,
-        "runfile_sha256": want.runfile_sha256 or "none",
-        "cudnn_sha256": want.cudnn_sha256 or "none",
+        "write_marker": marker_command(want.marker, [
+            ("stage", "cuda"), ("cuda_version", want.cuda_version), ("nvcc_version", OnBox("$nvcc_version")),
+            ("cudnn_version", want.cudnn_version), ("cudnn_header", OnBox("$cudnn_found")),
+            ("prefix", want.prefix), ("host_cc", plan.host_cc), ("host_cxx", plan.host_cxx),
+            ("runfile_sha256", want.runfile_sha256 or "none"), ("cudnn_sha256", want.cudnn_sha256 or "none"),
+            ("cuda_link", OnBox("$(link_state)")), ("how", mode),
+            ("written", OnBox("$(date -u +%Y-%m-%dT%H:%M:%SZ)"))]),
     }
 
 

@@ -14,8 +14,9 @@ symlink: atomic). A failed build leaves the link where it was. The stage builds 
 ``PythonEnv`` fact finds no env, a broken one, or one built from another plan (stamp);
 deploy/rebuild.py builds a new generation unconditionally.
 
-The first half of this module is pure planning (``plan_env`` and friends), unit-tested
-without pyinfra; ``install_env`` carries the plan out.
+The stage has tasks/cuda.py's shape: the box's facts in one command (``gather_facts`` ->
+``EnvFacts``), pure planning (``plan_env``, ``env_decision``, ``env_wanted``) unit-tested on
+plain values, and ``install_env``, which only turns the plan into operations.
 """
 
 from __future__ import annotations
@@ -27,10 +28,22 @@ import shlex
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from pyinfra import host
+from pyinfra.api import StringCommand, deploy, operation
+from pyinfra.operations import apt
+
+from tasks.artifacts import artifact_file, box_path
 from tasks.catalog import REPO_ROOT
+from tasks.facts.bundle import ask
+from tasks.facts.env import BuildHost, PythonEnv, VerlCheckout
+from tasks.facts.files import Marker, PathStates
 from tasks.facts.gpu import parse_compute_capability
+from tasks.failure import fail_host
+from tasks.placed import OnBox, marker_command, place, rendered, wanted_dir, wanted_file
+from tasks.plan import PlanError, plan_overrides_for_host
 from tasks.settings import LabSettings
 from tasks.target import HostTarget
+from tasks.verl_source import box_patch_paths, checkout_done, patch_wanted, verl_source
 
 REQUIREMENTS = REPO_ROOT / "files" / "requirements" / "verl-0.5.0.txt"
 BUILD_TOOLS = REPO_ROOT / "files" / "requirements" / "build-tools.txt"
@@ -196,11 +209,19 @@ class EnvPlan:
         return stamp_of(data)
 
 
+@dataclass(frozen=True)
+class EnvFacts:
+    """What the box has now, asked in one command (``gather_facts``; fakes in unit tests)."""
+
+    build: dict                               # BuildHost: python, conda, nvcc, headers, RAM, CPUs
+    states: dict                              # PathStates of every path the stage places
+    checkout: dict | None                     # VerlCheckout: ref and patches of the verl source
+    marker: dict | None                       # Marker(settings.marker("env"))
+
+
 def compose_overrides(gpu: HostTarget, settings: LabSettings) -> tuple[tuple[str, ...], str | None]:
     """The host's own training plan's overrides for the compose proof (its settings, its GPU
     target), and a note when there is no plan to compose (then verl's config is composed bare)."""
-    from tasks.plan import PlanError, plan_overrides_for_host
-
     if gpu.target is None:
         return (), f"no GPU target ({gpu.problem}): the compose proof checks verl's config without a plan"
     try:
@@ -332,23 +353,10 @@ def build_script_context(settings: LabSettings, plan: EnvPlan, vllm_wheel: str |
         "verl_src": settings.verl_src,
         "prove": f"{d}/prove-env.py",
         "expect": json.dumps({**plan.expect, "verl_src": settings.verl_src}, sort_keys=True),
-        "marker": settings.marker("env"),
-        "legacy_marker": settings.legacy_marker("env") or "",
-        "marker_dir": settings.marker_dir,
     }
     q = {k: shlex.quote(str(v)) for k, v in values.items()}
     q["torch_requirements"] = " ".join(shlex.quote(r) for r in plan.torch_requirements)
     q["xformers_requirements"] = " ".join(shlex.quote(r) for r in plan.xformers_requirements)
-    marker = [
-        ("backend", plan.backend), ("python", plan.python_version or ""), ("torch", plan.torch_version),
-        ("cuda", plan.cuda), ("apex", plan.apex_ref), ("torch_cuda_arch_list", plan.arch_list),
-        ("max_jobs", plan.max_jobs), ("vllm", plan.vllm_version if plan.vllm else "skipped"),
-        ("vllm_reason", plan.vllm_reason),
-        ("xformers", plan.xformers_version if plan.xformers else "skipped"), ("xformers_reason", plan.xformers_reason),
-        ("verl", plan.verl_version),
-        # verl-lab installs no flash-attn: the training plan reads this and keeps sdpa.
-        ("flash_attn", 0),
-    ]
     return {
         "q": q,
         "backend": plan.backend,
@@ -357,8 +365,23 @@ def build_script_context(settings: LabSettings, plan: EnvPlan, vllm_wheel: str |
         "vllm_wheel": vllm_wheel,
         "xformers": plan.xformers,
         "xformers_comment": plan.xformers_reason,
-        "marker_lines": [shlex.quote(f"{k}={v}") for k, v in marker],
+        "write_marker": env_marker_command(settings, plan, OnBox("$name")),
     }
+
+
+def env_marker_command(settings: LabSettings, plan: EnvPlan, generation: str) -> str:
+    """The env marker (tasks.placed.marker_command): written by the build script after its proofs
+    (``generation`` the box's ``$name``), or alone for a healthy env of this plan that lost it."""
+    return marker_command(settings.marker("env"), [
+        ("generation", generation), ("stamp", plan.stamp), ("backend", plan.backend),
+        ("python", plan.python_version or ""), ("torch", plan.torch_version), ("cuda", plan.cuda),
+        ("apex", plan.apex_ref), ("torch_cuda_arch_list", plan.arch_list), ("max_jobs", plan.max_jobs),
+        ("vllm", plan.vllm_version if plan.vllm else "skipped"), ("vllm_reason", plan.vllm_reason),
+        ("xformers", plan.xformers_version if plan.xformers else "skipped"),
+        ("xformers_reason", plan.xformers_reason), ("verl", plan.verl_version),
+        # verl-lab installs no flash-attn: the training plan reads this and keeps sdpa.
+        ("flash_attn", 0),
+    ], drop=settings.legacy_marker("env"))
 
 
 def expect_for(settings: LabSettings, plan: EnvPlan) -> dict:
@@ -382,18 +405,6 @@ def env_decision(env: dict | None, plan: EnvPlan, marker: dict | None, force: bo
 
 
 # ------------------------------------------------------------------ the pyinfra stage
-
-from pyinfra import host  # noqa: E402
-from pyinfra.api import StringCommand, deploy, operation  # noqa: E402
-from pyinfra.operations import apt  # noqa: E402
-
-from tasks.artifacts import artifact_file, box_path  # noqa: E402
-from tasks.facts.bundle import ask  # noqa: E402
-from tasks.failure import fail_host  # noqa: E402
-from tasks.facts.files import Marker, PathStates  # noqa: E402
-from tasks.facts.env import BuildHost, PythonEnv, VerlCheckout  # noqa: E402
-from tasks.placed import place, rendered, wanted_dir, wanted_file  # noqa: E402
-from tasks.verl_source import box_patch_paths, checkout_done, patch_wanted, verl_source  # noqa: E402
 
 
 @operation()
@@ -428,15 +439,7 @@ def env_generation(settings: LabSettings, plan: EnvPlan, script: str, force: boo
         host.noop(why)
         return
     if action == "marker":
-        lines = [f"generation={env.get('target')}", f"stamp={plan.stamp}", f"torch={plan.torch_version}",
-                 f"verl={plan.verl_version}", f"vllm={plan.vllm_version if plan.vllm else 'skipped'}",
-                 f"xformers={plan.xformers_version if plan.xformers else 'skipped'}"]
-        path = settings.marker("env")
-        body = "".join(f"echo {shlex.quote(line)}; " for line in lines)
-        legacy = settings.legacy_marker("env")
-        drop = f" && rm -f {shlex.quote(legacy)}" if legacy else ""
-        yield StringCommand("sh", "-c", shlex.quote(f"{{ {body}}} > {shlex.quote(path)}.part && mv -f "
-                                                    f"{shlex.quote(path)}.part {shlex.quote(path)}{drop}"))
+        yield StringCommand("sh", "-c", shlex.quote(env_marker_command(settings, plan, env.get("target"))))
         return
     yield StringCommand("echo", shlex.quote(f"verl-lab: building a new env generation: {why}"))
     yield StringCommand("bash", shlex.quote(script))
@@ -467,7 +470,7 @@ def env_wanted(settings: LabSettings, plan: EnvPlan, vllm_wheel: str | None) -> 
                     rendered(TEMPLATES / "env-constraints.txt.j2", lines=list(plan.constraints))),
         wanted_file(f"{d}/verl-requirements.txt", "verl runtime requirements", REQUIREMENTS.read_bytes()),
         wanted_file(f"{d}/build-tools.txt", "Build tools requirements", BUILD_TOOLS.read_bytes()),
-        wanted_file(f"{d}/prove-env.py", "Env proofs", (TEMPLATES / "env-prove.py").read_bytes()),
+        wanted_file(f"{d}/prove-env.py", "Env proofs", (REPO_ROOT / "verl_lab_box" / "env_prove.py").read_bytes()),
         wanted_file(f"{d}/build-env.sh", "Env build script",
                     rendered(TEMPLATES / "env-build.sh.j2", **build_script_context(settings, plan, vllm_wheel)),
                     mode="755"),
@@ -480,15 +483,8 @@ def env_wanted(settings: LabSettings, plan: EnvPlan, vllm_wheel: str | None) -> 
     return wanted, condarc
 
 
-@deploy("verl-lab Python env")
-def install_env(settings: LabSettings, gpu: HostTarget, force_rebuild: bool = False):
-    """The env stage: prerequisites, verl source, the build inputs, then env_generation.
-
-    ``gpu``: the host's GPU target (tasks/target.py), decided before the stages. A re-run on a
-    box whose env is as planned costs two commands: one fact bundle (the build host, every file
-    the stage places, the verl checkout, the marker), then the env's quick re-check (PythonEnv).
-    Anything else queues the operations, which read the box again when they run.
-    """
+def gather_facts(settings: LabSettings) -> EnvFacts:
+    """The box's facts for the env stage, in one command (tasks/facts/bundle.py)."""
     art = settings.catalog.artifact("verl")
     build, states, checkout, marker = ask(
         (BuildHost, {"venv_python": settings.venv_python, "conda_prefix": settings.conda_prefix,
@@ -498,8 +494,21 @@ def install_env(settings: LabSettings, gpu: HostTarget, force_rebuild: bool = Fa
                         "patches": box_patch_paths(settings, art.version)}),
         (Marker, {"path": settings.marker("env"), "legacy": settings.legacy_marker("env")}),
     )
+    return EnvFacts(build=build, states=states or {}, checkout=checkout, marker=marker)
+
+
+@deploy("verl-lab Python env")
+def install_env(settings: LabSettings, gpu: HostTarget, force_rebuild: bool = False):
+    """The env stage: prerequisites, verl source, the build inputs, then env_generation.
+
+    ``gpu``: the host's GPU target (tasks/target.py), decided before the stages. A re-run on a
+    box whose env is as planned costs two commands: one fact bundle (the build host, every file
+    the stage places, the verl checkout, the marker), then the env's quick re-check (PythonEnv).
+    Anything else queues the operations, which read the box again when they run.
+    """
+    facts = gather_facts(settings)
     overrides, compose_note = compose_overrides(gpu, settings)
-    plan = plan_env(settings, gpu, build, overrides)
+    plan = plan_env(settings, gpu, facts.build, overrides)
     if compose_note:
         plan = replace(plan, notes=plan.notes + (compose_note,))
     for note in plan.notes:
@@ -510,11 +519,10 @@ def install_env(settings: LabSettings, gpu: HostTarget, force_rebuild: bool = Fa
     vllm_wheel = box_path(settings, settings.catalog.artifact("vllm")) if plan.vllm else None
     script = f"{build_dir(settings)}/build-env.sh"
     wanted, condarc = env_wanted(settings, plan, vllm_wheel)
-    states = states or {}
-    placed = place(wanted, states)
+    placed = place(wanted, facts.states)
 
     packages = []
-    if settings.env_backend == "venv" and not build["python_headers"]:
+    if settings.env_backend == "venv" and not facts.build["python_headers"]:
         packages += [f"python{plan.python_version}-dev"]
     if packages:
         apt.packages(name=f"Build packages ({', '.join(packages)})", packages=packages, update=True)
@@ -523,10 +531,10 @@ def install_env(settings: LabSettings, gpu: HostTarget, force_rebuild: bool = Fa
         installer = box_path(settings, settings.catalog.artifact("miniforge_installer"))
         artifact_file(name="Miniforge installer", settings=settings, artifact="miniforge_installer")
         miniforge(name=f"Miniforge at {settings.conda_prefix}", settings=settings, installer=installer)
-        placed.update(place(condarc, states))     # after Miniforge: its installer refuses an existing prefix
+        placed.update(place(condarc, facts.states))     # after Miniforge: its installer refuses an existing prefix
 
     patches_current = all(placed[w.path] is None for w in patch_wanted(settings))
-    verl_done = patches_current and checkout_done(settings, checkout)
+    verl_done = patches_current and checkout_done(settings, facts.checkout)
     verl_source(settings, done=verl_done)
 
     if plan.vllm:
@@ -535,6 +543,7 @@ def install_env(settings: LabSettings, gpu: HostTarget, force_rebuild: bool = Fa
         host.noop(f"vLLM skipped: {plan.vllm_reason}")
 
     name = "Python env (build, prove, swap)" if force_rebuild else "Python env"
+    marker = facts.marker
     quick = bool(marker) and marker.get("stamp") == plan.stamp and settings.env_health_check == "quick"
     if quick and verl_done and not force_rebuild and all(why is None for why in placed.values()):
         # nothing before it changes this run: decide now, and skip the operation when the

@@ -116,3 +116,30 @@ def place(wanted: list[Wanted], states: dict | None = None) -> dict[str, str | N
             files.put(name=want.name, src=BytesIO(want.content), dest=want.path, mode=want.mode,
                       user=want.user, group=want.group)
     return result
+
+
+# ------------------------------------------------------------------ stage markers
+
+
+class OnBox(str):
+    """A marker value the box works out when the marker is written (a shell expression such as
+    ``$nvcc_version`` or ``$(date -u +%FT%TZ)``), not a literal."""
+
+
+def marker_command(path: str, fields, drop: str | None = None) -> str:
+    """The one way every stage writes its marker (``<lab_root>/markers/<stage>.done``): ``key=value``
+    lines into ``<path>.part``, renamed over ``path`` (a marker is whole or absent), then the
+    stage's marker under an old name (``drop``) removed. A POSIX shell command, for a stage's
+    script and for an operation alike; run it only after the stage's proofs passed."""
+    import shlex
+
+    def line(key, value):
+        text = f"{key}={value}"
+        if isinstance(value, OnBox):
+            return '"' + text.replace('"', '\\"') + '"'
+        return shlex.quote(text)
+
+    p = shlex.quote(path)
+    command = (f"mkdir -p {shlex.quote(str(Path(path).parent))} && "
+               f"printf '%s\\n' {' '.join(line(k, v) for k, v in fields)} > {p}.part && mv -f {p}.part {p}")
+    return command + (f" && rm -f {shlex.quote(drop)}" if drop else "")

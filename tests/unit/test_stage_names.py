@@ -63,3 +63,32 @@ def test_env_build_replaces_the_old_marker_after_writing_its_own():
     text = env_test._build_script(s, env_test.envstage.plan_env(s, env_test.gpus(), env_test.BUILD))
     write = text.index(f"mv -f {s.marker('env')}.part {s.marker('env')}")
     assert text.index(f"rm -f {s.legacy_marker('env')}") > write
+
+
+def test_one_marker_writer_writes_whole_lines_and_box_values(tmp_path):
+    """tasks.placed.marker_command, the one writer of every stage's marker: literal values survive
+    the shell as written (spaces, quotes, $), OnBox values are worked out on the box, the marker
+    under an old name goes, and the reader (the Marker fact) gets back exactly what was written."""
+    from tasks.placed import OnBox, marker_command
+
+    path, old = tmp_path / "markers" / "env.done", tmp_path / "markers" / "pyenv.done"
+    old.parent.mkdir()
+    old.write_text("stamp=old\n")
+    fields = [("stamp", "abc"), ("reason", "it's $HOME \"quoted\" `x`"), ("n", 3),
+              ("generation", OnBox("$name")), ("when", OnBox("$(echo made-on-box)"))]
+    command = marker_command(str(path), fields, drop=str(old))
+    subprocess.run(["sh", "-c", f"name=verl.gen7; {command}"], check=True)
+    assert _read_marker(tmp_path, str(path)) == {"stamp": "abc", "reason": "it's $HOME \"quoted\" `x`", "n": "3",
+                                                 "generation": "verl.gen7", "when": "made-on-box"}
+    assert not old.exists() and not Path(f"{path}.part").exists()
+
+
+def test_one_marker_writer_fails_loudly_and_leaves_no_marker(tmp_path):
+    from tasks.placed import marker_command
+
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    done = subprocess.run(["sh", "-c", marker_command(str(blocked / "x.done"), [("stage", "x")])],
+                          capture_output=True)
+    assert done.returncode != 0 and not (blocked / "x.done").exists()
+
