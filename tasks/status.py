@@ -150,6 +150,69 @@ def read_log(path: Path) -> RunLog:
     return run
 
 
+# ------------------------------------------------------------------ a box's status (deploy/status.py)
+
+UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "Result", "NRestarts", "ExecMainStartTimestampMonotonic")
+STAGES = ("cuda", "env", "data", "train")
+
+
+def unit_summary(show: dict[str, str]) -> tuple[str, str]:
+    """(state, words) of the training unit from ``systemctl show -p`` UNIT_PROPERTIES: not-installed,
+    never-ran (installed, never started), running, crash-looping (``activating (auto-restart)``),
+    failed, finished or stopped."""
+    load, active, sub = show.get("LoadState", ""), show.get("ActiveState", ""), show.get("SubState", "")
+    restarts = int(show.get("NRestarts") or 0) if (show.get("NRestarts") or "0").isdigit() else 0
+    started = show.get("ExecMainStartTimestampMonotonic", "0") not in ("", "0") or restarts > 0
+    words = f"{active} ({sub})" + (f", {restarts} restarts" if restarts else "")
+    if load in ("", "not-found"):
+        return "not-installed", "no training unit"
+    if active == "activating" and sub == "auto-restart":
+        return "crash-looping", words
+    if active == "failed":
+        return "failed", words + f", result {show.get('Result', '?')}"
+    if active in ("active", "activating", "reloading"):
+        return "running", words
+    if not started:
+        return "never-ran", "installed, never started"
+    return ("finished" if show.get("Result") == "success" else "stopped"), words + f", result {show.get('Result', '?')}"
+
+
+def box_status(host: str, markers: dict[str, dict | None], unit: dict[str, str], journal: str,
+               plan: dict | None, verdict: str | None = None) -> dict:
+    """One row of the lab's status: stages proven, env generation, unit, progress (from the journal
+    of the unit's current run), peak GPU memory against the plan's prediction, the doctor's verdict."""
+    run = parse_log(journal)
+    s = run.summary()
+    state, words = unit_summary(unit)
+    peak_gb = s.pop("peak_allocated_gb")
+    return {"host": host, "stages": [st for st in STAGES if (markers or {}).get(st)],
+            "env_generation": ((markers or {}).get("env") or {}).get("generation"),
+            "unit": state, "unit_detail": words, **s,
+            "peak_mib": round(peak_gb * 1024) if peak_gb is not None else None,
+            "predicted_peak_mib": (plan or {}).get("predicted_peak_mib"),
+            "verdict": verdict, "problems": run.problems}
+
+
+def render_rows(rows: list[dict]) -> str:
+    """The lab as a table, a row per box (verdicts and notes under their box)."""
+    def fmt(v, spec=""):
+        return "-" if v is None else format(v, spec)
+
+    head = f"{'host':<14} {'stages':<19} {'env':<9} {'unit':<14} {'step':>9} {'score':>7} {'val':>7} " \
+           f"{'s/step':>7} {'ETA':>8} {'peak/plan MiB':>14}"
+    out = [head]
+    for r in rows:
+        step = f"{r['step']}/{r['total_steps'] or '?'}" if r["step"] else "-"
+        val = next(iter((r["validation"] or {}).values()), None)
+        eta = f"{r['eta_s'] // 60}m" if r["eta_s"] is not None else "-"
+        peak = f"{fmt(r['peak_mib'])}/{fmt(r['predicted_peak_mib'])}"
+        out.append(f"{r['host']:<14} {','.join(r['stages']) or '-':<19} {fmt(r['env_generation']):<9} "
+                   f"{r['unit']:<14} {step:>9} {fmt(r['score'], '.3f'):>7} {fmt(val, '.3f'):>7} "
+                   f"{fmt(r['seconds_per_step'], '.1f'):>7} {eta:>8} {peak:>14}")
+        out += [f"    {line}" for line in (r["verdict"] or "").splitlines()]
+    return "\n".join(out)
+
+
 def render(run: RunLog, name: str) -> str:
     s = run.summary()
     total = f"/{s['total_steps']}" if s["total_steps"] else ""

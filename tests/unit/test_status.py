@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks import status
 from tasks.status import main, parse_log, read_log
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,3 +104,38 @@ def test_json_is_machine_readable_on_its_own(tmp_path, text):
     assert got["steps"][0]["metrics"]["actor/pg_loss"] is None
     assert got["steps"][1]["metrics"]["critic/score/mean"] == 0.0
     assert got["summary"]["seconds_per_step"] == 44.75 and got["total_steps"] == 5
+
+
+# ------------------------------------------------------------------ a box's status row
+
+@pytest.mark.parametrize("show,state", [
+    ({"LoadState": "not-found", "ActiveState": "inactive", "SubState": "dead"}, "not-installed"),
+    ({"LoadState": "loaded", "ActiveState": "inactive", "SubState": "dead", "Result": "success", "NRestarts": "0",
+      "ExecMainStartTimestampMonotonic": "0"}, "never-ran"),
+    ({"LoadState": "loaded", "ActiveState": "activating", "SubState": "auto-restart", "Result": "exit-code",
+      "NRestarts": "7", "ExecMainStartTimestampMonotonic": "91234567"}, "crash-looping"),
+    ({"LoadState": "loaded", "ActiveState": "active", "SubState": "running", "Result": "success", "NRestarts": "0",
+      "ExecMainStartTimestampMonotonic": "91234567"}, "running"),
+    ({"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "Result": "exit-code", "NRestarts": "3",
+      "ExecMainStartTimestampMonotonic": "91234567"}, "failed"),
+    ({"LoadState": "loaded", "ActiveState": "inactive", "SubState": "dead", "Result": "success", "NRestarts": "0",
+      "ExecMainStartTimestampMonotonic": "91234567"}, "finished"),
+])
+def test_unit_states_are_told_apart(show, state):
+    assert status.unit_summary(show)[0] == state
+
+
+def test_a_box_row_from_the_real_log():
+    markers = {"cuda": {"stage": "cuda"}, "env": {"generation": "verl.gen2"}, "data": {"stage": "data"}, "train": None}
+    unit = {"LoadState": "loaded", "ActiveState": "active", "SubState": "running", "NRestarts": "0",
+            "ExecMainStartTimestampMonotonic": "5"}
+    row = status.box_status("p40-box", markers, unit, REAL.read_text(), {"predicted_peak_mib": 22995})
+    assert row["stages"] == ["cuda", "env", "data"] and row["env_generation"] == "verl.gen2"
+    assert row["unit"] == "running" and row["step"] == 5 and row["total_steps"] == 5
+    last = status.parse_log(REAL.read_text()).steps[-1]["metrics"]
+    assert row["peak_mib"] == round(last["perf/max_memory_allocated_gb"] * 1024)
+    assert row["predicted_peak_mib"] == 22995
+    table = status.render_rows([row, status.box_status("new-box", {}, {}, "", None, verdict="unit: never ran")])
+    lines = table.splitlines()
+    assert lines[1].startswith("p40-box") and " 5/5 " in lines[1] and "verl.gen2" in lines[1]
+    assert lines[2].startswith("new-box") and "not-installed" in lines[2] and lines[3].strip() == "unit: never ran"
