@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     with Lab() as lab:
         pipe = Pipeline(lab, args.stages)
         # direct mode: each box fetches for itself. In relay mode the data stage's controller
-        # download (tasks/hfsnapshot.py) blocks the pyinfra process in flock() when two hosts
+        # download (verl_lab_box/hf_snapshot.py) blocks the pyinfra process in flock() when two hosts
         # fetch the same snapshot at once, so a fresh relay converge of n > 1 boxes hangs.
         pipe.data["artifact_mode"] = args.mode
         try:

@@ -40,7 +40,7 @@ def converge(pipe: Pipeline, hosts: list[str]) -> dict:
         for h in hosts:
             pipe.prepare_box(h)
     # the first box alone fills the controller cache: the data stage's controller download
-    # (tasks/hfsnapshot.py, relay mode) blocks the pyinfra process in flock() when two hosts
+    # (verl_lab_box/hf_snapshot.py, relay mode) blocks the pyinfra process in flock() when two hosts
     # fetch the same snapshot at once
     for tag, group in (("first", hosts[:1]), ("all", hosts)):
         run = run_pyinfra(pipe.lab, [pipe.deploy_file], pipe.data, group, tag=f"converge-{tag}", timeout=1800)

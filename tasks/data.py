@@ -8,12 +8,12 @@ verl's RL format.
 - The endpoint is the base URL of the catalog source ``huggingface`` under the host's mirror
   profile (``https://hf-mirror.com`` for ``cn``; ``mirror_urls.huggingface`` replaces it).
 - ``relay`` mode: the controller downloads each snapshot once into
-  ``controller_cache/hf/`` (progress bars, resume, verification: ``tasks/hfsnapshot.py``), then
+  ``controller_cache/hf/`` (progress bars, resume, verification: ``verl_lab_box/hf_snapshot.py``), then
   pushes the verified files to every box into a staging folder; the box re-checks every
   sha256 and only then swaps the folder in. Boxes need no internet and no Hub client.
-- ``direct`` mode: each box runs the same ``hfsnapshot.py`` with the env's python (which then
+- ``direct`` mode: each box runs the same program (as ``hfsnapshot.py``) with the env's python (which then
   needs ``huggingface_hub``; the env stage provides it), with ``HF_ENDPOINT`` set.
-- GSM8K is converted on the box, in the env, by ``tasks/gsm8k.py`` (why there: see its
+- GSM8K is converted on the box, in the env, by ``verl_lab_box/gsm8k.py`` (why there: see its
   docstring), into ``<data_dir>/{train,test,val_small}.parquet``.
 - Proofs on the box, then the marker ``settings.marker("data")``; a re-run whose marker digest
   matches and whose files are present does nothing (zero changed operations).
@@ -39,15 +39,17 @@ from pyinfra import host
 from pyinfra.api import FileUploadCommand, StringCommand, deploy, operation
 from pyinfra.operations import files, server
 
-from tasks import gsm8k, hfsnapshot
 from tasks.catalog import REPO_ROOT, CatalogError
 from tasks.facts.data import FilesPresent, PythonModules, SnapshotStamp, StagedFiles
 from tasks.facts.bundle import ask
 from tasks.facts.files import Marker
 from tasks.failure import fail_host
-from tasks.hfsnapshot import RepoSpec, SnapshotError
 from tasks.settings import LabSettings, SettingsError
+from verl_lab_box import gsm8k
+from verl_lab_box import hf_snapshot as hfsnapshot      # hf_snapshot is this stage's operation below
+from verl_lab_box.hf_snapshot import RepoSpec, SnapshotError
 
+# box-side programs, by their names in <lab_root>/libexec/data
 SCRIPTS = {"hfsnapshot.py": Path(hfsnapshot.__file__), "gsm8k.py": Path(gsm8k.__file__)}
 MARKER_TEMPLATE = REPO_ROOT / "files" / "templates" / "data.done.j2"
 

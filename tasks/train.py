@@ -8,7 +8,7 @@ e.g. for a build box without a GPU), makes the plan (``tasks.plan.make_plan``) a
 * ``train-launcher``: rendered from files/templates/train-launcher.py.j2, the overrides with
   their reasons as comments; ``--check`` is the preflight, a plain run execs
   ``verl.trainer.main_ppo`` in ``train_dir/work``;
-* ``verl_lab_gpu.py``: tasks/facts/gpu.py, which the preflight imports for its GPU readings;
+* ``verl_lab_gpu.py``: verl_lab_box/gpu.py, which the preflight imports for its GPU readings;
 * ``train.env``: the unit's EnvironmentFile (0640 root:train_user, no secrets);
 * ``/etc/systemd/system/verl-lab-train.service``: runs the launcher as ``settings.train_user``.
 
@@ -33,7 +33,6 @@ from pyinfra import host
 from pyinfra.api import deploy
 from pyinfra.operations import files, server, systemd
 
-from tasks.facts import gpu as gpufact
 from tasks.failure import fail_host
 from tasks.facts.bundle import ask
 from tasks.facts.files import Marker, PathStates, UnitState
@@ -41,13 +40,14 @@ from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.plan import PlanError, TrainingPlan, Workload, make_plan, workload_for
 from tasks.target import HostTarget
 from tasks.settings import TRAIN_UNIT, LabSettings
+from verl_lab_box import gpu as box_gpu
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
 LAUNCHER_TEMPLATE = TEMPLATES / "train-launcher.py.j2"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-train.service.j2"
 ENV_TEMPLATE = TEMPLATES / "train.env.j2"
 MARKER_TEMPLATE = TEMPLATES / "train.done.j2"
-GPU_MODULE = Path(gpufact.__file__)
+GPU_MODULE = Path(box_gpu.__file__)
 UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
 
 

@@ -26,7 +26,7 @@ stay under 56 MiB. It holds:
   Here it is proven with ``tokenizers`` alone: round trip, special ids, vocab size 151646.
 - ``data/``: 2048 train + 256 test GSM8K-shaped rows (seeded), written as the ``openai/gsm8k``
   parquet pair (``data/raw/main/``) and turned into verl's format by the project's own
-  ``tasks/gsm8k.py`` (build, then prove), exactly as a box's data stage does:
+  ``verl_lab_box/gsm8k.py`` (build, then prove), exactly as a box's data stage does:
   ``train.parquet``, ``test.parquet``, ``val_small.parquet`` (64 rows).
 
 Idempotent: ``.gpu/build.json`` records what each part was built from (pins, sha256s, recipe
@@ -388,10 +388,10 @@ def build_verl_tree(out: Path, name: str, ref: str, commit: str, patches: list[t
 # -------------------------------------------------------------------------------------- data
 
 def gsm8k_module():
-    """The project's tasks/gsm8k.py (pure: pyarrow and the standard library)."""
+    """The project's verl_lab_box/gsm8k.py (pure: pyarrow and the standard library)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("verl_lab_gsm8k", REPO / "tasks" / "gsm8k.py")
+    spec = importlib.util.spec_from_file_location("verl_lab_gsm8k", REPO / "verl_lab_box" / "gsm8k.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -754,7 +754,7 @@ def build_data(out: Path, record: Record, force: bool) -> None:
     for split, rel in RAW_FILES.items():
         if write_raw(rows[split], ddir / rel):
             log(f"data: wrote {rel} ({len(rows[split])} rows)")
-    script = REPO / "tasks" / "gsm8k.py"  # the box's own preprocessing, run the way the box runs it
+    script = REPO / "verl_lab_box" / "gsm8k.py"  # the box's own preprocessing, run the way the box runs it
     py = sys.executable
     res = subprocess.run([py, str(script), "build", "--train", str(ddir / RAW_FILES["train"]),
                           "--test", str(ddir / RAW_FILES["test"]), "--out", str(ddir)],

@@ -1,6 +1,6 @@
 """Facts of the Python-env stage: the env's health, the verl checkout, the build host.
 
-``PythonEnv`` runs the env's own proofs (files/templates/env-prove.py, sent on stdin so it
+``PythonEnv`` runs the env's own proofs (verl_lab_box/env_prove.py, sent on stdin so it
 works before anything was uploaded) and answers what is healthy and what is broken.
 """
 
@@ -14,7 +14,7 @@ from pyinfra.api import FactBase
 
 from tasks.catalog import REPO_ROOT
 
-PROVE_SCRIPT = REPO_ROOT / "files" / "templates" / "env-prove.py"
+PROVE_SCRIPT = REPO_ROOT / "verl_lab_box" / "env_prove.py"
 _EOF = "VERL_LAB_PROVE_EOF"
 
 
@@ -52,12 +52,17 @@ def parse_env_output(lines: list[str]) -> dict:
     }
 
 
-class PythonEnv(FactBase):
+class PythonEnv(FactBase[dict]):
     """The env at ``prefix``: which generation it links to, its build stamp, and each proof.
 
     Returns ``{"present", "target", "prev", "stamp", "healthy", "broken", "checks"}``;
     ``broken`` names the failed proofs (torch, torch_cuda, gpu, apex, vllm, verl, compose).
+    The default, without an env: ``present`` False, ``broken`` ``["env"]``.
     """
+
+    @staticmethod
+    def default() -> dict:
+        return parse_env_output([])
 
     def command(self, prefix: str, expect: dict) -> str:
         p = shlex.quote(prefix)
@@ -70,7 +75,7 @@ class PythonEnv(FactBase):
             f"{program}\n{_EOF}\n"
         )
 
-    def process(self, output):
+    def process(self, output) -> dict:
         return parse_env_output(list(output))
 
 
@@ -87,10 +92,10 @@ def parse_checkout_output(lines: list[str]) -> dict | None:
             "at_ref": bool(head.get("head")) and head.get("head") == head.get("tag"), "patches": patches}
 
 
-class VerlCheckout(FactBase):
+class VerlCheckout(FactBase[dict | None]):
     """The verl clone at ``path``: HEAD, the commit of tag ``ref``, and each patch's state.
 
-    Returns None without a clone, else ``{"head", "tag_commit", "at_ref", "patches"}`` where
+    Returns None (the default) without a clone, else ``{"head", "tag_commit", "at_ref", "patches"}`` where
     ``patches`` maps a patch file name to ``applied`` | ``applicable`` | ``conflict`` | ``missing``
     (``missing``: the patch file is not on the box yet).
     """
@@ -113,7 +118,7 @@ class VerlCheckout(FactBase):
             )
         return "; ".join(parts)
 
-    def process(self, output):
+    def process(self, output) -> dict | None:
         return parse_checkout_output(list(output))
 
 
@@ -134,13 +139,18 @@ def parse_build_host(lines: list[str]) -> dict:
     }
 
 
-class BuildHost(FactBase):
+class BuildHost(FactBase[dict]):
     """What the env build needs from the box: RAM, CPUs, Python, conda, nvcc (the host compiler
     is the host target's, tasks/target.py).
 
     Returns ``{"mem_total_kib", "cpus", "python_version",
-    "python_headers", "conda", "nvcc_release"}`` (python_*: the venv interpreter's).
+    "python_headers", "conda", "nvcc_release"}`` (python_*: the venv interpreter's); the
+    default, nothing read: every value None or False.
     """
+
+    @staticmethod
+    def default() -> dict:
+        return parse_build_host([])
 
     def command(self, venv_python: str, conda_prefix: str, cuda_prefix: str) -> str:
         py = shlex.quote(venv_python)
@@ -156,5 +166,5 @@ class BuildHost(FactBase):
             f"if [ -x {nvcc} ]; then echo nvcc=$({nvcc} --version | sed -n 's/.*release \\([0-9.]*\\).*/\\1/p'); fi",
         ])
 
-    def process(self, output):
+    def process(self, output) -> dict:
         return parse_build_host(list(output))

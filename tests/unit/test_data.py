@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks import data as data_stage, hfsnapshot
-from tasks.hfsnapshot import RepoSpec, SnapshotError
+from tasks import data as data_stage
+from verl_lab_box import hf_snapshot
+from verl_lab_box.hf_snapshot import RepoSpec, SnapshotError
 from tasks.settings import SettingsError, load_settings
 from tests.fixtures.standins.hf_endpoint import (DATASET_REPO, MODEL_REPO, HfEndpoint, StandinRepo,
                                                   catalog_overrides, standard_repos)
@@ -28,7 +29,7 @@ def repos():
 
 @pytest.fixture(autouse=True)
 def quick_retries(monkeypatch):
-    monkeypatch.setattr(hfsnapshot, "RETRY_SLEEP_S", 0.01)
+    monkeypatch.setattr(hf_snapshot, "RETRY_SLEEP_S", 0.01)
 
 
 @pytest.fixture
@@ -94,12 +95,12 @@ def test_controller_fetch_verifies_and_then_needs_no_network(endpoint, tmp_path)
     assert names == ["LICENSE", "README.md", "config.json", "generation_config.json", "merges.txt",
                      BIG, "tokenizer.json", "tokenizer_config.json", "vocab.json"]   # no onnx/, no .cache
     assert (mdir / BIG).read_bytes() == model.files[BIG]
-    stamp = hfsnapshot.read_stamp(mdir)
+    stamp = hf_snapshot.read_stamp(mdir)
     assert stamp["digest"] == plan.model.digest and stamp["files"][BIG]["sha256"] == model.sha256(BIG)
     assert sorted(p.relative_to(ddir).as_posix() for p in ddir.rglob("*") if p.is_file()) == \
         ["main/test-00000-of-00001.parquet", "main/train-00000-of-00001.parquet"]       # no socratic/
-    assert not hfsnapshot.staging_path(mdir).exists()
-    assert hfsnapshot.prove(plan.model, mdir)["model_type"] == "qwen2"
+    assert not hf_snapshot.staging_path(mdir).exists()
+    assert hf_snapshot.prove(plan.model, mdir)["model_type"] == "qwen2"
 
     before = len(endpoint.requests)
     endpoint.set_fault("down")
@@ -120,34 +121,34 @@ def test_endpoint_faults_name_endpoint_repo_revision_and_fix(endpoint, tmp_path,
     endpoint.set_fault(fault)
     try:
         with pytest.raises(SnapshotError, match=message) as err:
-            hfsnapshot.fetch(plan.model, dest, endpoint.url, progress=False)
+            hf_snapshot.fetch(plan.model, dest, endpoint.url, progress=False)
     finally:
         endpoint.clear_fault()
     text = str(err.value)
     assert endpoint.url in text and MODEL_REPO in text and plan.model.revision in text
     assert "mirror_profile = 'cn'" in text and "mirror_urls" in text
-    assert not dest.exists() and hfsnapshot.read_stamp(dest) is None
+    assert not dest.exists() and hf_snapshot.read_stamp(dest) is None
 
 
 def test_unknown_repo_and_revision(endpoint, tmp_path):
     plan = plan_for(endpoint, tmp_path)
     nope = RepoSpec("qwen_model", "Nobody/no-such-model", plan.model.revision, "model", patterns=("*.json",))
     with pytest.raises(SnapshotError, match=r"no such repo .*catalog_overrides.qwen_model.repo"):
-        hfsnapshot.fetch(nope, tmp_path / "a", endpoint.url, progress=False)
+        hf_snapshot.fetch(nope, tmp_path / "a", endpoint.url, progress=False)
     gone = RepoSpec("qwen_model", MODEL_REPO, "0" * 40, "model", patterns=("*.json",))
     with pytest.raises(SnapshotError, match=r"no such revision. Fix: pin an existing commit in "
                                             r"catalog_overrides.qwen_model.revision"):
-        hfsnapshot.fetch(gone, tmp_path / "b", endpoint.url, progress=False)
+        hf_snapshot.fetch(gone, tmp_path / "b", endpoint.url, progress=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_catalog_disagreeing_with_the_endpoint_stops_before_download(endpoint, tmp_path):
     plan = plan_for(endpoint, tmp_path)
     files = {**plan.model.files, BIG: {"size": 988097824, "sha256": "f" * 64}}
-    spec = RepoSpec("qwen_model", MODEL_REPO, plan.model.revision, "model", files, hfsnapshot.MODEL_PATTERNS)
+    spec = RepoSpec("qwen_model", MODEL_REPO, plan.model.revision, "model", files, hf_snapshot.MODEL_PATTERNS)
     endpoint.reset_counters()
     with pytest.raises(SnapshotError, match=r"model.safetensors is listed with \d+ bytes, the catalog says 988097824"):
-        hfsnapshot.fetch(spec, tmp_path / "m", endpoint.url, progress=False)
+        hf_snapshot.fetch(spec, tmp_path / "m", endpoint.url, progress=False)
     assert endpoint.served("/resolve/") == 0
 
 
@@ -157,26 +158,26 @@ def test_cut_download_fails_then_resumes_on_the_next_run(endpoint, tmp_path):
     size = len(endpoint.repos[("model", MODEL_REPO)].files[BIG])
     endpoint.set_fault("cut")
     with pytest.raises(OSError, match=r"was cut at \d+ of \d+ bytes.*next run resumes") as err:
-        hfsnapshot.fetch(plan.model, dest, endpoint.url, progress=False)
+        hf_snapshot.fetch(plan.model, dest, endpoint.url, progress=False)
     assert BIG in str(err.value)
     assert not dest.exists(), "a partial snapshot must never be in place"
-    part = hfsnapshot.staging_path(dest) / ".parts" / (BIG + ".part")
+    part = hf_snapshot.staging_path(dest) / ".parts" / (BIG + ".part")
     assert part.stat().st_size == size // 2
     endpoint.clear_fault()
     endpoint.reset_counters()
-    hfsnapshot.fetch(plan.model, dest, endpoint.url, progress=False)
+    hf_snapshot.fetch(plan.model, dest, endpoint.url, progress=False)
     resumed = endpoint.ranged_gets(BIG)
     assert [s.range for s in resumed] == [f"bytes={size // 2}-"]
     assert endpoint.served(BIG) == size - size // 2
-    assert hfsnapshot.prove(plan.model, dest)["files"] == 9
+    assert hf_snapshot.prove(plan.model, dest)["files"] == 9
 
 
 def test_single_cut_is_resumed_within_the_run(endpoint, tmp_path):
     plan = plan_for(endpoint, tmp_path)
     endpoint.set_fault("cut", times=1)
-    hfsnapshot.fetch(plan.dataset, tmp_path / "d", endpoint.url, progress=False)
+    hf_snapshot.fetch(plan.dataset, tmp_path / "d", endpoint.url, progress=False)
     assert any(s.range and not s.range.startswith("bytes=0-") for s in endpoint.ranged_gets(".parquet"))
-    assert hfsnapshot.prove(plan.dataset, tmp_path / "d")["files"] == 2
+    assert hf_snapshot.prove(plan.dataset, tmp_path / "d")["files"] == 2
 
 
 def test_token_is_sent_but_never_shown(tmp_path):
@@ -185,7 +186,7 @@ def test_token_is_sent_but_never_shown(tmp_path):
         settings = settings_for_endpoint(ep, tmp_path)
         plan = data_stage.data_plan(settings)
         with pytest.raises(SnapshotError, match=r"no such repo \(or it is private\).*hf_token_file") as err:
-            hfsnapshot.fetch(plan.dataset, tmp_path / "d0", ep.url, progress=False)
+            hf_snapshot.fetch(plan.dataset, tmp_path / "d0", ep.url, progress=False)
         assert secret not in str(err.value)
         token_file = tmp_path / "token"
         token_file.write_text(secret + "\n")
@@ -193,19 +194,19 @@ def test_token_is_sent_but_never_shown(tmp_path):
         settings = settings_for_endpoint(ep, tmp_path, hf_token_file=str(token_file))
         assert data_stage.hf_token(settings) == secret
         ddir = data_stage.controller_snapshot(settings, plan.dataset, plan.endpoint)
-        assert hfsnapshot.prove(plan.dataset, ddir)["files"] == 2
+        assert hf_snapshot.prove(plan.dataset, ddir)["files"] == 2
         assert all(s.authorized for s in ep.requests[-4:])
         # the box-side command line (direct mode) reads the token from a file, never from argv
         spec_file = tmp_path / "spec.json"
         spec_file.write_text(json.dumps(plan.model.to_json()))
         env = {**os.environ, "HF_ENDPOINT": ep.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-        run = subprocess.run([sys.executable, hfsnapshot.__file__, "fetch", "--spec", str(spec_file), "--dest",
+        run = subprocess.run([sys.executable, hf_snapshot.__file__, "fetch", "--spec", str(spec_file), "--dest",
                               str(tmp_path / "box-model"), "--token-file", str(token_file)],
                              capture_output=True, text=True, env=env)
         assert run.returncode == 0, run.stderr
         assert "9 files verified" in run.stdout
         assert secret not in run.stdout + run.stderr
-        bad = subprocess.run([sys.executable, hfsnapshot.__file__, "fetch", "--spec", str(spec_file), "--dest",
+        bad = subprocess.run([sys.executable, hf_snapshot.__file__, "fetch", "--spec", str(spec_file), "--dest",
                               str(tmp_path / "box-model2")], capture_output=True, text=True, env=env)
         assert bad.returncode == 1 and "verl-lab data:" in bad.stderr and ep.url in bad.stderr
 
@@ -214,30 +215,30 @@ def test_relay_install_checks_every_pushed_file(endpoint, tmp_path):
     settings = settings_for_endpoint(endpoint, tmp_path)
     plan = data_stage.data_plan(settings)
     local = data_stage.controller_snapshot(settings, plan.model, plan.endpoint)
-    manifest = hfsnapshot.read_stamp(local)["files"]
+    manifest = hf_snapshot.read_stamp(local)["files"]
     staging = tmp_path / "box" / "model.staging"
     shutil.copytree(local, staging)
     (staging / BIG).write_bytes(b"\0" * manifest[BIG]["size"])        # same size, other bytes
     dest = tmp_path / "box" / "model"
     with pytest.raises(SnapshotError, match=r"model.safetensors has sha256 [0-9a-f]{64}, expected"):
-        hfsnapshot.install(plan.model, staging, dest, manifest)
+        hf_snapshot.install(plan.model, staging, dest, manifest)
     assert not dest.exists() and not (staging / BIG).exists()        # deleted: re-pushed next run
     shutil.copyfile(local / BIG, staging / BIG)
-    hfsnapshot.install(plan.model, staging, dest, manifest)
-    assert hfsnapshot.prove(plan.model, dest)["model_type"] == "qwen2"
+    hf_snapshot.install(plan.model, staging, dest, manifest)
+    assert hf_snapshot.prove(plan.model, dest)["model_type"] == "qwen2"
     assert not staging.exists()
     (dest / "config.json").write_text("{not json")
     with pytest.raises(SnapshotError, match="config.json"):
-        hfsnapshot.prove(plan.model, dest)
+        hf_snapshot.prove(plan.model, dest)
 
 
 def test_model_without_model_type_is_refused(tmp_path):
     files = {"config.json": b'{"hidden_size": 8}', "tokenizer.json": b"{}"}
     with HfEndpoint([StandinRepo("me/odd", "model", files)]) as ep:
         spec = RepoSpec("qwen_model", "me/odd", ep.repos[("model", "me/odd")].commit, "model",
-                        patterns=hfsnapshot.MODEL_PATTERNS)
+                        patterns=hf_snapshot.MODEL_PATTERNS)
         with pytest.raises(SnapshotError, match="config.json names no model_type"):
-            hfsnapshot.fetch(spec, tmp_path / "m", ep.url, progress=False)
+            hf_snapshot.fetch(spec, tmp_path / "m", ep.url, progress=False)
         assert not (tmp_path / "m").exists()
 
 

@@ -1,4 +1,4 @@
-"""The env re-check's "files" proof (files/templates/env-prove.py, quick mode): every file a
+"""The env re-check's "files" proof (verl_lab_box/env_prove.py, quick mode): every file a
 wheel's RECORD lists is present with its recorded size, read straight from the RECORDs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROVE = Path(__file__).resolve().parents[2] / "files" / "templates" / "env-prove.py"
+PROVE = Path(__file__).resolve().parents[2] / "verl_lab_box" / "env_prove.py"
 QUICK = {"quick": True, "torch": "0", "cuda": "none", "gpu_cc": None, "vllm": None, "vllm_skip": "no GPU",
          "verl": "0.5.0", "verl_src": "/nonexistent", "compose": False, "overrides": []}
 

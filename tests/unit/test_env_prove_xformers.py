@@ -1,4 +1,4 @@
-"""The env proof's xformers check (files/templates/env-prove.py): vLLM 0.8.5's xformers must be
+"""The env proof's xformers check (verl_lab_box/env_prove.py): vLLM 0.8.5's xformers must be
 the cu118 build and load its compiled ops (``xformers._has_cpp_library``, which real xformers
 sets when ``torch.ops.load_library(xformers/_C.so)`` succeeded). PyPI's file of the same name
 is a CUDA 12.4 build: in a cu118 env its ops cannot load (no libcudart.so.12), and the proof
@@ -20,7 +20,7 @@ import pytest
 
 from tests.fixtures.standins import env as standin
 
-PROVE = Path(__file__).resolve().parents[2] / "files" / "templates" / "env-prove.py"
+PROVE = Path(__file__).resolve().parents[2] / "verl_lab_box" / "env_prove.py"
 INDEX = "https://download.pytorch.org/whl/cu118"
 WANT = {"torch": "0", "cuda": "none", "gpu_cc": "7.5", "vllm": None, "vllm_skip": "not here",
         "xformers": "0.0.29.post2", "xformers_cuda": "11.8", "xformers_index": INDEX,

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.facts import gpu as gpufact
-from tasks.facts.gpu import (
+from tasks.facts.gpu import NvidiaGpus
+from verl_lab_box import gpu as gpufact
+from verl_lab_box.gpu import (
     GpuInventory,
-    NvidiaGpus,
     compute_capability_from_name,
     parse_fact_output,
     parse_gpu_query,
@@ -232,21 +232,25 @@ def test_nvml_reader_with_fake_library(monkeypatch):
     assert (g.name, g.compute_capability, g.memory_total_mib, g.memory_free_mib) == ("NVIDIA H200", "9.0", 143771, 143156)
 
 
-def test_module_imports_without_pyinfra(tmp_path):
-    """The launcher's preflight imports this file in the training env, where pyinfra is absent."""
+def test_box_module_imports_without_pyinfra(tmp_path):
+    """The launcher's preflight loads verl_lab_box/gpu.py in the training env, where pyinfra is
+    absent; the fact module re-exports the same objects."""
     code = ("import sys, builtins\n"
             "real = builtins.__import__\n"
             "def block(name, *a, **k):\n"
             "    if name.startswith('pyinfra'): raise ImportError(name)\n"
             "    return real(name, *a, **k)\n"
             "builtins.__import__ = block\n"
-            f"sys.path.insert(0, {str(REPO / 'tasks' / 'facts')!r})\n"
+            f"sys.path.insert(0, {str(REPO / 'verl_lab_box')!r})\n"
             "import gpu\n"
-            "assert gpu.FactBase is None and not hasattr(gpu, 'NvidiaGpus')\n"
+            "assert not hasattr(gpu, 'NvidiaGpus')\n"
             "print(gpu.parse_gpu_query('0, Tesla T4, 7.5, 15360, 15102, 535.104.05').gpus[0].name)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "Tesla T4"
+    from tasks.facts import gpu as fact
+
+    assert fact.GpuInventory is GpuInventory and fact.parse_fact_output is parse_fact_output
 
 
 REPO_CAPTURE = REPO / "bench" / "gpu" / "results" / "h200-gpu-fact.txt"

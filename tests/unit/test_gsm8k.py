@@ -9,7 +9,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import gsm8k
+from verl_lab_box import gsm8k
 from tests.fixtures.standins.hf_endpoint import gsm8k_rows, parquet_bytes
 
 INSTR = "Let's think step by step and output the final answer after \"####\"."

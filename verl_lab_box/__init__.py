@@ -1,0 +1,12 @@
+"""verl-lab's box-side programs: standard library only, shipped to the boxes as they are.
+
+- ``train_launcher.py``: the training launcher (``<train_dir>/train-launcher``), reading the
+  box's ``plan.json``;
+- ``gpu.py``: the GPU reader (nvidia-smi, NVML), the GPU fact's command and parser;
+- ``hf_snapshot.py``: a pinned Hugging Face snapshot, fetched, verified, swapped in;
+- ``gsm8k.py``: GSM8K in verl's RL format (run with the env's python: it needs pyarrow);
+- ``env_prove.py``: the Python env's proofs (run by the env's python).
+
+What a module needs beyond the standard library (pyarrow, torch, verl, NVML, huggingface_hub)
+is imported inside the function that runs where it exists (tests/unit/test_box_package.py).
+"""
