@@ -4,10 +4,11 @@ Plans for the host's GPU target (tasks/target.py: the box's GPUs, or host data `
 e.g. for a build box without a GPU), makes the plan (``tasks.plan.make_plan``) and writes, under
 ``settings.train_dir``:
 
-* ``plan.json``: every setting with its reason, the predicted peak memory, the overrides;
-* ``train-launcher``: rendered from files/templates/train-launcher.py.j2, the overrides with
-  their reasons as comments; ``--check`` is the preflight, a plain run execs
-  ``verl.trainer.main_ppo`` in ``train_dir/work``;
+* ``plan.json``: every setting with its reason, the predicted peak memory, the overrides; its
+  ``launch`` section is what the launcher reads (host, paths, GPU, predicted peak, the
+  overrides each with its reason);
+* ``train-launcher``: verl_lab_box/train_launcher.py as it is; ``--check`` is the preflight, a
+  plain run execs ``verl.trainer.main_ppo`` in ``train_dir/work`` with plan.json's overrides;
 * ``verl_lab_gpu.py``: verl_lab_box/gpu.py, which the preflight imports for its GPU readings;
 * ``train.env``: the unit's EnvironmentFile (0640 root:train_user, no secrets);
 * ``/etc/systemd/system/verl-lab-train.service``: runs the launcher as ``settings.train_user``.
@@ -17,8 +18,8 @@ boot), ``started`` (enabled and running now).
 
 A box without a usable GPU (and no ``gpu_override``), or one whose plan cannot fit, fails this
 stage on that host only, with the reason. Proofs: ``systemd-analyze verify`` of the unit, and
-the launcher's overrides equal plan.json's, run by the train user; then the marker. A re-run
-with the same plan changes nothing.
+the launcher, run by the train user, reads plan.json and finds its launch section's overrides
+equal to the plan's; then the marker. A re-run with the same plan changes nothing.
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.plan import PlanError, TrainingPlan, Workload, make_plan, workload_for
 from tasks.target import HostTarget
 from tasks.settings import TRAIN_UNIT, LabSettings
-from verl_lab_box import gpu as box_gpu
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
-LAUNCHER_TEMPLATE = TEMPLATES / "train-launcher.py.j2"
+BOX_PACKAGE = Path(__file__).resolve().parent.parent / "verl_lab_box"
+LAUNCHER = BOX_PACKAGE / "train_launcher.py"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-train.service.j2"
 ENV_TEMPLATE = TEMPLATES / "train.env.j2"
 MARKER_TEMPLATE = TEMPLATES / "train.done.j2"
-GPU_MODULE = Path(box_gpu.__file__)
+GPU_MODULE = BOX_PACKAGE / "gpu.py"
 UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
 
 
@@ -96,8 +97,30 @@ class TrainingLayout:
         return f"{self.settings.lab_root}/home"      # tasks/base.py's home of the train user
 
     def plan_json(self) -> str:
-        return json.dumps({**self.plan.to_dict(), "host": self.settings.host, "plan_source": self.plan_source},
-                          indent=2, sort_keys=True) + "\n"
+        return json.dumps({**self.plan.to_dict(), "host": self.settings.host, "plan_source": self.plan_source,
+                           "launch": self.launch()}, indent=2, sort_keys=True) + "\n"
+
+    def launch(self) -> dict:
+        """plan.json's ``launch`` section: everything verl_lab_box/train_launcher.py reads."""
+        s, gpu = self.settings, self.plan.gpu
+        return {
+            "host": s.host,
+            "plan_source": self.plan_source,
+            "gpu": {"name": gpu.name, "count": gpu.count, "memory_mib": gpu.memory_mib},
+            "predicted_peak_mib": int(self.plan.to_dict()["predicted_peak_mib"]),
+            "paths": {
+                "train_dir": self.train_dir,
+                "work_dir": self.work_dir,
+                "checkpoint_dir": self.checkpoint_dir,
+                "env_file": self.env_file,
+                "env_python": s.env_python,
+                "env_marker": s.marker("env"),
+                "data_marker": s.marker("data"),
+                "data_files": [self.plan_workload_file("train_files"), self.plan_workload_file("val_files")],
+                "model_dir": s.model_dir,
+            },
+            "overrides": [{"override": o.text(), "why": o.why} for o in self.plan.overrides],
+        }
 
     def values(self) -> dict:
         s = self.settings
@@ -134,8 +157,9 @@ class TrainingLayout:
     def digest(self) -> str:
         """Everything the box's files are made of: a changed input re-runs the proofs."""
         parts = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-                 for p in (LAUNCHER_TEMPLATE, UNIT_TEMPLATE, ENV_TEMPLATE, MARKER_TEMPLATE, GPU_MODULE)}
+                 for p in (LAUNCHER, UNIT_TEMPLATE, ENV_TEMPLATE, MARKER_TEMPLATE, GPU_MODULE)}
         parts["values"] = json.dumps(self.values(), sort_keys=True, default=str)
+        parts["plan.json"] = self.plan_json()
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -148,8 +172,7 @@ def training_wanted(layout: TrainingLayout) -> list:
           for path in (layout.work_dir, layout.checkpoint_dir, layout.cache_dir)),
         wanted_file(layout.plan_file, "Training plan (plan.json)", layout.plan_json()),
         wanted_file(f"{layout.train_dir}/verl_lab_gpu.py", "GPU reader for the preflight", GPU_MODULE.read_bytes()),
-        wanted_file(layout.launcher, "Training launcher", rendered(LAUNCHER_TEMPLATE, **values),
-                    mode="750", group=user),
+        wanted_file(layout.launcher, "Training launcher", LAUNCHER.read_bytes(), mode="750", group=user),
         wanted_file(layout.env_file, "Training environment file", rendered(ENV_TEMPLATE, **values),
                     mode="640", group=user),
         wanted_file(UNIT_PATH, f"Unit {TRAIN_UNIT}", rendered(UNIT_TEMPLATE, **values)),

@@ -1,5 +1,5 @@
-"""The GPU harness's profiles: real verl 0.5.0 PPO runs of the product's own rendered launcher on
-the device's H200, each under a memory cap that stands for a smaller card.
+"""The GPU harness's profiles: real verl 0.5.0 PPO runs of the product's own launcher on the
+device's H200, each under a memory cap that stands for a smaller card.
 
 Runs here (it needs the project's planning code and pyinfra's jinja2; the device machine has
 neither). ``render`` writes, for each profile, what deploy/train.py would put in a box's
@@ -12,9 +12,10 @@ into ``.gpu/profiles/<name>/``. bench/gpu/run_profile.py runs one on the device.
 
 Profiles whose plan says vLLM (which cannot run on the device: vLLM 0.8.5 needs torch 2.6 and
 its wheel is far over a call's carry limit) are planned and run with the HF rollout for that
-run only (``rollout_engine='hf'``); their record says so. ``today`` profiles render the launcher
-with the project's code and verl patches as of ``--today-ref`` (a git worktree), for a
-before/after comparison in one session. ``seed`` runs the hand recipe the project replaces.
+run only (``rollout_engine='hf'``); their record says so. The current code's launcher is the
+static verl_lab_box/train_launcher.py reading the profile's plan.json; ``today`` profiles take
+the launcher (rendered from that tree's template) with the project's code and verl patches as
+of ``--today-ref`` (a git worktree), for a before/after comparison in one session. ``seed`` runs the hand recipe the project replaces.
 """
 
 from __future__ import annotations

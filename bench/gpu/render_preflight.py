@@ -1,15 +1,16 @@
-"""Render a box's training launcher for a real GPU, to run its --check on that GPU.
+"""Lay out a box's training dir for a real GPU, to run the launcher's --check on that GPU.
 
 Runs here (it needs pyinfra, which the GPU machine lacks): reads a real `nvidia-smi` query
 output (default: the H200 capture in bench/gpu/results/h200-gpu-fact.txt), plans for that GPU
 with tasks/plan.py, and writes what deploy/train.py would put in <lab_root>/train (launcher,
-env file, plan.json, the GPU reader) into OUT/train. On the GPU machine, copy OUT to lab_root
+env file, plan.json, the GPU reader: tasks.train.training_wanted) into OUT/train. On the GPU machine, copy OUT to lab_root
 and run: python3 <lab_root>/train/train-launcher --check   (bench/gpu/run_preflight.sh).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -17,14 +18,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from jinja2 import Environment, StrictUndefined  # noqa: E402
-
-from tasks.facts import gpu as gpufact  # noqa: E402
 from tasks.plan import make_plan  # noqa: E402
 from tasks.settings import load_settings  # noqa: E402
-from tasks.train import (ENV_TEMPLATE, GPU_MODULE, LAUNCHER_TEMPLATE, TrainingLayout,  # noqa: E402
-                            training_workload)
+from tasks.train import TrainingLayout, training_wanted, training_workload  # noqa: E402
 from tasks.target import decide_gpu  # noqa: E402
+from verl_lab_box import gpu as gpufact  # noqa: E402
 
 
 def query_lines(path: Path) -> str:
@@ -32,11 +30,6 @@ def query_lines(path: Path) -> str:
     lines = [line for line in path.read_text().splitlines()
              if line[:1].isdigit() and line.count(",") >= 5 and "MiB" not in line]
     return "\n".join(lines) + "\n"
-
-
-def render(src: Path, values: dict) -> str:
-    env = Environment(undefined=StrictUndefined, keep_trailing_newline=True)
-    return env.from_string(src.read_text()).render(values)
 
 
 def main() -> None:
@@ -57,15 +50,16 @@ def main() -> None:
     target, source = gpu.target, gpu.source
     plan = make_plan(target, training_workload(settings))
     layout = TrainingLayout(settings=settings, plan=plan, plan_source=source)
-    values = layout.values()
     train = args.out / "train"
     if train.exists():
         shutil.rmtree(train)
     train.mkdir(parents=True)
-    (train / "train-launcher").write_text(render(LAUNCHER_TEMPLATE, values))
-    (train / "train.env").write_text(render(ENV_TEMPLATE, values))
-    (train / "plan.json").write_text(layout.plan_json())
-    shutil.copy(GPU_MODULE, train / "verl_lab_gpu.py")
+    for want in training_wanted(layout):
+        if want.content is None or not want.path.startswith(layout.train_dir + "/"):
+            continue                         # folders, and the unit under /etc/systemd
+        path = train / os.path.relpath(want.path, layout.train_dir)
+        path.write_bytes(want.content)
+        path.chmod(0o755 if want.path == layout.launcher else 0o644)
     d = plan.to_dict()
     print(f"planned {target.count} x {target.name}: {d['rollout']} rollout, {d['train_dtype']}, "
           f"predicted peak {d['predicted_peak_mib']} MiB -> {train}")

@@ -9,11 +9,13 @@ deploy/train.py runs alone (the env and data stages are not wired here), so the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tests.lab import BoxSpec
 
+REPO = Path(__file__).resolve().parents[2]
 GPU_BOXES = ["p40", "t4", "rtx3090"]
 NOGPU = "nogpu"
 TRAIN = "/opt/verl-lab/train"
@@ -62,8 +64,11 @@ def test_three_gpus_three_plans(lab, converged, name):
     box = lab.box(name)
     printed = box.ssh(f"runuser -u verl -- /usr/bin/python3 {TRAIN}/train-launcher --print-overrides").stdout
     assert printed.splitlines() == plan["overrides"]
-    launcher = box.read_text(f"{TRAIN}/train-launcher")
-    assert f'"actor_rollout_ref.rollout.name={rollout}",  # ' in launcher
+    launch = plan["launch"]           # what the launcher reads: every override with its reason
+    assert [o["override"] for o in launch["overrides"]] == plan["overrides"]
+    assert all(o["why"] for o in launch["overrides"])
+    assert box.read_text(f"{TRAIN}/train-launcher") == (REPO / "verl_lab_box" / "train_launcher.py").read_text()
+    assert box.read_text(f"{TRAIN}/verl_lab_gpu.py") == (REPO / "verl_lab_box" / "gpu.py").read_text()
     unit = box.read_text(UNIT)
     assert f"({plan['gpu']['count']} x {gpu})" in unit and "User=verl" in unit
 

@@ -1,16 +1,16 @@
-"""The training stage's pure parts and its rendered files, run here.
+"""The training stage's pure parts and the files it places, run here.
 
-The launcher is rendered with pyinfra's own template function into a temporary train dir and
-run with this machine's Python: ``--print-overrides`` against plan.json, and ``--check``
-against a fake nvidia-smi and a stand-in env (a ``torch`` / ``verl`` module pair shaped like
-the real ones, CPU-only: ``torch.cuda.is_available()`` is False, as on the lab boxes).
+The stage's train-dir files (plan.json, the static launcher verl_lab_box/train_launcher.py, the
+GPU reader, train.env) are written into a temporary train dir as the stage would place them, and
+the launcher is run with this machine's Python: ``--print-overrides`` against plan.json, and
+``--check`` against a fake nvidia-smi and a stand-in env (a ``torch`` / ``verl`` module pair
+shaped like the real ones, CPU-only: ``torch.cuda.is_available()`` is False, as on the lab boxes).
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +22,7 @@ from tasks import train as train_stage
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.settings import SettingsError, load_settings
 from tasks.target import decide_gpu
-from tasks.train import TrainingLayout, training_workload
+from tasks.train import TrainingLayout, training_wanted, training_workload
 from tasks.plan import make_plan
 
 T4_SMI = "0, Tesla T4, 7.5, 15360, 15102, 535.104.05"
@@ -80,6 +80,16 @@ def test_digest_changes_with_the_plan():
     assert a.digest() != b.digest()
 
 
+@pytest.mark.parametrize("name", ["LAUNCHER", "GPU_MODULE", "UNIT_TEMPLATE", "ENV_TEMPLATE"])
+def test_digest_changes_with_the_files_the_box_gets(monkeypatch, tmp_path, name):
+    lay = layout_for(settings_for())
+    before = lay.digest()
+    changed = tmp_path / getattr(train_stage, name).name
+    changed.write_bytes(getattr(train_stage, name).read_bytes() + b"\n# changed\n")
+    monkeypatch.setattr(train_stage, name, changed)
+    assert lay.digest() != before
+
+
 def render(template: Path, values: dict) -> str:
     return get_template(str(template)).render(**values)
 
@@ -109,37 +119,59 @@ def test_unit_and_env_file():
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env40.splitlines()
 
 
-def test_launcher_is_python_with_reasons_beside_overrides():
+def test_launcher_and_gpu_reader_ship_as_they_are():
     lay = layout_for(settings_for())
-    text = render(train_stage.LAUNCHER_TEMPLATE, lay.values())
-    ast.parse(text)
-    lines = text.splitlines()
-    start = lines.index("OVERRIDES = [")
-    block = lines[start + 1: start + 1 + len(lay.plan.overrides)]
-    assert lines[start + 1 + len(lay.plan.overrides)] == "]"
-    for o, line in zip(lay.plan.overrides, block):
-        literal, _, comment = line.strip().partition(",  # ")
-        assert ast.literal_eval(literal) == o.text()
-        assert comment == o.why
+    placed = {w.path: w for w in training_wanted(lay)}
+    launcher = placed[lay.launcher]
+    assert launcher.content == train_stage.LAUNCHER.read_bytes() and launcher.mode == "750"
+    assert placed[f"{lay.train_dir}/verl_lab_gpu.py"].content == train_stage.GPU_MODULE.read_bytes()
+    assert train_stage.LAUNCHER.parent.name == train_stage.GPU_MODULE.parent.name == "verl_lab_box"
+    ast.parse(launcher.content)
+    assert launcher.content.startswith(b"#!/usr/bin/env python3\n")
+
+
+def test_plan_json_launch_section_has_overrides_with_reasons():
+    lay = layout_for(settings_for())
+    plan = json.loads(lay.plan_json())
+    launch = plan["launch"]
+    assert [o["override"] for o in launch["overrides"]] == plan["overrides"] == lay.plan.override_lines
+    assert [o["why"] for o in launch["overrides"]] == [o.why for o in lay.plan.overrides]
+    assert all(o["why"] for o in launch["overrides"])
+    assert launch["gpu"] == {"name": "Tesla T4", "count": 1, "memory_mib": 15360}
+    assert launch["predicted_peak_mib"] == plan["predicted_peak_mib"]
+    assert (launch["host"], launch["plan_source"]) == ("box1", "nvidia-smi")
+    assert launch["paths"] == {
+        "train_dir": "/opt/verl-lab/train", "work_dir": "/opt/verl-lab/train/work",
+        "checkpoint_dir": "/opt/verl-lab/train/checkpoints", "env_file": "/opt/verl-lab/train/train.env",
+        "env_python": "/opt/verl-lab/envs/verl/bin/python", "env_marker": "/opt/verl-lab/markers/env.done",
+        "data_marker": "/opt/verl-lab/markers/data.done",
+        "data_files": ["/opt/verl-lab/data/gsm8k/train.parquet", "/opt/verl-lab/data/gsm8k/val_small.parquet"],
+        "model_dir": lay.settings.model_dir}
 
 
 # ---------------------------------------------------------------- the launcher, run here
 
 @pytest.fixture
 def box(tmp_path):
-    """A train dir rendered for a T4 under tmp_path, a fake nvidia-smi, a stand-in env."""
+    """A train dir for a T4 under tmp_path as the stage places it (plan.json, the launcher, the
+    GPU reader, train.env), a fake nvidia-smi, a stand-in env."""
     root = tmp_path / "lab"
     s = settings_for(str(root), launcher_python=sys.executable)
     lay = layout_for(s)
+    for want in training_wanted(lay):
+        if not want.path.startswith(lay.train_dir):
+            continue                                 # the unit, under /etc/systemd
+        path = Path(want.path)
+        if want.is_dir:
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path.write_bytes(want.content)
+            path.chmod(int(want.mode, 8))
+    Path(s.marker_dir).mkdir(parents=True, exist_ok=True)
     train = Path(lay.train_dir)
-    for d in (train, Path(lay.work_dir), Path(lay.checkpoint_dir), Path(s.marker_dir)):
-        d.mkdir(parents=True, exist_ok=True)
-    (train / "plan.json").write_text(lay.plan_json())
-    shutil.copy(train_stage.GPU_MODULE, train / "verl_lab_gpu.py")
+    assert sorted(p.name for p in train.iterdir() if p.is_file()) == [
+        "plan.json", "train-launcher", "train.env", "verl_lab_gpu.py"]
     launcher = train / "train-launcher"
-    launcher.write_text(render(train_stage.LAUNCHER_TEMPLATE, lay.values()))
-    launcher.chmod(0o755)
-    (train / "train.env").write_text(render(train_stage.ENV_TEMPLATE, lay.values()))
     bindir = tmp_path / "bin"
     bindir.mkdir()
     smi = bindir / "nvidia-smi"
@@ -254,3 +286,45 @@ def test_no_preflight_execs_main_ppo_in_work_dir(box):
     assert got["cwd"] == box["layout"].work_dir
     assert got["argv"] == box["layout"].plan.override_lines
     assert got["offline"] == "1"        # read from train.env when run by hand
+
+
+def test_missing_or_unreadable_plan_fails_the_preflight_clearly(box):
+    plan_file = Path(box["layout"].plan_file)
+    good = plan_file.read_text()
+    plan_file.unlink()
+    for args in (["--check"], []):
+        out = run_launcher(box, *args)
+        assert out.returncode == 1
+        assert f"FAIL  plan: the plan {plan_file} cannot be read (No such file or directory)" in out.stdout
+        assert "re-run deploy/train.py" in out.stdout and "preflight FAILED" in out.stderr
+    out = run_launcher(box, "--print-overrides", "--against-plan")
+    assert out.returncode == 1 and not out.stdout and f"the plan {plan_file} cannot be read" in out.stderr
+    plan_file.write_text("{not json")
+    out = run_launcher(box, "--check")
+    assert out.returncode == 1 and f"FAIL  plan: the plan {plan_file} is not JSON" in out.stdout
+    plan = json.loads(good)
+    del plan["launch"]
+    plan_file.write_text(json.dumps(plan))
+    out = run_launcher(box, "--no-preflight")
+    assert out.returncode == 1 and "has no launch section" in out.stderr
+    broken = json.loads(good)
+    del broken["launch"]["paths"]["work_dir"]
+    plan_file.write_text(json.dumps(broken))
+    out = run_launcher(box, "--check")
+    assert out.returncode == 1 and "launch section is incomplete (KeyError: 'work_dir')" in out.stdout
+
+
+def test_plan_option_reads_another_plan(box, tmp_path):
+    plan_file = Path(box["layout"].plan_file)
+    elsewhere = tmp_path / "other-plan.json"
+    plan = json.loads(plan_file.read_text())
+    plan["launch"]["overrides"].append({"override": "trainer.save_freq=-1", "why": "by hand"})
+    elsewhere.write_text(json.dumps(plan))
+    plan_file.unlink()
+    for opt in (["--plan", str(elsewhere)], [f"--plan={elsewhere}"]):
+        out = run_launcher(box, *opt, "--print-overrides")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines() == [*box["layout"].plan.override_lines, "trainer.save_freq=-1"]
+    out = run_launcher(box, "--print-overrides", "--against-plan", "--plan", str(elsewhere))
+    assert out.returncode == 1 and "differ" in out.stderr
+    assert run_launcher(box, "--check", "--plan").returncode == 2

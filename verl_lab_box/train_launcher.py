@@ -1,0 +1,374 @@
+#!/usr/bin/env python3
+"""verl-lab training launcher: verl PPO on this box, as the box's plan says.
+
+Shipped unchanged by tasks/train.py (from verl_lab_box/train_launcher.py) to
+``<train_dir>/train-launcher``, beside the box's ``plan.json`` and ``verl_lab_gpu.py`` (the GPU
+reader, verl_lab_box/gpu.py). Everything it knows comes from plan.json's ``launch`` section:
+host, paths, the planned GPU and predicted peak memory, and the verl overrides each with its
+reason (``"overrides": [{"override": ..., "why": ...}]``). Do not edit: re-run deploy/train.py.
+
+    train-launcher --check             preflight: GPU, driver, env, data, model; what it would run
+    train-launcher --print-overrides   the Hydra overrides, one per line
+                   [--against-plan]    ... and exit 1 unless they equal plan.json's ``overrides``
+    train-launcher                     preflight, then exec verl.trainer.main_ppo (the systemd unit)
+    train-launcher --no-preflight      exec at once
+    train-launcher [...] -- KEY=VALUE  extra Hydra overrides after the plan's (a run by hand,
+                                       e.g. `-- trainer.total_training_steps=5 trainer.save_freq=-1`)
+    train-launcher --plan PATH [...]   read another plan.json than the one beside the launcher
+
+Runs with the system's Python (standard library only; the systemd unit names the interpreter,
+``settings.launcher_python``); the env's Python is asked about torch, verl and NVIDIA's NVML in
+a child process (``--probe-env``).
+"""
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PLAN_NAME = "plan.json"
+# The GPU reader: shipped beside the launcher as verl_lab_gpu.py; in the repo, its sibling gpu.py.
+GPU_READERS = ("verl_lab_gpu.py", "gpu.py")
+
+
+class PlanError(Exception):
+    """plan.json cannot be read, or has no usable ``launch`` section."""
+
+
+class Launch:
+    """plan.json's ``launch`` section: what this launcher runs, where, and for which GPU."""
+
+    def __init__(self, plan_file, plan):
+        launch = plan.get("launch") if isinstance(plan, dict) else None
+        if not isinstance(launch, dict):
+            raise PlanError(f"{plan_file} has no launch section (written by an older deploy/train.py?)")
+        try:
+            paths = launch["paths"]
+            self.host = str(launch["host"])
+            self.plan_source = str(launch["plan_source"])
+            self.gpu_name = str(launch["gpu"]["name"])
+            self.gpu_count = int(launch["gpu"]["count"])
+            self.gpu_memory_mib = int(launch["gpu"]["memory_mib"])
+            self.predicted_peak_mib = int(launch["predicted_peak_mib"])
+            self.train_dir = paths["train_dir"]
+            self.work_dir = paths["work_dir"]
+            self.checkpoint_dir = paths["checkpoint_dir"]
+            self.env_file = paths["env_file"]
+            self.env_python = paths["env_python"]
+            self.env_marker = paths["env_marker"]
+            self.data_marker = paths["data_marker"]
+            self.data_files = list(paths["data_files"])
+            self.model_dir = paths["model_dir"]
+            # verl.trainer.main_ppo overrides, each with the plan's reason
+            self.overrides = [str(o["override"]) for o in launch["overrides"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"{plan_file}: its launch section is incomplete ({type(exc).__name__}: {exc})") from None
+        self.plan_file = plan_file
+        self.planned_overrides = plan.get("overrides")
+
+
+def load_launch(plan_file):
+    """The ``launch`` section of ``plan_file``; PlanError saying why not and what to do."""
+    fix = "re-run deploy/train.py (it writes plan.json beside this launcher)"
+    try:
+        with open(plan_file) as fh:
+            plan = json.load(fh)
+    except OSError as exc:
+        raise PlanError(f"the plan {plan_file} cannot be read ({exc.strerror or exc}): {fix}") from None
+    except ValueError as exc:
+        raise PlanError(f"the plan {plan_file} is not JSON ({exc}): {fix}") from None
+    try:
+        return Launch(plan_file, plan)
+    except PlanError as exc:
+        raise PlanError(f"{exc}: {fix}") from None
+
+
+class Report:
+    def __init__(self):
+        self.results = []
+
+    def add(self, status, name, detail):
+        self.results.append((status, name, detail))
+        print(f"  {status:<5} {name}: {detail}", flush=True)
+
+    def ok(self, name, detail):
+        self.add("ok", name, detail)
+
+    def fail(self, name, detail):
+        self.add("FAIL", name, detail)
+
+    def skip(self, name, detail):
+        self.add("skip", name, detail)
+
+    @property
+    def failed(self):
+        return [name for status, name, _ in self.results if status == "FAIL"]
+
+
+def gpu_module():
+    """verl_lab_box/gpu.py, loaded from beside this launcher (no package on the box)."""
+    if "verl_lab_gpu" in sys.modules:
+        return sys.modules["verl_lab_gpu"]
+    for name in GPU_READERS:
+        path = os.path.join(HERE, name)
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("verl_lab_gpu", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["verl_lab_gpu"] = module      # its dataclasses look their module up
+            spec.loader.exec_module(module)
+            return module
+    raise ImportError(f"no GPU reader ({' or '.join(GPU_READERS)}) beside {os.path.abspath(__file__)}: "
+                      "re-run deploy/train.py")
+
+
+def check_gpu(rep, launch):
+    """nvidia-smi: the GPUs match the plan, with enough free memory."""
+    gpu = gpu_module()
+    name, count, memory = launch.gpu_name, launch.gpu_count, launch.gpu_memory_mib
+    out = subprocess.run(["sh", "-c", gpu.fact_command()], capture_output=True, text=True)
+    inv = gpu.parse_fact_output(out.stdout)
+    if not inv.ok:
+        rep.fail("gpu", f"nvidia-smi: {inv.problem}")
+        rep.skip("gpu memory", "no GPU list")
+        return
+    names = sorted({g.name for g in inv.gpus})
+    problems = []
+    if names != [name]:
+        problems.append(f"the plan is for {name}, nvidia-smi lists {', '.join(names)}")
+    if len(inv.gpus) < count:
+        problems.append(f"the plan uses {count} GPUs, nvidia-smi lists {len(inv.gpus)}")
+    small = [g for g in inv.gpus[:count] if g.memory_total_mib < memory]
+    if small:
+        problems.append(f"GPU {small[0].index} has {small[0].memory_total_mib} MiB, the plan assumed {memory} MiB")
+    if problems:
+        rep.fail("gpu", "; ".join(problems) + f" (re-run deploy/train.py to plan for this GPU; plan from "
+                                               f"{launch.plan_source})")
+    else:
+        rep.ok("gpu", f"{len(inv.gpus)} x {name}, {memory} MiB, driver {inv.driver_version}")
+    free = [g.memory_free_mib for g in inv.gpus[:count]]
+    peak = launch.predicted_peak_mib
+    if any(f is None for f in free):
+        rep.skip("gpu memory", "nvidia-smi reports no free memory")
+    elif min(free) < peak:
+        rep.fail("gpu memory", f"{min(free)} MiB free on a GPU, the plan's predicted peak is {peak} MiB "
+                               "(another process holds GPU memory: nvidia-smi shows which)")
+    else:
+        rep.ok("gpu memory", f"{min(free)} MiB free >= predicted peak {peak} MiB")
+
+
+def check_driver(rep, launch):
+    """The kernel driver: what CUDA opens, whatever nvidia-smi prints."""
+    missing = [p for p in ["/proc/driver/nvidia/version", "/dev/nvidiactl"]
+               + [f"/dev/nvidia{i}" for i in range(launch.gpu_count)] if not os.path.exists(p)]
+    if missing:
+        rep.fail("cuda device", "no usable CUDA device: " + ", ".join(missing) + " missing (no NVIDIA kernel driver "
+                                "is loaded here, whatever nvidia-smi answers)")
+    else:
+        with open("/proc/driver/nvidia/version") as fh:
+            rep.ok("cuda device", fh.readline().strip())
+
+
+def probe_env():
+    """Runs under the env's Python: what torch, verl and NVML say, as JSON."""
+    found = {"python": sys.version.split()[0]}
+    try:
+        import torch
+
+        found["torch"] = torch.__version__
+        found["torch_cuda"] = torch.version.cuda
+        found["cuda_available"] = bool(torch.cuda.is_available())
+        found["device_count"] = torch.cuda.device_count() if found["cuda_available"] else 0
+        if found["cuda_available"]:
+            found["devices"] = [torch.cuda.get_device_name(i) for i in range(found["device_count"])]
+            found["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    except Exception as exc:
+        found["torch_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        import verl
+
+        found["verl"] = getattr(verl, "__version__", "unknown")
+    except Exception as exc:
+        found["verl_error"] = f"{type(exc).__name__}: {exc}"
+    nvml = gpu_module().read_nvml()
+    found["nvml"] = {"ok": nvml.ok, "problem": nvml.problem, "gpus": [g.name for g in nvml.gpus]}
+    print(json.dumps(found))
+
+
+def check_env(rep, launch):
+    env_marker, env_python = launch.env_marker, launch.env_python
+    if os.path.isfile(env_marker):
+        rep.ok("env marker", env_marker)
+    else:
+        rep.fail("env marker", f"{env_marker} missing: the Python env stage has not finished on this box")
+    if not os.access(env_python, os.X_OK):
+        rep.fail("env python", f"{env_python} does not exist: the Python env stage has not run on this box")
+        rep.skip("torch", "no env python to ask")
+        return
+    try:
+        out = subprocess.run([env_python, os.path.abspath(__file__), "--probe-env"], capture_output=True,
+                             text=True, timeout=600)
+        found = json.loads(out.stdout.strip().splitlines()[-1])
+    except Exception as exc:
+        rep.fail("env python", f"{env_python} could not be asked about torch/verl: {exc}")
+        return
+    if "torch_error" in found:
+        rep.fail("torch", f"the env cannot import torch: {found['torch_error']}")
+    elif not found["cuda_available"]:
+        rep.fail("torch", f"no usable CUDA device is visible to torch (torch {found['torch']}, built for CUDA "
+                          f"{found['torch_cuda'] or 'none'}): training cannot run on this box")
+    elif found["device_count"] < launch.gpu_count:
+        rep.fail("torch", f"torch sees {found['device_count']} CUDA devices, the plan uses {launch.gpu_count}")
+    else:
+        rep.ok("torch", f"torch {found['torch']} (CUDA {found['torch_cuda']}) sees {found['device_count']} x "
+                        f"{found['devices'][0]}, compute capability {found['capability']}")
+    if "verl_error" in found:
+        rep.fail("verl", f"the env cannot import verl: {found['verl_error']}")
+    else:
+        rep.ok("verl", f"verl {found['verl']}")
+    nvml = found["nvml"]
+    if nvml["ok"]:
+        rep.ok("nvml", ", ".join(nvml["gpus"]))
+    elif "not installed" in (nvml["problem"] or ""):
+        rep.skip("nvml", nvml["problem"])
+    else:
+        rep.fail("nvml", nvml["problem"])
+
+
+def check_data(rep, launch):
+    data_marker, data_files, model_dir = launch.data_marker, launch.data_files, launch.model_dir
+    if os.path.isfile(data_marker):
+        rep.ok("data marker", data_marker)
+    else:
+        rep.fail("data marker", f"{data_marker} missing: the model and data stage has not finished on this box")
+    missing = [p for p in data_files if not os.path.isfile(p)]
+    if missing:
+        rep.fail("data", "missing " + ", ".join(missing))
+    else:
+        rep.ok("data", ", ".join(data_files))
+    weights = [n for n in (os.listdir(model_dir) if os.path.isdir(model_dir) else []) if n.endswith(".safetensors")]
+    if not os.path.isfile(os.path.join(model_dir, "config.json")) or not weights:
+        rep.fail("model", f"{model_dir} has no config.json and *.safetensors: the model stage has not finished")
+    else:
+        rep.ok("model", f"{model_dir} ({', '.join(sorted(weights))})")
+
+
+def check_dirs(rep, launch):
+    bad = [d for d in (launch.work_dir, launch.checkpoint_dir) if not os.access(d, os.W_OK)]
+    if bad:
+        rep.fail("train dirs", f"not writable by this user: {', '.join(bad)}")
+    else:
+        rep.ok("train dirs", f"{launch.work_dir}, {launch.checkpoint_dir} writable")
+
+
+def command(launch, extra=()):
+    return [launch.env_python, "-m", "verl.trainer.main_ppo", *launch.overrides, *extra]
+
+
+def plan_failed(plan_file, problem):
+    """The preflight without a readable plan: one failed check, and why."""
+    print(f"verl-lab preflight: no plan to check against ({plan_file})", flush=True)
+    Report().fail("plan", problem)
+    print(f"verl-lab preflight FAILED: 1 of 1 checks failed (plan): {problem}", file=sys.stderr, flush=True)
+    return 1
+
+
+def preflight(launch, extra=()):
+    host = launch.host
+    print(f"verl-lab preflight on {host}: {launch.gpu_count} x {launch.gpu_name} planned (plan from "
+          f"{launch.plan_source})", flush=True)
+    rep = Report()
+    for check in (check_gpu, check_driver, check_env, check_data, check_dirs):
+        try:
+            check(rep, launch)
+        except Exception as exc:  # a check that breaks is a failed check, not a traceback
+            rep.fail(check.__name__[len("check_"):], f"{type(exc).__name__}: {exc}")
+    print(f"would run (in {launch.work_dir}):\n  {launch.env_python} -m verl.trainer.main_ppo \\\n    "
+          + " \\\n    ".join(shlex.quote(o) for o in [*launch.overrides, *extra]), flush=True)
+    if rep.failed:
+        print(f"verl-lab preflight FAILED on {host}: {len(rep.failed)} of {len(rep.results)} checks failed "
+              f"({', '.join(rep.failed)})", file=sys.stderr, flush=True)
+        return 1
+    print(f"verl-lab preflight passed on {host}", flush=True)
+    return 0
+
+
+def load_env_file(launch):
+    """The unit's EnvironmentFile, for a run by hand (systemd has set these already)."""
+    try:
+        with open(launch.env_file) as fh:
+            for line in fh:
+                line = line.strip()
+                if line and not line.startswith("#") and "=" in line:
+                    key, _, value = line.partition("=")
+                    os.environ.setdefault(key, value)
+    except OSError as exc:
+        print(f"verl-lab: cannot read {launch.env_file} ({exc}); using the current environment", file=sys.stderr)
+
+
+def print_overrides(launch, against_plan):
+    print("\n".join(launch.overrides))
+    if against_plan and launch.planned_overrides != launch.overrides:
+        print(f"verl-lab: the launch section's overrides differ from the plan's in {launch.plan_file}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def plan_option(argv):
+    """``--plan PATH`` / ``--plan=PATH`` taken out of argv; default: plan.json beside the launcher."""
+    rest, plan_file = [], os.path.join(HERE, PLAN_NAME)
+    args = iter(argv)
+    for arg in args:
+        if arg == "--plan":
+            plan_file = next(args, None)
+            if plan_file is None:
+                raise PlanError("--plan needs a path to a plan.json")
+        elif arg.startswith("--plan="):
+            plan_file = arg[len("--plan="):]
+        else:
+            rest.append(arg)
+    return rest, plan_file
+
+
+def main(argv):
+    extra = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+        bad = [e for e in extra if "=" not in e or e.startswith("-")]
+        if bad:
+            print(f"verl-lab: after -- only Hydra overrides KEY=VALUE are passed on, not {' '.join(bad)}",
+                  file=sys.stderr)
+            return 2
+    if "--probe-env" in argv:
+        probe_env()
+        return 0
+    try:
+        argv, plan_file = plan_option(argv)
+    except PlanError as exc:
+        print(f"verl-lab: {exc}", file=sys.stderr)
+        return 2
+    try:
+        launch = load_launch(plan_file)
+    except PlanError as exc:
+        if "--check" in argv or not ({"--print-overrides", "--no-preflight"} & set(argv)):
+            return plan_failed(plan_file, str(exc))
+        print(f"verl-lab: {exc}", file=sys.stderr)
+        return 1
+    if "--print-overrides" in argv:
+        return print_overrides(launch, "--against-plan" in argv)
+    load_env_file(launch)
+    if "--check" in argv:
+        return preflight(launch, extra)
+    if "--no-preflight" not in argv and preflight(launch, extra) != 0:
+        return 1
+    os.chdir(launch.work_dir)
+    sys.stdout.flush()
+    os.execv(launch.env_python, command(launch, extra))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
