@@ -40,8 +40,9 @@ def _text(cmd) -> str:
     return cmd.get_raw_value() if isinstance(cmd, StringCommand) else str(cmd)
 
 
-class Bundle(FactBase):
-    """``facts``: ``[(FactClass, {kwargs}), ...]``; returns their answers, in order, as a list."""
+class Bundle(FactBase[list]):
+    """``facts``: ``[(FactClass, {kwargs}), ...]``; returns their answers, in order, as a list
+    (None, pyinfra's default, only where the bundle gave no output: ``ask`` handles it)."""
 
     def command(self, facts: list) -> str:
         parts = ["rc=0"]

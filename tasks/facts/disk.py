@@ -29,12 +29,12 @@ def parse_df_portable(lines: Iterable[str]) -> dict | None:
     return None
 
 
-class FreeDisk(FactBase):
+class FreeDisk(FactBase[dict | None]):
     """Free space (MiB) on the filesystem that ``path`` is, or would be, created on.
 
     ``path`` need not exist: the nearest existing parent is measured. Returns
     ``{"path": <that parent>, "filesystem": ..., "mount": ..., "size_mib": int, "free_mib": int}``
-    or None when df gave nothing usable.
+    or None (the default) when df gave nothing usable.
     """
 
     def command(self, path: str) -> str:
@@ -44,7 +44,7 @@ class FreeDisk(FactBase):
             "echo \"@@ $p\"; df -P -m \"$p\" 2>&1; true"
         )
 
-    def process(self, output):
+    def process(self, output) -> dict | None:
         lines = list(output)
         where = None
         for line in lines:
@@ -52,5 +52,5 @@ class FreeDisk(FactBase):
                 where = line[3:].strip()
         row = parse_df_portable(line for line in lines if not line.startswith("@@ "))
         if row is None:
-            return None
+            return self.default()
         return {"path": where, **row}

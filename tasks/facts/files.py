@@ -7,12 +7,12 @@ import shlex
 from pyinfra.api import FactBase
 
 
-class VerifiedArtifact(FactBase):
+class VerifiedArtifact(FactBase[dict | None]):
     """The verified-checksum stamp of an artifact file, if the file is still as stamped.
 
     Returns ``{"sha256": str, "size": int}`` when ``path`` and ``path.sha256`` exist, the file's
     size matches the stamp and the file was not written to after the stamp was (a copy changed
-    in place, same size, is not trusted); else ``None``. Costs a ``stat``, not a re-hash.
+    in place, same size, is not trusted); else None (the default). Costs a ``stat``, not a re-hash.
     """
 
     def command(self, path: str) -> str:
@@ -20,27 +20,28 @@ class VerifiedArtifact(FactBase):
         s = shlex.quote(path + ".sha256")
         return f"if [ -f {p} ] && [ -f {s} ]; then cat {s}; stat -c '%s %.9Y' {p} {s}; else echo none; fi"
 
-    def process(self, output):
+    def process(self, output) -> dict | None:
         lines = [line.strip() for line in output if line.strip()]
         if not lines or lines[0] == "none" or len(lines) < 2:
-            return None
+            return self.default()
         parts = lines[0].split()
         size = lines[1].split()
         if len(parts) != 2 or not parts[1].isdigit() or not size or not size[0].isdigit():
-            return None
+            return self.default()
         if int(parts[1]) != int(size[0]):
-            return None
+            return self.default()
         if len(lines) >= 3 and len(size) == 2 and len(lines[2].split()) == 2:
             try:
                 if float(size[1]) > float(lines[2].split()[1]):
-                    return None          # written to after it was verified
+                    return self.default()  # written to after it was verified
             except ValueError:
-                pass                     # a stat without %.9Y: size only
+                pass                       # a stat without %.9Y: size only
         return {"sha256": parts[0], "size": int(size[0])}
 
 
-class Marker(FactBase):
-    """The contents of a stage marker file as a dict of ``key=value`` lines, or None."""
+class Marker(FactBase[dict[str, str] | None]):
+    """The contents of a stage marker file as a dict of ``key=value`` lines; None (the default)
+    without the file, or for an empty one."""
 
     def command(self, path: str, legacy: str | None = None) -> str:
         """``legacy``: a stage's marker under its old name, read when ``path`` is missing."""
@@ -50,10 +51,10 @@ class Marker(FactBase):
             return f"if [ -f {p} ]; then cat {p}; elif [ -f {q} ]; then cat {q}; else echo __none__; fi"
         return f"if [ -f {p} ]; then cat {p}; else echo __none__; fi"
 
-    def process(self, output):
+    def process(self, output) -> dict[str, str] | None:
         lines = list(output)
-        if lines and lines[0].strip() == "__none__":
-            return None
+        if not lines or lines[0].strip() == "__none__":
+            return self.default()
         found = {}
         for line in lines:
             if "=" in line:
@@ -62,14 +63,17 @@ class Marker(FactBase):
         return found
 
 
-class PathStates(FactBase):
+class PathStates(FactBase[dict[str, dict | None]]):
     """What is at each path, in one command (pyinfra's own facts cost 1-3 commands per path).
 
     Returns ``{path: state}`` with state ``None`` (nothing there), ``{"kind": "link"}``,
     ``{"kind": "other"}`` (a socket, a device...), ``{"kind": "dir", "mode", "user", "group"}``
     or ``{"kind": "file", "mode", "user", "group", "sha1"}``; ``mode`` is octal text as
-    ``stat %a`` prints it ("755"), an unreadable file's sha1 is ``None``.
+    ``stat %a`` prints it ("755"), an unreadable file's sha1 is ``None``; {} (the default) for
+    no paths. A line not in the command's shape is skipped.
     """
+
+    default = dict
 
     def command(self, paths: list[str]) -> str:
         quoted = " ".join(shlex.quote(p) for p in paths)
@@ -81,8 +85,8 @@ class PathStates(FactBase):
                 "elif [ -e \"$p\" ]; then echo \"other - - - - $p\"; "
                 "else echo \"none - - - - $p\"; fi; done")
 
-    def process(self, output):
-        found = {}
+    def process(self, output) -> dict[str, dict | None]:
+        found = self.default()
         for line in output:
             parts = line.strip().split(" ", 5)
             if len(parts) != 6:
@@ -100,33 +104,39 @@ class PathStates(FactBase):
         return found
 
 
-class PasswdEntry(FactBase):
-    """A user's passwd entry as ``{"uid", "gid", "home", "shell"}``, or None."""
+class PasswdEntry(FactBase[dict | None]):
+    """A user's passwd entry as ``{"uid", "gid", "home", "shell"}``, or None (the default)
+    without such a user."""
 
     def command(self, user: str) -> str:
         return f"getent passwd {shlex.quote(user)} || true"
 
-    def process(self, output):
+    def process(self, output) -> dict | None:
         for line in output:
             fields = line.strip().split(":")
             if len(fields) == 7:
                 return {"uid": int(fields[2]), "gid": int(fields[3]), "home": fields[5], "shell": fields[6]}
-        return None
+        return self.default()
 
 
-class UnitState(FactBase):
+class UnitState(FactBase[dict[str, bool]]):
     """Whether a systemd unit is enabled and active, in one command: ``{"enabled", "active"}``.
 
     ``enabled`` is True only for ``systemctl is-enabled`` = enabled; ``active`` for
-    ``is-active`` = active (or activating: a unit starting now).
+    ``is-active`` = active (or activating: a unit starting now). Both False (the default) for
+    no such unit, or no systemd (the command handles a missing systemctl: no requires_command).
     """
+
+    @staticmethod
+    def default() -> dict[str, bool]:
+        return {"enabled": False, "active": False}
 
     def command(self, unit: str) -> str:
         u = shlex.quote(unit)
         return (f"echo \"enabled=$(systemctl is-enabled {u} 2>/dev/null)\"; "
                 f"echo \"active=$(systemctl is-active {u} 2>/dev/null)\"")
 
-    def process(self, output):
+    def process(self, output) -> dict[str, bool]:
         found = dict(line.strip().partition("=")[::2] for line in output if "=" in line)
         return {"enabled": found.get("enabled", "").strip() == "enabled",
                 "active": found.get("active", "").strip() in ("active", "activating", "reloading")}

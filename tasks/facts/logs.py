@@ -10,11 +10,16 @@ from pyinfra.api import FactBase
 SECTION = "=====verl-lab-section:"
 
 
-class BoxLogs(FactBase):
+class BoxLogs(FactBase[dict]):
     """The training unit's journal and state, the stage logs, and the box's plan.json.
 
-    Returns ``{"sources": {name: text}, "unit_state": str, "plan": dict | None}``.
+    Returns ``{"sources": {name: text}, "unit_state": str, "plan": dict | None}``; the default,
+    nothing read: no sources, no state, no plan.
     """
+
+    @staticmethod
+    def default() -> dict:
+        return {"sources": {}, "unit_state": "", "plan": None}
 
     def command(self, unit: str, log_glob: str, plan_path: str, lines: int = 400) -> str:
         u, p = shlex.quote(unit), shlex.quote(plan_path)
@@ -29,7 +34,7 @@ class BoxLogs(FactBase):
             f"(cat {p} 2>/dev/null || true)",
         ])
 
-    def process(self, output):
+    def process(self, output) -> dict:
         sections: dict[str, list[str]] = {}
         current = None
         for line in output:

@@ -56,7 +56,7 @@ def _sections(lines: Iterable[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-class CudaToolkits(FactBase):
+class CudaToolkits(FactBase[dict]):
     """CUDA toolkits under ``/usr/local/cuda-*`` (and the given prefixes), and ``/usr/local/cuda``.
 
     Returns::
@@ -66,8 +66,13 @@ class CudaToolkits(FactBase):
                                                 "cudnn": "8.9.7" or None,
                                                 "in_progress": bool}}}
 
-    A prefix appears only when it exists as a directory.
+    A prefix appears only when it exists as a directory; the default, nothing there:
+    ``{"link": None, "toolkits": {}}``.
     """
+
+    @staticmethod
+    def default() -> dict:
+        return {"link": None, "toolkits": {}}
 
     def command(self, prefixes: Iterable[str] = ()) -> str:
         extra = " ".join(shlex.quote(p) for p in prefixes)
@@ -85,7 +90,7 @@ class CudaToolkits(FactBase):
             "done; true"
         )
 
-    def process(self, output):
+    def process(self, output) -> dict:
         return toolkits_from_sections(_sections(output))
 
 
@@ -110,11 +115,16 @@ def toolkits_from_sections(sections: list[tuple[str, list[str]]]) -> dict:
     return {"link": link, "toolkits": toolkits}
 
 
-class CudaHostCompiler(FactBase):
+class CudaHostCompiler(FactBase[dict[str, str | None]]):
     """The default ``gcc`` version and whether ``gcc-11``/``g++-11`` are on the box.
 
-    Returns ``{"gcc": "12.2.0" or None, "gcc-11": "/usr/bin/gcc-11" or None, "g++-11": ... }``.
+    Returns ``{"gcc": "12.2.0" or None, "gcc-11": "/usr/bin/gcc-11" or None, "g++-11": ... }``;
+    all None (the default) where none is there.
     """
+
+    @staticmethod
+    def default() -> dict[str, str | None]:
+        return {"gcc": None, "gcc-11": None, "g++-11": None}
 
     def command(self) -> str:
         return (
@@ -123,8 +133,8 @@ class CudaHostCompiler(FactBase):
             "echo \"g++-11=$(command -v g++-11 2>/dev/null)\"; true"
         )
 
-    def process(self, output):
-        found = {"gcc": None, "gcc-11": None, "g++-11": None}
+    def process(self, output) -> dict[str, str | None]:
+        found = self.default()
         for line in output:
             key, sep, value = line.strip().partition("=")
             if sep and key in found:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.facts.disk import FreeDisk, parse_df_portable
+from tasks.facts.disk import FreeDisk
 from tasks.facts.gpu import NvidiaGpus, driver_view, parse_gpu_query, parse_proc_driver_version, parse_smi_banner
 from tasks.facts.nvidia import (
     CudaHostCompiler,
@@ -33,10 +33,6 @@ PROC_OPEN = (
 PROC_OLD = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.82.01  Wed Oct 27 21:21:55 UTC 2021\n"
 SMI_NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
                  "Make sure that the latest NVIDIA driver is installed and running.")
-DF_OUTPUT = [
-    "Filesystem     1048576-blocks  Used Available Capacity Mounted on",
-    "/dev/vda               258020 23188     80710      23% /",
-]
 
 
 def run_fact(fact, *args, env=None) -> object:
@@ -85,15 +81,6 @@ def test_cudnn_header():
     assert parse_cudnn_version_header("#define CUDNN_MAJOR 8\n#define CUDNN_MINOR 9\n") is None
     nine = "#define CUDNN_MAJOR 9\n#define CUDNN_MINOR 1\n#define CUDNN_PATCHLEVEL 0\n"
     assert parse_cudnn_version_header(nine) == "9.1.0"
-
-
-def test_df_portable():
-    assert parse_df_portable(DF_OUTPUT) == {"filesystem": "/dev/vda", "size_mib": 258020,
-                                            "free_mib": 80710, "mount": "/"}
-    spaced = ["Filesystem 1048576-blocks Used Available Capacity Mounted on",
-              "overlay 1000 10 990 1% /mnt/my disk"]
-    assert parse_df_portable(spaced)["mount"] == "/mnt/my disk"
-    assert parse_df_portable(["df: /nope: No such file or directory"]) is None
 
 
 # ---------------------------------------------------------------- facts, commands run for real
@@ -152,21 +139,12 @@ def test_toolkits_fact_reads_each_prefix(tmp_path):
     assert str(tmp_path / "missing") not in tks
 
 
-def test_toolkits_process_link_states():
-    out = ["@@ link", "/usr/local/cuda-12.4"]
-    assert CudaToolkits().process(out) == {"link": "/usr/local/cuda-12.4", "toolkits": {}}
-    assert CudaToolkits().process(["@@ link"])["link"] is None
-    assert CudaToolkits().process(["@@ link", "<not a link>"])["link"] == "<not a link>"
-
-
 def test_free_disk_nearest_existing_parent(tmp_path):
     got = run_fact(FreeDisk(), str(tmp_path / "not" / "yet" / "there"))
     assert got["path"] == str(tmp_path)
     assert got["free_mib"] > 0 and got["mount"].startswith("/")
 
 
-def test_host_compiler_fact_process():
-    got = CudaHostCompiler().process(["gcc=12.2.0", "gcc-11=/usr/bin/gcc-11", "g++-11="])
-    assert got == {"gcc": "12.2.0", "gcc-11": "/usr/bin/gcc-11", "g++-11": None}
+def test_host_compiler_fact_runs_here():
     here = run_fact(CudaHostCompiler())
     assert set(here) == {"gcc", "gcc-11", "g++-11"}

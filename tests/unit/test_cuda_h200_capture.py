@@ -2,9 +2,13 @@
  580.159.04, CUDA 13.0 installed through update-alternatives), captured 2026-12-02 by running
  the commands of tasks/facts/{nvidia,disk}.py there; replayed through the facts and the planner.
  The driver's lines (nvidia-smi's query and banner, /proc/driver/nvidia/version) are laid out as
- the GPU fact (tasks/facts/gpu.py) prints them."""
+ the GPU fact (tasks/facts/gpu.py) prints them; the toolkits', disk's and compiler's outputs are
+ cases of the facts' table (tests/fixtures/facts/, tests/unit/test_facts_table.py)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from tasks.cuda import CudaFacts, cuda_want, plan_cuda
 from tasks.facts.disk import FreeDisk
@@ -12,6 +16,8 @@ from tasks.facts.gpu import NvidiaGpus, driver_view
 from tasks.facts.nvidia import CudaHostCompiler, CudaToolkits
 from tasks.target import decide_compiler
 from tasks.settings import load_settings
+
+FACT_CASES = Path(__file__).resolve().parents[1] / "fixtures" / "facts"
 
 H200_DRIVER = """\
 0, NVIDIA H200, 9.0, 143771, 143156, 580.159.04
@@ -31,42 +37,15 @@ NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Bui
 GCC version:  gcc version 15.3.0 (GCC) 
 """
 
-H200_TOOLKITS = """\
-@@ link
-/etc/alternatives/cuda
-@@ toolkit /usr/local/cuda-13
-nvcc: NVIDIA (R) Cuda compiler driver
-Copyright (c) 2005-2025 NVIDIA Corporation
-Built on Wed_Aug_20_01:58:59_PM_PDT_2025
-Cuda compilation tools, release 13.0, V13.0.88
-Build cuda_13.0.r13.0/compiler.36424714_0
-@@ cudnn /usr/local/cuda-13
-@@ toolkit /usr/local/cuda-13.0
-nvcc: NVIDIA (R) Cuda compiler driver
-Copyright (c) 2005-2025 NVIDIA Corporation
-Built on Wed_Aug_20_01:58:59_PM_PDT_2025
-Cuda compilation tools, release 13.0, V13.0.88
-Build cuda_13.0.r13.0/compiler.36424714_0
-@@ cudnn /usr/local/cuda-13.0
-"""
 
-H200_DISK_PREFIX = """\
-@@ /usr/local
-Filesystem     1048576-blocks  Used Available Capacity Mounted on
-/dev/vda               258020 16487     65519      21% /
-"""
+def recorded(fact: str, case: str) -> list[str]:
+    """The box's output of a fact, as recorded in the facts' table (tests/unit/test_facts_table.py)."""
+    return json.loads((FACT_CASES / fact / f"{case}.json").read_text())["output"]
 
-H200_DISK_TMP = """\
-@@ /var/tmp
-Filesystem     1048576-blocks  Used Available Capacity Mounted on
-/dev/vda               258020 16487     65519      21% /
-"""
 
-H200_COMPILER = """\
-gcc=13.3.0
-gcc-11=
-g++-11=
-"""
+H200_TOOLKITS = recorded("nvidia.CudaToolkits", "h200")
+H200_DISK_PREFIX = recorded("disk.FreeDisk", "h200_prefix")
+H200_COMPILER = recorded("nvidia.CudaHostCompiler", "h200")
 H200_OS_RELEASE = {"ID": "ubuntu", "VERSION_ID": "24.04", "PRETTY_NAME": "Ubuntu 24.04.3 LTS"}
 
 
@@ -87,31 +66,15 @@ def test_proc_fallback_on_real_h200_open_module():
     assert got["version"] == "580.159.04" and got["source"] == "proc"
 
 
-def test_toolkits_fact_on_real_h200():
-    got = CudaToolkits().process(lines(H200_TOOLKITS))
-    assert got["link"] == "/etc/alternatives/cuda"   # Ubuntu's alternatives chain, not a direct link
-    assert got["toolkits"] == {
-        "/usr/local/cuda-13": {"nvcc": {"release": "13.0", "version": "13.0.88"}, "cudnn": None, "in_progress": False},
-        "/usr/local/cuda-13.0": {"nvcc": {"release": "13.0", "version": "13.0.88"}, "cudnn": None, "in_progress": False},
-    }
-
-
-def test_disk_and_compiler_facts_on_real_h200():
-    prefix = FreeDisk().process(lines(H200_DISK_PREFIX))
-    assert prefix == {"path": "/usr/local", "filesystem": "/dev/vda", "mount": "/", "size_mib": 258020, "free_mib": 65519}
-    assert FreeDisk().process(lines(H200_DISK_TMP))["path"] == "/var/tmp"
-    assert CudaHostCompiler().process(lines(H200_COMPILER)) == {"gcc": "13.3.0", "gcc-11": None, "g++-11": None}
-
-
 def test_plan_for_the_real_h200_box():
     want = cuda_want(load_settings("h200", {}))
-    disk = FreeDisk().process(lines(H200_DISK_PREFIX))
+    disk = FreeDisk().process(H200_DISK_PREFIX)
     facts = CudaFacts(
         os_release=H200_OS_RELEASE,
         driver=driver_view(NvidiaGpus().process(lines(H200_DRIVER))),
-        toolkits=CudaToolkits().process(lines(H200_TOOLKITS)),
+        toolkits=CudaToolkits().process(H200_TOOLKITS),
         disk={want.tmpdir: disk, want.prefix: disk, want.box_cache: disk},
-        compiler=decide_compiler(H200_OS_RELEASE, CudaHostCompiler().process(lines(H200_COMPILER))),
+        compiler=decide_compiler(H200_OS_RELEASE, CudaHostCompiler().process(H200_COMPILER)),
         marker=None,
     )
     plan = plan_cuda(want, facts)

@@ -249,20 +249,3 @@ def test_legacy_repo_info_api(endpoint):
     info = HfApi(endpoint=endpoint.url).dataset_info(DATASET_REPO, revision="main")
     assert info.sha == endpoint.repos[("dataset", DATASET_REPO)].commit
     assert "main/train-00000-of-00001.parquet" in [s.rfilename for s in info.siblings]
-
-
-def test_facts_read_what_the_box_prints():
-    from tasks.facts.data import FilesPresent, PythonModules, SnapshotStamp, StagedFiles
-
-    assert SnapshotStamp().process(["__none__"]) is None
-    assert SnapshotStamp().process(['{"digest": "ab", "files": {}}']) == {"digest": "ab", "files": {}}
-    assert SnapshotStamp().process(["{truncated"]) is None
-    sha = "a" * 64
-    assert StagedFiles().process([f"{sha}  ./main/x.parquet", "garbage"]) == {"main/x.parquet": sha}
-    assert StagedFiles.default() == {}
-    assert FilesPresent().process(["12 /a/b", "- /a/c"]) == {"/a/b": 12, "/a/c": None}
-    assert PythonModules().process(["__nopython__"]) is None
-    assert PythonModules().process(["pyarrow 1", "huggingface_hub 0"]) == {"pyarrow": True,
-                                                                          "huggingface_hub": False}
-    cmd = PythonModules().command("/opt/env/bin/python", ["pyarrow"])
-    assert cmd.startswith("if [ -x /opt/env/bin/python ]") and "pyarrow" in cmd

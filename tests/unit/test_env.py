@@ -13,7 +13,6 @@ import pytest
 import tasks.env as envstage
 import tasks.verl_source as verl_source
 from tasks.facts.gpu import Gpu, GpuInventory
-from tasks.facts.env import parse_build_host, parse_checkout_output, parse_env_output
 from tasks.settings import load_settings
 from tasks.target import decide_compiler, decide_gpu
 
@@ -282,22 +281,6 @@ def test_verl_clone_and_patch_commands(monkeypatch):
 
 
 # ------------------------------------------------------------------ facts and decisions
-
-def test_fact_parsers():
-    assert parse_env_output(["absent"])["present"] is False
-    env = parse_env_output(["target=verl.gen2", "prev=verl.gen1", "stamp=abc",
-                            '{"healthy": false, "broken": ["torch"], "checks": {"torch": {"ok": false, "detail": "No module named torch"}}}'])
-    assert env == {"present": True, "target": "verl.gen2", "prev": "verl.gen1", "stamp": "abc", "healthy": False,
-                   "broken": ["torch"], "checks": {"torch": {"ok": False, "detail": "No module named torch"}}}
-    crashed = parse_env_output(["target=verl.gen2", "prev=", "stamp=", "bash: python: not found"])
-    assert crashed["healthy"] is False and crashed["broken"] == ["python"] and crashed["prev"] is None
-    assert parse_checkout_output(["exists=0"]) is None
-    co = parse_checkout_output(["exists=1", "head=abc", "tag=abc", "patch:0001-x.diff=applied", "patch:0002-y.diff=conflict"])
-    assert co["at_ref"] and co["patches"] == {"0001-x.diff": "applied", "0002-y.diff": "conflict"}
-    bh = parse_build_host(["mem_kib=24000000", "cpus=2", "python=3.11", "python_h=0"])
-    assert bh["cpus"] == 2 and not bh["python_headers"] and bh["nvcc_release"] is None
-    assert "gcc" not in " ".join(bh)              # the host compiler is the host target's
-
 
 def test_env_decision():
     plan = envstage.plan_env(settings(), gpus(), BUILD)

@@ -1,20 +1,32 @@
-"""tasks/placed.py and its PathStates / UnitState facts: the one-command re-run check."""
+"""tasks/placed.py and its PathStates / UnitState facts: the one-command re-run check.
+
+What ``place()`` queues for a PathStates answer is a table: tests/fixtures/placed/<case>.json
+(the wanted folders and files, the answer the caller has, what place() asks for the paths it
+lacks, the ``{path: why}`` it returns and the operations it queues, in order). The facts'
+outputs are tests/unit/test_facts_table.py's."""
 
 from __future__ import annotations
 
 import grp
 import hashlib
+import json
 import os
 import pwd
 import subprocess
 
+from io import BytesIO
+from pathlib import Path
+
 import pytest
 
 from tasks.facts.files import PathStates, UnitState
-from tasks.placed import differs, rendered, wanted_dir, wanted_file
+from tasks.placed import Wanted, differs, place, rendered, wanted_file
 from tasks import env as envstage, train
 from tests.unit import test_env as env_test
 from tests.unit import test_train_launcher as launcher_test
+
+
+PLACED = Path(__file__).resolve().parents[1] / "fixtures" / "placed"
 
 
 def run_fact(fact, **kwargs):
@@ -54,22 +66,6 @@ def test_path_states_of_an_empty_file(tmp_path):
     f.write_bytes(b"")
     got = run_fact(PathStates(), paths=[str(f)])
     assert got[str(f)]["sha1"] == hashlib.sha1(b"").hexdigest()
-
-
-def test_differs_names_each_mismatch(tmp_path):
-    want = wanted_file("/x/launcher", "Launcher", "#!/bin/sh\n", mode="750", group="verl")
-    same = {"kind": "file", "mode": "750", "user": "root", "group": "verl", "sha1": want.sha1}
-    assert differs(same, want) is None
-    assert differs(None, want) == "missing"
-    assert differs({**same, "sha1": "0" * 40}, want) == "other content"
-    assert differs({**same, "mode": "755"}, want) == "mode 755 != 750"
-    assert differs({**same, "group": "root"}, want) == "owner root:root != root:verl"
-    assert differs({"kind": "link"}, want) == "a link where a file belongs"
-    assert differs({"kind": "dir", "mode": "750", "user": "root", "group": "verl"}, want) == "a dir where a file belongs"
-    d = wanted_dir("/x", mode="0750")
-    assert differs({"kind": "dir", "mode": "750", "user": "root", "group": "root"}, d) is None
-    assert differs({"kind": "file", "mode": "750", "user": "root", "group": "root", "sha1": None}, d) \
-        == "a file where a dir belongs"
 
 
 def test_differs_against_a_real_file(tmp_path):
@@ -112,17 +108,44 @@ def test_training_stage_asks_for_exactly_the_paths_it_places():
     assert [w.path for w in train.training_wanted(launcher_test.layout_for(s))] == train.training_paths(s)
 
 
-@pytest.mark.parametrize("lines,enabled,active", [
-    (["enabled=enabled", "active=active"], True, True),
-    (["enabled=disabled", "active=inactive"], False, False),
-    (["enabled=", "active=inactive"], False, False),          # no such unit
-    (["enabled=enabled", "active=activating"], True, True),
-    (["enabled=enabled", "active=failed"], True, False),
-])
-def test_unit_state(lines, enabled, active):
-    assert UnitState().process(lines) == {"enabled": enabled, "active": active}
-
-
 def test_unit_state_command_runs_without_systemd():
     got = run_fact(UnitState(), unit="verl-lab-no-such.service")
     assert got == {"enabled": False, "active": False}
+
+
+class Recorder:
+    """pyinfra's host (its PathStates fact) and the files operations place() calls, recorded."""
+
+    def __init__(self, asked: dict | None):
+        self.asked, self.ops = asked, []
+
+    def get_fact(self, cls, paths):
+        assert cls is PathStates and self.asked is not None, f"place() asked {cls.__name__} for {paths}"
+        assert paths == self.asked["paths"]
+        self.asked = {**self.asked, "done": True}
+        return self.asked["answer"]
+
+    def op(self, name):
+        def record(**kwargs):
+            src = kwargs.pop("src", None)
+            if isinstance(src, BytesIO):
+                kwargs["content"] = src.getvalue().decode()
+            self.ops.append([name, kwargs])
+        return record
+
+
+@pytest.mark.parametrize("path", sorted(PLACED.glob("*.json")), ids=lambda p: p.stem)
+def test_place_case(path, monkeypatch):
+    import pyinfra
+    from pyinfra.operations import files
+
+    case = json.loads(path.read_text())
+    rec = Recorder(case.get("asked"))
+    monkeypatch.setattr(pyinfra, "host", rec)
+    for name in ("link", "directory", "put"):
+        monkeypatch.setattr(files, name, rec.op(f"files.{name}"))
+    wanted = [Wanted(**{**w, "content": None if w["content"] is None else w["content"].encode()})
+              for w in case["wanted"]]
+    assert place(wanted, case["states"]) == case["result"]
+    assert rec.ops == case["operations"]
+    assert rec.asked is None or rec.asked.get("done"), "place() did not ask for the paths the answer lacks"
