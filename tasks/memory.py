@@ -501,7 +501,7 @@ class VerlWorkload:
     seq_len: int = 512                 # prompt + response tokens of one sample
     rollout: str = "vllm"              # "vllm" | "hf"
     rollout_dtype: str = "bf16"
-    rollout_batch: int = 64            # sequences generated at once
+    rollout_batch: int = 64            # sequences per HF generate() call (prompts x rollout.n, patch 0005)
     prompt_len: int = 128
     response_len: int = 384
     vllm_gpu_memory_utilization: float = 0.4
@@ -517,6 +517,7 @@ class VerlWorkload:
     ref_param_offload: bool = False
     critic_param_offload: bool = False
     critic_optimizer_offload: bool = False
+    n_gpus: int = 1                    # FSDP shards params, grads and optimizer states over the box's GPUs
     # inferred: verl 0.5.0 puts vLLM to sleep (weights to host, KV cache freed) between
     # rollouts. False charges vLLM's share to every phase.
     vllm_sleep: bool = True
@@ -531,7 +532,7 @@ class VerlWorkload:
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
             raise ValueError("vllm_gpu_memory_utilization must be in (0, 1]")
         for name in ("micro_batch", "seq_len", "rollout_batch", "prompt_len", "response_len",
-                     "gpu_memory_mib"):
+                     "gpu_memory_mib", "n_gpus"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -553,10 +554,15 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     HF generation's KV cache + logits + one half-precision copy of the actor's weights), the
     ref/actor log-prob and critic value passes (no gradients), the critic update, the actor
     update. The peak is the largest phase plus the process overhead.
+
+    Micro-batches and the HF chunk count sequences (with rollout.n > 1, prompts x n). On n_gpus > 1
+    FSDP keeps 1/n_gpus of every model's states per GPU and gathers one unit at a time while it
+    computes: the embedding (the root unit) and two decoder layers (the next one prefetched) in
+    the compute dtype (inferred: not measured on several GPUs; the transients stay unsharded).
     """
     wl = workload
     s = shape
-    P_a, P_c = s.params("actor"), s.params("critic")
+    P_a, P_c = s.params("actor") / wl.n_gpus, s.params("critic") / wl.n_gpus
     seq = wl.seq_len
     lp_micro = wl.log_prob_micro_batch or wl.micro_batch
     c_micro = wl.critic_micro_batch or wl.micro_batch
@@ -591,6 +597,7 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         critic_act = _transient(train_step_peak(s, "critic", wl.train_dtype, wl.attn,
                                                 wl.grad_ckpt, c_micro, seq))
     half_copy_a = 2.0 * P_a / MIB * (1 if wl.train_dtype != "fp32" else 0)
+    gathered = 0.0 if wl.n_gpus == 1 else _bytes(wl.train_dtype) * (s.embed_params + 2 * s.layer_params) / MIB
     # a no-grad forward for log-probs and entropy (measured, VERL_LOGPROB_BYTES)
     logprob_pass = VERL_LOGPROB_BYTES * s.vocab * lp_micro * seq / MIB + half_copy_a
     # the critic's value pass: one layer's activations and the hidden states (inferred)
@@ -606,13 +613,17 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         # the actor's FSDP module generates: its params are already resident; generating in
         # half precision holds one half copy of every weight (FSDP's mixed-precision compute
         # copy, or autocast's casts over fp32 params: measured +1237 MiB on the T4 profile)
-        rollout = gen.peak_mib - gen.breakdown["weights"] \
-            + (_bytes(wl.rollout_dtype) * P_a / MIB if wl.rollout_dtype != "fp32" else 0.0)
+        rollout = gen.peak_mib - gen.breakdown["weights"] + gathered \
+            + (_bytes(wl.rollout_dtype) * s.params("actor") / MIB if wl.rollout_dtype != "fp32" else 0.0)
         if wl.actor_param_offload:
             rollout += params_a   # HF rollout needs the actor's params on the GPU
     always = rollout if (wl.rollout == "vllm" and not wl.vllm_sleep) else 0.0
     resident = res_actor + res_critic + res_ref + always
     overhead = CUDA_CONTEXT_MIB + VERL_PROCESS_OVERHEAD_MIB
+    logprob_pass += gathered
+    values_pass += gathered if wl.use_critic else 0.0
+    actor_act += gathered
+    critic_act += gathered if wl.use_critic else 0.0
 
     phases = {
         "phase_rollout": resident - always + rollout,
@@ -642,7 +653,7 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     if wl.use_critic and wl.critic_optimizer_offload:
         host += opt_c
     if wl.rollout == "vllm" and wl.vllm_sleep:
-        host += _bytes(wl.rollout_dtype) * P_a / MIB   # vLLM's weights while asleep (inferred)
+        host += _bytes(wl.rollout_dtype) * s.params("actor") / MIB   # vLLM's weights while asleep (inferred)
     bd = {
         "actor_states": states_a,
         "actor_activations": actor_act,
@@ -658,13 +669,17 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
 
 
 def held_at_vllm_start_mib(shape: ModelShape, workload: VerlWorkload) -> float:
-    """What a verl 0.5.0 process holds when it starts vLLM: the critic's and the actor's FSDP
-    params unless offloaded (optimizer states come with the first update; the ref is built after
-    the rollout) and the process overhead."""
+    """What a verl 0.5.0 process holds when it starts vLLM: the critic's, the ref's and the actor's
+    FSDP params (their shards) unless offloaded (optimizer states come with the first update;
+    ray_trainer.init_workers builds the critic and the ref before the actor and its rollout) and
+    the process overhead."""
     wl = workload
     held = 0.0 if wl.actor_param_offload else 4.0 * shape.params("actor") / MIB
     if wl.use_critic and not wl.critic_param_offload:
         held += 4.0 * shape.params("critic") / MIB
+    if wl.use_ref and not wl.ref_param_offload:
+        held += (4 if wl.train_dtype == "fp32" else 2) * shape.params("actor") / MIB
+    held /= wl.n_gpus
     return held + CUDA_CONTEXT_MIB + VERL_PROCESS_OVERHEAD_MIB
 
 

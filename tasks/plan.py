@@ -15,7 +15,10 @@ The rules (docs/plan.md gives the reason for each):
   ``use_torch_compile=False`` below 7.0 (Triton refuses those GPUs). vLLM 0.8.5 runs its V1
   engine on >= 8.0 and V0 below; the plan pins the engine (``VLLM_USE_V1``) and sizes
   ``gpu_memory_utilization`` by that engine's own accounting (``vllm_memory``);
-* memory: without gradient checkpointing first, then with it; at each, no offload unless the
+* the fallback ladder (``RUNGS``), best training first, until one fits: PPO with a critic ->
+  GRPO (no critic, ``GRPO_N`` samples per prompt, the KL loss of verl's GRPO example) -> GRPO
+  with shorter responses. No LoRA rung: not proven on a GPU yet;
+* memory, on every rung: without gradient checkpointing first, then with it; at each, no offload unless the
   estimate says it does not fit, then the ladder reference params -> actor optimizer ->
   critic optimizer -> actor params -> critic params (fewer offloads = faster). HF rollout
   never gets actor param offload (0.5.0 does not reload an offloaded actor before HF
@@ -32,10 +35,11 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field, replace
+from math import gcd
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from tasks.gsm8k import VAL_ROWS
+from verl_lab_box.gsm8k import VAL_ROWS
 from tasks.verl_config import VERL_VERSION, Override, override_lines
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +65,26 @@ FORWARD_MICRO_CHOICES = (64, 32, 16, 8, 4, 2, 1)  # no-gradient passes: actor lo
 ROLLOUT_CHUNK_CHOICES = (256, 128, 64, 32, 16, 8, 4, 2, 1)   # prompts per HF generate() call
 VLLM_SHARE_MAX = 0.9       # never give vLLM more of the GPU than this
 VLLM_SHARE_MIN = 0.05
+
+# The fallback ladder, best training first: (rung, algorithm, response tokens (None: the workload's), why).
+GRPO_N = 4   # samples per prompt: verl's GSM8K GRPO example takes 5; 4 keeps PPO's 256 sequences a step in 64 x 4
+RUNGS: tuple[tuple[str, str, int | None, str], ...] = (
+    ("ppo", "ppo", None, "PPO with a learned critic (GAE): verl's GSM8K quick start"),
+    ("grpo", "grpo", None, f"GRPO: no critic (no critic params, gradients, optimizer states or passes); each "
+                           f"prompt sampled {GRPO_N} times, the advantage is a reward against its group's"),
+    ("grpo-response-192", "grpo", 192, "GRPO with responses cut to 192 tokens: GSM8K answers longer than that "
+                                       "lose their final '#### n' and score 0"),
+    ("grpo-response-128", "grpo", 128, "GRPO with responses cut to 128 tokens: many step-by-step GSM8K answers "
+                                       "lose their final '#### n' and score 0"),
+)
+ALGORITHMS = ("auto", "ppo", "grpo")
+# verl 0.5.0's GSM8K GRPO example (examples/grpo_trainer/run_qwen2-7b.sh): the KL to the reference in the loss
+GRPO_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
+    ("actor_rollout_ref.actor.kl_loss_coef", 0.001, "verl's GSM8K GRPO example"),
+    ("actor_rollout_ref.actor.kl_loss_type", "low_var_kl", "verl's GSM8K GRPO example"),
+    ("actor_rollout_ref.actor.entropy_coeff", 0, "verl's GSM8K GRPO example: no entropy bonus"),
+    ("algorithm.use_kl_in_reward", False, "verl's GSM8K GRPO example: the KL is in the loss, not the reward"),
+)
 
 
 class PlanError(ValueError):
@@ -106,14 +130,16 @@ class Workload:
     train_files: str
     val_files: str
     checkpoint_dir: str
-    total_training_steps: int
+    total_training_steps: int | None = None      # a step cap; None: total_epochs over the train split
     model_config: Mapping[str, Any] = field(default_factory=dict, repr=False)   # the HF config.json
-    train_batch_size: int = 256          # verl quick start (GSM8K PPO): 256 prompts, mini-batch 64
-    ppo_mini_batch_size: int = 64
+    train_batch_size: int = 256          # sequences per step (verl quick start, GSM8K PPO: 256 prompts, mini-batch 64;
+    ppo_mini_batch_size: int = 64        # GRPO rungs: these / GRPO_N prompts, GRPO_N samples each)
     max_prompt_length: int = 256
     max_response_length: int = 256
     rollout_n: int = 1
     use_kl_loss: bool = False            # True builds the reference model
+    algorithm: str = "auto"              # "ppo" | "grpo" | "auto": the ladder (RUNGS)
+    total_epochs: int = 1
     save_freq: int = 10
     experiment_name: str = "qwen2.5-0.5b-gsm8k"
     flash_attn_installed: bool = False
@@ -123,6 +149,10 @@ class Workload:
     @property
     def uses_reference(self) -> bool:
         return self.use_kl_loss
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algorithm != "grpo"
 
     @property
     def sequence_length(self) -> int:
@@ -146,7 +176,7 @@ class MemoryChoice:
     actor_micro_batch: int
     log_prob_micro_batch: int           # actor log-prob and critic value passes (no gradients)
     critic_micro_batch: int
-    rollout_micro_batch: int            # HF rollout generation chunk (prompts at once)
+    rollout_micro_batch: int            # sequences generated at once: the HF chunk, or vLLM's max_num_seqs
     vllm_gpu_memory_utilization: float | None = None
     grad_ckpt: bool = False             # gradient checkpointing of actor and critic
 
@@ -185,6 +215,8 @@ class TrainingPlan:
     overrides: list[Override]
     env: dict[str, str]
     reasons: list[Reason]
+    workload: Workload | None = None     # the rung's workload (algorithm, batch, lengths)
+    rung: str = "ppo"
     verl_version: str = VERL_VERSION
 
     @property
@@ -195,6 +227,10 @@ class TrainingPlan:
         return {
             "verl_version": self.verl_version,
             "gpu": asdict(self.gpu),
+            "rung": self.rung,
+            "workload": {k: getattr(self.workload, k) for k in ("algorithm", "rollout_n", "train_batch_size",
+                         "ppo_mini_batch_size", "max_prompt_length", "max_response_length", "total_training_steps",
+                         "total_epochs")} if self.workload else None,
             "rollout": self.precision.rollout,
             "rollout_dtype": self.precision.rollout_dtype,
             "train_dtype": self.precision.train_dtype,
@@ -283,7 +319,8 @@ def offload_levels(workload: Workload, precision: Precision) -> list[dict[str, b
     """The cumulative offload states to try, fewest first."""
     steps = [k for k in OFFLOAD_LADDER
              if not (k == "ref_param_offload" and not workload.uses_reference)
-             and not (k == "actor_param_offload" and precision.rollout == "hf")]
+             and not (k == "actor_param_offload" and precision.rollout == "hf")
+             and not (k.startswith("critic") and not workload.uses_critic)]
     levels = []
     on: set[str] = set()
     levels.append({k: False for k in OFFLOAD_LADDER})
@@ -306,7 +343,7 @@ def rollout_chunk_choices(workload: Workload, gpu: GpuTarget) -> list[int]:
     validation runs through the same rollout (HFRollout splits a batch into equal chunks), leaves
     the validation rows in equal chunks too."""
     per_gpu = workload.train_batch_size * workload.rollout_n // gpu.count
-    val_per_gpu = max(1, workload.val_rows // gpu.count)
+    val_per_gpu = max(1, -(-workload.val_rows // gpu.count))     # verl pads validation to the GPU count
     return [m for m in _divisors(per_gpu, ROLLOUT_CHUNK_CHOICES)
             if m >= val_per_gpu or val_per_gpu % (val_per_gpu // m) == 0] or [1]
 
@@ -351,9 +388,9 @@ def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
 
     choice, est, n = grow(choice, est, "log_prob_micro_batch", _divisors(batch_per_gpu, FORWARD_MICRO_CHOICES))
     tried += n
-    if precision.rollout == "hf":
-        choice, est, n = grow(choice, est, "rollout_micro_batch", rollout_chunk_choices(workload, gpu))
-        tried += n
+    choice, est, n = grow(choice, est, "rollout_micro_batch", rollout_chunk_choices(workload, gpu)
+                          if precision.rollout == "hf" else _divisors(batch_per_gpu, ROLLOUT_CHUNK_CHOICES))
+    tried += n
     if est.vllm_gpu_memory_utilization is not None:
         choice = replace(choice, vllm_gpu_memory_utilization=est.vllm_gpu_memory_utilization)
     return choice, est, _memory_reasons(gpu, workload, precision, choice, est, tried)
@@ -364,13 +401,16 @@ def _no_fit(gpu: GpuTarget, workload: Workload, best_failure: MemoryEstimate) ->
     phases = {k: v for k, v in best_failure.breakdown.items() if k.startswith("phase_")}
     worst = max(phases, key=phases.get) if phases else None
     where = f" The largest phase is {worst[len('phase_'):]} ({phases[worst]} MiB before process overhead)." if worst else ""
-    return PlanError(
-        f"{workload.experiment_name} does not fit one {gpu.name} ({gpu.memory_mib} MiB): even with gradient "
+    err = PlanError(
+        f"{workload.experiment_name} ({workload.algorithm.upper()}) does not fit {gpu.count} x {gpu.name} "
+        f"({gpu.memory_mib} MiB): even with gradient "
         f"checkpointing, every allowed offload and micro-batch 1 the estimated peak is {best_failure.peak_mib} MiB "
         f"against a budget of {best_failure.budget_mib} MiB, short by {short} MiB.{where} Change: use a GPU with "
         f"more memory (or more GPUs), train a smaller model, or shorten the sequences (prompt "
         f"{workload.max_prompt_length} + response {workload.max_response_length} tokens)."
     )
+    err.short_mib = short
+    return err
 
 
 def _memory_reasons(gpu, workload, precision, choice, est, tried) -> list[Reason]:
@@ -389,10 +429,11 @@ def _memory_reasons(gpu, workload, precision, choice, est, tried) -> list[Reason
                           f"updates: the largest micro-batch (of {', '.join(map(str, MICRO_BATCH_CHOICES))}) dividing "
                           "the per-GPU mini-batch that fits; no-gradient passes: the largest that still fits "
                           f"({tried} candidates estimated)"))
-    if precision.rollout == "hf":
-        reasons.append(Reason("rollout_micro_batch", choice.rollout_micro_batch,
-                              "prompts per HF generate() call: the largest chunk that fits (generation time is "
-                              "per decoding step, nearly flat in the number of prompts)"))
+    reasons.append(Reason("rollout_micro_batch", choice.rollout_micro_batch,
+                          ("sequences per HF generate() call" if precision.rollout == "hf" else
+                           "sequences vLLM runs at once (its KV cache and sampler are sized for them)")
+                          + ": the most that fit (generation time is per decoding step, nearly flat in the number of "
+                            "sequences)"))
     reasons.append(Reason("predicted_peak_mib", est.peak_mib,
                           f"memory estimate of the largest phase; budget {est.budget_mib} MiB of {gpu.memory_mib} MiB"))
     return reasons
@@ -408,7 +449,8 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     # data
     add("data.train_files", w.train_files, "GSM8K train split in verl's RL format (data stage)")
     add("data.val_files", w.val_files, "GSM8K test split in verl's RL format (data stage)")
-    add("data.train_batch_size", w.train_batch_size, "prompts per PPO step (verl's GSM8K quick start: 256, mini-batch 64)")
+    add("data.train_batch_size", w.train_batch_size, "prompts per step (verl's GSM8K quick start: 256, mini-batch 64)"
+        + (f"; x rollout.n {w.rollout_n} = PPO's sequences a step" if w.rollout_n > 1 else ""))
     add("data.max_prompt_length", w.max_prompt_length, "GSM8K questions with the chat template and instruction fit in this; longer ones are filtered")
     add("data.max_response_length", w.max_response_length, "room for a step-by-step answer ending in '#### n'")
     add("data.filter_overlong_prompts", True,
@@ -416,10 +458,15 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     # model
     add("actor_rollout_ref.model.path", w.model_path, "the local model snapshot (model stage); offline")
     add("critic.model.path", w.model_path, "the critic starts from the same model (GAE needs a value model)")
-    add("algorithm.adv_estimator", "gae", "PPO with a learned critic")
+    add("algorithm.adv_estimator", "gae" if w.uses_critic else "grpo",
+        "PPO with a learned critic" if w.uses_critic else "GRPO: group-relative advantages, no critic model")
+    add("actor_rollout_ref.rollout.n", w.rollout_n, "samples per prompt" + (" (GRPO's group)" if w.rollout_n > 1 else ""))
     add("actor_rollout_ref.actor.ppo_mini_batch_size", w.ppo_mini_batch_size, "prompts per actor update")
     add("actor_rollout_ref.actor.use_kl_loss", w.use_kl_loss,
         "reference model only when the KL loss is on (it costs a model copy)")
+    if not w.uses_critic:
+        for key, value, why in GRPO_OVERRIDES:
+            add(key, value, why)
     # precision
     mp = {"param_dtype": precision.train_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     for role, label in (("actor_rollout_ref.actor", "actor"), ("actor_rollout_ref.ref", "reference"),
@@ -464,8 +511,9 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
             "states")
         add("actor_rollout_ref.rollout.max_num_batched_tokens", max_num_batched_tokens(w),
             "chunked prefill needs max_num_batched_tokens >= prompt + response length")
-        add("actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs", w.train_batch_size * w.rollout_n,
-            "one step's sequences at once; rollout.max_num_seqs is never passed to vLLM in 0.5.0")
+        add("actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs", choice.rollout_micro_batch,
+            "sequences at once: this GPU's share of a step when the memory estimate fits it (else in waves); "
+            "rollout.max_num_seqs is never passed to vLLM in 0.5.0")
     else:
         add("actor_rollout_ref.rollout.micro_batch_size", choice.rollout_micro_batch,
             "prompts per HF generate() call, from the memory estimate")
@@ -491,17 +539,19 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     # trainer
     add("trainer.n_gpus_per_node", gpu.count, f"{gpu.count} x {gpu.name} on this box")
     add("trainer.nnodes", 1, "one box")
-    add("trainer.total_training_steps", w.total_training_steps, "settings.train_steps caps the run")
+    add("trainer.total_epochs", w.total_epochs, "passes over GSM8K's train split")
+    if w.total_training_steps is not None:
+        add("trainer.total_training_steps", w.total_training_steps, "settings.train_steps caps the run")
     add("trainer.logger", ["console"], "the journal keeps the console log; no wandb account needed")
     add("trainer.project_name", "verl-lab", "names the checkpoint folder")
     add("trainer.experiment_name", w.experiment_name, "names the checkpoint folder")
     add("trainer.default_local_dir", w.checkpoint_dir, "checkpoints under the train dir")
     add("trainer.resume_mode", "auto", "a restarted unit resumes from the last checkpoint")
-    save = max(1, min(w.save_freq, w.total_training_steps))
+    save = max(1, min(w.save_freq, w.total_training_steps or w.save_freq))
     add("trainer.save_freq", save, "checkpoint often enough that a restart loses little")
     add("trainer.test_freq", save, "validate at each checkpoint")
     add("trainer.val_before_train", False, "start training at once")
-    return o
+    return o if w.uses_critic else [x for x in o if not x.key.startswith("critic.")]   # verl builds no critic
 
 
 def plan_env(precision: Precision, gpu: GpuTarget) -> tuple[dict[str, str], list[Reason]]:
@@ -528,20 +578,61 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
     if gpu.count < 1:
         raise PlanError("the plan needs at least one GPU")
     for name in ("train_batch_size", "ppo_mini_batch_size", "max_prompt_length", "max_response_length",
-                 "total_training_steps", "rollout_n"):
-        if getattr(workload, name) < 1:
+                 "total_training_steps", "rollout_n", "total_epochs"):
+        if getattr(workload, name) is not None and getattr(workload, name) < 1:
             raise PlanError(f"workload {name} must be >= 1")
     if workload.train_batch_size < workload.ppo_mini_batch_size:
         raise PlanError("train_batch_size must be >= ppo_mini_batch_size")
-    if (workload.ppo_mini_batch_size * workload.rollout_n) % gpu.count:
-        raise PlanError(f"ppo_mini_batch_size x rollout_n must divide by the GPU count ({gpu.count})")
+    if workload.algorithm not in ALGORITHMS:
+        raise PlanError(f"workload algorithm must be one of {', '.join(ALGORITHMS)}, not {workload.algorithm!r}")
     estimator = estimator or default_estimator
     precision, reasons = choose_precision(gpu, workload.flash_attn_installed, workload.rollout_engine)
-    choice, est, mem_reasons = search_memory(gpu, workload, precision, estimator)
-    overrides = verl_overrides(gpu, workload, precision, choice)
-    env, env_reasons = plan_env(precision, gpu)
-    return TrainingPlan(gpu=gpu, precision=precision, memory=choice, estimate=est, overrides=overrides,
-                        env=env, reasons=reasons + mem_reasons + env_reasons)
+    failed: list[tuple[str, PlanError]] = []
+    for rung, w, why in ladder(workload, gpu):
+        try:
+            choice, est, mem_reasons = search_memory(gpu, w, precision, estimator)
+        except PlanError as exc:
+            if not hasattr(exc, "short_mib"):
+                raise
+            failed.append((rung, exc))
+            continue
+        before = "; ".join(f"{r} is short by {e.short_mib} MiB" for r, e in failed)
+        rung_reason = Reason("rung", rung, why + (f" ({before})" if before else ""))
+        env, env_reasons = plan_env(precision, gpu)
+        return TrainingPlan(gpu=gpu, precision=precision, memory=choice, estimate=est, workload=w, rung=rung,
+                            overrides=verl_overrides(gpu, w, precision, choice), env=env,
+                            reasons=reasons + [rung_reason, *_batch_reasons(workload, w)] + mem_reasons + env_reasons)
+    tried = ", ".join(f"{r} short by {e.short_mib} MiB" for r, e in failed)
+    raise PlanError(f"{failed[-1][1]} Rungs tried: {tried} (no LoRA rung: not proven on a GPU yet).")
+
+
+def ladder(workload: Workload, gpu: GpuTarget) -> list[tuple[str, Workload, str]]:
+    """The rungs ``workload.algorithm`` allows ("auto": all of RUNGS; else that algorithm at the
+    workload's lengths), each as the workload it trains, with batches every GPU gets a share of."""
+    out = []
+    for rung, algorithm, response, why in RUNGS:
+        if workload.algorithm not in ("auto", algorithm) or \
+                (response and (workload.algorithm != "auto" or response >= workload.max_response_length)):
+            continue
+        w = replace(workload, algorithm=algorithm, max_response_length=response or workload.max_response_length)
+        if algorithm == "grpo":   # PPO's sequences a step: prompts / GRPO_N, each sampled GRPO_N times
+            w = replace(w, rollout_n=GRPO_N, use_kl_loss=True, train_batch_size=max(1, w.train_batch_size // GRPO_N),
+                        ppo_mini_batch_size=max(1, w.ppo_mini_batch_size // GRPO_N))
+        step = gpu.count // gcd(gpu.count, w.rollout_n)    # prompts whose sequences split evenly over the GPUs
+        mini = -(-w.ppo_mini_batch_size // step) * step
+        out.append((rung, replace(w, ppo_mini_batch_size=mini,
+                                  train_batch_size=max(mini, -(-w.train_batch_size // step) * step)), why))
+    return out
+
+
+def _batch_reasons(asked: Workload, w: Workload) -> list[Reason]:
+    n_why = (f"{w.rollout_n} samples per prompt for GRPO's group baseline: {w.train_batch_size} prompts x "
+             f"{w.rollout_n} = {w.train_batch_size * w.rollout_n} sequences a step" if w.rollout_n > 1 else "one sample per prompt")
+    grown = w.train_batch_size * w.rollout_n > asked.train_batch_size * asked.rollout_n
+    return [Reason("rollout_n", w.rollout_n, n_why),
+            Reason("train_batch_size", w.train_batch_size,
+                   f"prompts a step, mini-batch {w.ppo_mini_batch_size}"
+                   + (": rounded up so every GPU gets an equal share of sequences (verl divides them)" if grown else ""))]
 
 
 # ---------------------------------------------------------------- the memory estimator
@@ -567,7 +658,7 @@ def vllm_memory_for(gpu: GpuTarget, workload: Workload, precision: Precision, ch
     shape = ModelShape.from_config(dict(workload.model_config))
     return vllm_memory(
         shape, engine=vllm_engine(gpu), dtype=_MEM_DTYPE[precision.rollout_dtype], gpu_memory_mib=gpu.memory_mib,
-        seqs=max(1, workload.train_batch_size * workload.rollout_n // gpu.count), seq_len=workload.sequence_length,
+        seqs=choice.rollout_micro_batch, seq_len=workload.sequence_length,
         max_num_batched_tokens=max_num_batched_tokens(workload),
         held_at_start_mib=held_at_vllm_start_mib(shape, _verl_workload(gpu, workload, precision, choice)),
         share_min=VLLM_SHARE_MIN, share_max=VLLM_SHARE_MAX)
@@ -594,8 +685,9 @@ def _verl_workload(gpu: GpuTarget, workload: Workload, precision: Precision, cho
         response_len=workload.max_response_length,
         vllm_rollout_mib=vllm_rollout_mib,
         gpu_memory_mib=gpu.memory_mib,
-        use_critic=True,
+        use_critic=workload.uses_critic,
         use_ref=workload.uses_reference,
+        n_gpus=gpu.count,
         actor_param_offload=bool(off.get("actor_param_offload")),
         actor_optimizer_offload=bool(off.get("actor_optimizer_offload")),
         ref_param_offload=bool(off.get("ref_param_offload")),
@@ -675,40 +767,51 @@ def _table(plan: TrainingPlan) -> str:
     return "\n".join(lines)
 
 
-# The GPUs docs/plan.md tabulates (name as nvidia-smi prints it, compute capability, MiB).
-DOC_GPUS: tuple[tuple[str, str, int], ...] = (
-    ("Tesla P40", "6.1", 24576),
-    ("Tesla P100-PCIE-16GB", "6.0", 16384),
-    ("Tesla V100-SXM2-32GB", "7.0", 32768),
-    ("Tesla T4", "7.5", 15360),
-    ("NVIDIA GeForce RTX 2080 Ti", "7.5", 11264),
-    ("NVIDIA GeForce RTX 3090", "8.6", 24576),
-    ("NVIDIA GeForce RTX 4090", "8.9", 24564),
-    ("NVIDIA A100-SXM4-80GB", "8.0", 81920),
-    ("NVIDIA H100 80GB HBM3", "9.0", 81559),
-    ("NVIDIA H200", "9.0", 143771),
+# The GPUs docs/plan.md tabulates: name as nvidia-smi prints it, compute capability, memory.total in MiB
+# (the H200's from a real capture, tests/fixtures/nvidia-smi/h200.txt; the others nominal), GPU count.
+DOC_GPUS: tuple[tuple[str, str, int, int], ...] = (
+    ("NVIDIA GeForce GTX 1080", "6.1", 8192, 1),
+    ("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, 1),
+    ("Tesla P40", "6.1", 24576, 1),
+    ("Tesla P40", "6.1", 24576, 4),
+    ("Tesla P100-PCIE-16GB", "6.0", 16384, 1),
+    ("Tesla V100-SXM2-16GB", "7.0", 16160, 1),
+    ("Tesla V100-SXM2-32GB", "7.0", 32768, 1),
+    ("Tesla T4", "7.5", 15360, 1),
+    ("NVIDIA GeForce RTX 2080 Ti", "7.5", 11264, 1),
+    ("NVIDIA GeForce RTX 3060", "8.6", 12288, 1),
+    ("NVIDIA GeForce RTX 3080", "8.6", 10240, 1),
+    ("NVIDIA GeForce RTX 3090", "8.6", 24576, 1),
+    ("NVIDIA A10", "8.6", 23028, 1),
+    ("NVIDIA GeForce RTX 4060", "8.9", 8188, 1),
+    ("NVIDIA L4", "8.9", 23034, 1),
+    ("NVIDIA GeForce RTX 4090", "8.9", 24564, 1),
+    ("NVIDIA A100-SXM4-80GB", "8.0", 81920, 1),
+    ("NVIDIA H100 80GB HBM3", "9.0", 81559, 1),
+    ("NVIDIA H200", "9.0", 143771, 1),
 )
 
 
 def gpu_table(workload: Workload) -> str:
     """docs/plan.md's table of plans, made from the code (``--doc-table``)."""
-    rows = ["| GPU | CC | MiB | train | rollout | checkpointing | offload | micro (actor/critic, log-prob, HF chunk) "
-            "| vLLM share | peak / budget MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, cc, mem in DOC_GPUS:
+    rows = ["| GPU | CC | MiB | rung | train | rollout | checkpointing | offload | micro (actor/critic, log-prob, "
+            "rollout seqs) | vLLM share | peak / budget MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, cc, mem, count in DOC_GPUS:
+        gpu = f"{count} x {name}" if count > 1 else name
         try:
-            p = make_plan(GpuTarget(name, cc, mem), workload)
+            p = make_plan(GpuTarget(name, cc, mem, count), workload)
         except PlanError as exc:
             short = str(exc).split("short by ", 1)[-1].split(".", 1)[0]
-            rows.append(f"| {name} | {cc} | {mem} | no plan: short by {short} | | | | | | |")
+            rows.append(f"| {gpu} | {cc} | {mem} | no plan: short by {short} | | | | | | | |")
             continue
         d = p.to_dict()
         off = ", ".join(k.replace("_offload", "") for k, v in d["offload"].items() if v) or "none"
         mb = d["micro_batches"]
-        chunk = mb["rollout"] if d["rollout"] == "hf" else "-"
+        critic = mb["critic"] if p.workload.uses_critic else "-"
         engine = f" {vllm_engine(p.gpu).upper()}" if d["rollout"] == "vllm" else ""
-        rows.append(f"| {name} | {cc} | {mem} | {d['train_dtype']} | {d['rollout']}{engine} ({d['rollout_dtype']}) | "
-                    f"{'yes' if d['gradient_checkpointing'] else 'no'} | {off} | {mb['actor']}/{mb['critic']}, "
-                    f"{mb['log_prob']}, {chunk} | {d['vllm_gpu_memory_utilization'] or '-'} | "
+        rows.append(f"| {gpu} | {cc} | {mem} | {p.rung} | {d['train_dtype']} | {d['rollout']}{engine} "
+                    f"({d['rollout_dtype']}) | {'yes' if d['gradient_checkpointing'] else 'no'} | {off} | "
+                    f"{mb['actor']}/{critic}, {mb['log_prob']}, {mb['rollout']} | {d['vllm_gpu_memory_utilization'] or '-'} | "
                     f"{d['predicted_peak_mib']} / {d['budget_mib']} |")
     return "\n".join(rows)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.memory import (Estimate, ModelShape, VerlWorkload, generate_peak, train_step_peak,
-                          verl_gpu_budget)
+from tasks.memory import (Estimate, ModelShape, VerlWorkload, generate_peak, held_at_vllm_start_mib,
+                          train_step_peak, verl_gpu_budget)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "files/models/qwen2.5-0.5b-instruct/config.json"
@@ -197,6 +197,26 @@ def test_verl_without_critic_or_ref(shape):
     assert est.breakdown["critic_states"] == est.breakdown["critic_activations"] == 0
     assert est.breakdown["ref_states"] == 0
     assert est.peak_mib < verl_gpu_budget(shape, _wl()).peak_mib
+
+
+def test_verl_fsdp_shards_states_over_gpus(shape):
+    one = verl_gpu_budget(shape, _wl(rollout="hf", train_dtype="fp32", rollout_dtype="fp32"))
+    four = verl_gpu_budget(shape, _wl(rollout="hf", train_dtype="fp32", rollout_dtype="fp32", n_gpus=4))
+    for key in ("actor_states", "critic_states", "ref_states"):
+        assert four.breakdown[key] == pytest.approx(one.breakdown[key] / 4)
+    # each compute phase gathers the embedding and two decoder layers (fp32 here)
+    gathered = 4 * (shape.embed_params + 2 * shape.layer_params) / 2**20
+    assert four.breakdown["rollout"] == pytest.approx(one.breakdown["rollout"] + gathered)
+    assert four.peak_mib < one.peak_mib
+    with pytest.raises(ValueError):
+        _wl(n_gpus=0)
+
+
+def test_vllm_start_counts_the_reference_built_before_it(shape):
+    with_ref = held_at_vllm_start_mib(shape, _wl(use_ref=True))
+    assert with_ref - held_at_vllm_start_mib(shape, _wl(use_ref=False)) == pytest.approx(2 * 494_032_768 / 2**20)
+    assert held_at_vllm_start_mib(shape, _wl(use_ref=True, ref_param_offload=True)) == \
+        held_at_vllm_start_mib(shape, _wl(use_ref=False))
 
 
 def test_verl_hf_rollout_uses_the_generation_estimate(shape):

@@ -27,18 +27,29 @@ REPO = Path(__file__).resolve().parents[2]
 
 # name, cc, memory MiB, train dtype, rollout, rollout dtype, attention, torch.compile
 GPU_TABLE = [
+    ("NVIDIA GeForce GTX 1080", "6.1", 8192, "fp32", "hf", "float32", "sdpa", False),
+    ("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, "fp32", "hf", "float32", "sdpa", False),
     ("Tesla P40", "6.1", 24576, "fp32", "hf", "float32", "sdpa", False),
+    ("Tesla V100-SXM2-16GB", "7.0", 16160, "fp32", "vllm", "float16", "sdpa", True),
     ("Tesla P100-PCIE-16GB", "6.0", 16384, "fp32", "hf", "float32", "sdpa", False),
     ("Tesla V100-SXM2-32GB", "7.0", 32768, "fp32", "vllm", "float16", "sdpa", True),
     ("Tesla T4", "7.5", 15360, "fp32", "vllm", "float16", "sdpa", True),
     ("NVIDIA GeForce RTX 2080 Ti", "7.5", 11264, "fp32", "vllm", "float16", "sdpa", True),
+    ("NVIDIA GeForce RTX 3060", "8.6", 12288, "bf16", "vllm", "bfloat16", "sdpa", True),
+    ("NVIDIA GeForce RTX 3080", "8.6", 10240, "bf16", "vllm", "bfloat16", "sdpa", True),
     ("NVIDIA GeForce RTX 3090", "8.6", 24576, "bf16", "vllm", "bfloat16", "sdpa", True),
+    ("NVIDIA A10", "8.6", 23028, "bf16", "vllm", "bfloat16", "sdpa", True),
+    ("NVIDIA GeForce RTX 4060", "8.9", 8188, "bf16", "vllm", "bfloat16", "sdpa", True),
+    ("NVIDIA L4", "8.9", 23034, "bf16", "vllm", "bfloat16", "sdpa", True),
     ("NVIDIA GeForce RTX 4090", "8.9", 24564, "bf16", "vllm", "bfloat16", "sdpa", True),
     ("NVIDIA A100-SXM4-80GB", "8.0", 81920, "bf16", "vllm", "bfloat16", "sdpa", True),
     ("NVIDIA H100 80GB HBM3", "9.0", 81559, "bf16", "vllm", "bfloat16", "sdpa", True),
 ]
-# GPUs whose memory cannot hold fp32 PPO of Qwen2.5-0.5B (actor + critic) even with offload
-DOES_NOT_FIT = {"NVIDIA GeForce RTX 2080 Ti"}
+# The rung of the ladder each GPU lands on with the default workload; None: no rung fits (the AdamW
+# step of the actor alone, 20 bytes per parameter + the process, is more than these hold)
+RUNG = {"NVIDIA GeForce GTX 1080": None, "NVIDIA GeForce GTX 1080 Ti": None, "NVIDIA GeForce RTX 2080 Ti": None,
+        "NVIDIA GeForce RTX 3080": None, "NVIDIA GeForce RTX 4060": None, "NVIDIA GeForce RTX 3060": "grpo"}
+DOES_NOT_FIT = {name for name, rung in RUNG.items() if rung is None}
 
 
 def workload(**kw) -> Workload:
@@ -76,12 +87,19 @@ def test_plan_table(name, cc, mem, dtype, rollout, rdtype, attn, compile_ok):
         return
     p = make_plan(gpu, workload())
     ov = overrides_of(p)
+    assert p.rung == RUNG.get(name, "ppo") and p.to_dict()["rung"] == p.rung
     assert ov["actor_rollout_ref.rollout.name"] == rollout
     assert ov["actor_rollout_ref.rollout.dtype"] == rdtype
     assert ov["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"] == dtype
-    assert ov["critic.model.fsdp_config.mixed_precision.param_dtype"] == dtype
     assert ov["actor_rollout_ref.model.override_config._attn_implementation"] == attn
-    assert ov["critic.model.override_config._attn_implementation"] == attn
+    if p.rung == "ppo":
+        assert ov["algorithm.adv_estimator"] == "gae" and ov["actor_rollout_ref.rollout.n"] == 1
+        assert ov["critic.model.fsdp_config.mixed_precision.param_dtype"] == dtype
+        assert ov["critic.model.override_config._attn_implementation"] == attn
+    else:   # GRPO: verl builds no critic, so the plan sets nothing under critic.
+        assert ov["algorithm.adv_estimator"] == "grpo" and ov["actor_rollout_ref.rollout.n"] == 4
+        assert not [k for k in ov if k.startswith("critic.")]
+        assert ov["data.train_batch_size"] * 4 == 256 and ov["actor_rollout_ref.actor.ppo_mini_batch_size"] * 4 == 64
     assert ov["actor_rollout_ref.actor.use_torch_compile"] is compile_ok
     assert ov["actor_rollout_ref.rollout.tensor_model_parallel_size"] == 1
     assert ov["trainer.n_gpus_per_node"] == 1 and ov["trainer.nnodes"] == 1
@@ -99,16 +117,17 @@ def test_plan_table(name, cc, mem, dtype, rollout, rdtype, attn, compile_ok):
         share = ov["actor_rollout_ref.rollout.gpu_memory_utilization"]
         assert 0.05 <= share <= 0.9
         assert ov["actor_rollout_ref.rollout.max_num_batched_tokens"] >= 256 + 256
-        assert ov["actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs"] == 256
+        assert ov["actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs"] == p.memory.rollout_micro_batch
+        assert 256 % p.memory.rollout_micro_batch == 0 and p.memory.rollout_micro_batch >= 64
         assert "PYTORCH_CUDA_ALLOC_CONF" not in p.env   # vLLM sleep mode refuses expandable segments
     else:
         assert "actor_rollout_ref.rollout.gpu_memory_utilization" not in ov
         assert ov["actor_rollout_ref.rollout.micro_batch_size"] >= 1
         assert ov[planmod.OFFLOAD_KEYS["actor_param_offload"]] is False
         assert p.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    # micro-batches divide the per-GPU mini-batch (verl asserts this)
+    # micro-batches divide the per-GPU mini-batch of sequences (verl asserts this)
     assert 64 % ov["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == 0
-    assert 64 % ov["critic.ppo_micro_batch_size_per_gpu"] == 0
+    assert p.rung != "ppo" or 64 % ov["critic.ppo_micro_batch_size_per_gpu"] == 0
     # every override has a reason, no dead keys, no '++', '+' only for keys verl reads by .get()
     for o in p.overrides:
         assert o.why
@@ -185,9 +204,83 @@ def test_multi_gpu():
     p = make_plan(GpuTarget("NVIDIA GeForce RTX 3090", "8.6", 24576, count=4), workload())
     ov = overrides_of(p)
     assert ov["trainer.n_gpus_per_node"] == 4
-    assert (32 // 4) % ov["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == 0
-    with pytest.raises(PlanError, match="divide by the GPU count"):
-        make_plan(GpuTarget("NVIDIA GeForce RTX 3090", "8.6", 24576, count=3), workload())
+    assert (ov["data.train_batch_size"], ov["actor_rollout_ref.actor.ppo_mini_batch_size"]) == (256, 64)
+    assert (64 // 4) % ov["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == 0
+    assert ov["actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs"] == 64     # this GPU's share
+    # 3 GPUs: batches rounded up so every GPU gets an equal share of sequences (verl divides them)
+    p3 = make_plan(GpuTarget("NVIDIA GeForce RTX 3090", "8.6", 24576, count=3), workload())
+    ov3 = overrides_of(p3)
+    assert (ov3["data.train_batch_size"], ov3["actor_rollout_ref.actor.ppo_mini_batch_size"]) == (258, 66)
+    assert "every GPU gets an equal share" in next(r.why for r in p3.reasons if r.setting == "train_batch_size")
+    g3 = make_plan(GpuTarget("NVIDIA GeForce RTX 3090", "8.6", 24576, count=3), workload(algorithm="grpo"))
+    assert (g3.workload.train_batch_size, g3.workload.ppo_mini_batch_size, g3.workload.rollout_n) == (66, 18, 4)
+
+
+def test_fsdp_shards_states_over_the_gpus():
+    """4 x P40: each GPU holds a quarter of the FSDP states, so the same per-GPU memory buys more."""
+    one = make_plan(GpuTarget("Tesla P40", "6.1", 24576), workload())
+    four = make_plan(GpuTarget("Tesla P40", "6.1", 24576, 4), workload())
+    assert four.estimate.breakdown["actor_states"] * 4 == pytest.approx(one.estimate.breakdown["actor_states"], abs=2)
+    assert four.memory.actor_micro_batch > one.memory.actor_micro_batch
+    # an 11 GB card alone has no rung; four of them train PPO
+    with pytest.raises(PlanError):
+        make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload())
+    assert make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, 4), workload()).rung == "ppo"
+
+
+def _rung_estimator(fits):
+    """Fits when ``fits(workload)`` says so, whatever the memory choice."""
+    def est(gpu, wl, prec, choice):
+        ok = fits(wl)
+        return MemoryEstimate(peak_mib=1000 if ok else 2500 + wl.max_response_length, budget_mib=2000,
+                              breakdown={"phase_actor_update": 900}, vllm_gpu_memory_utilization=0.3)
+    return est
+
+
+def test_ladder_falls_back_to_grpo_with_its_reasons():
+    p = make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(), estimator=_rung_estimator(lambda w: not w.uses_critic))
+    ov = overrides_of(p)
+    assert p.rung == "grpo"
+    assert ov["algorithm.adv_estimator"] == "grpo" and ov["actor_rollout_ref.rollout.n"] == 4
+    assert ov["actor_rollout_ref.actor.use_kl_loss"] is True and ov["actor_rollout_ref.actor.kl_loss_coef"] == 0.001
+    assert ov["actor_rollout_ref.actor.kl_loss_type"] == "low_var_kl" and ov["algorithm.use_kl_in_reward"] is False
+    assert ov["actor_rollout_ref.actor.entropy_coeff"] == 0
+    assert (ov["data.train_batch_size"], ov["actor_rollout_ref.actor.ppo_mini_batch_size"]) == (64, 16)
+    assert not [k for k in ov if k.startswith("critic.")]
+    assert ov[planmod.OFFLOAD_KEYS["ref_param_offload"]] is False       # the ref exists: its offload is a choice
+    rung = next(r for r in p.reasons if r.setting == "rung")
+    assert "no critic" in rung.why and "ppo is short by 756 MiB" in rung.why
+
+
+def test_ladder_shortens_responses_last_and_names_every_rung():
+    p = make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(),
+                  estimator=_rung_estimator(lambda w: w.max_response_length <= 128))
+    assert p.rung == "grpo-response-128" and overrides_of(p)["data.max_response_length"] == 128
+    assert overrides_of(p)["data.max_prompt_length"] == 256         # prompts are never cut
+    with pytest.raises(PlanError) as err:
+        make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(), estimator=_rung_estimator(lambda w: False))
+    msg = str(err.value)
+    assert msg.split("short by ", 1)[1].startswith("628 MiB")       # the last rung's shortfall first
+    assert "ppo short by 756 MiB, grpo short by 756 MiB, grpo-response-192 short by 692 MiB" in msg
+    assert "LoRA" in msg and "Change:" in msg
+
+
+def test_algorithm_choice_limits_the_ladder():
+    never = _rung_estimator(lambda w: False)
+    with pytest.raises(PlanError, match=r"Rungs tried: ppo short by \d+ MiB \("):
+        make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(algorithm="ppo"), estimator=never)
+    with pytest.raises(PlanError, match=r"Rungs tried: grpo short by \d+ MiB \("):
+        make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(algorithm="grpo"), estimator=never)
+    p = make_plan(GpuTarget("NVIDIA H200", "9.0", 143771), workload(algorithm="grpo"))
+    assert p.rung == "grpo" and p.workload.rollout_n == 4
+    with pytest.raises(PlanError, match="algorithm must be one of auto, ppo, grpo"):
+        make_plan(GpuTarget("NVIDIA H200", "9.0", 143771), workload(algorithm="dpo"))
+
+
+def test_epochs_unless_a_step_cap():
+    ov = overrides_of(make_plan(GpuTarget("Tesla P40", "6.1", 24576), workload(total_training_steps=None)))
+    assert ov["trainer.total_epochs"] == 1 and "trainer.total_training_steps" not in ov
+    assert ov["trainer.save_freq"] == 10
 
 
 def test_bad_workloads():
@@ -196,6 +289,8 @@ def test_bad_workloads():
         make_plan(gpu, workload(train_batch_size=16))
     with pytest.raises(PlanError, match="total_training_steps"):
         make_plan(gpu, workload(total_training_steps=0))
+    with pytest.raises(PlanError, match="total_epochs"):
+        make_plan(gpu, workload(total_epochs=0))
     with pytest.raises(PlanError, match="config.json"):
         make_plan(gpu, workload(model_config={}))
 

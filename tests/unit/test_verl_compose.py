@@ -21,10 +21,10 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.errors import ConfigCompositionException  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from tasks.plan import GpuTarget, PlanError, make_plan  # noqa: E402
+from tasks.plan import DOC_GPUS, GpuTarget, PlanError, make_plan  # noqa: E402
 from tasks.verl_config import ADDED_KEYS, CONFIG_NAME, VERL_VERSION  # noqa: E402
 
-from tests.unit.test_plan import GPU_TABLE, workload  # noqa: E402
+from tests.unit.test_plan import workload  # noqa: E402
 
 CACHE = Path(os.environ.get("VERL_LAB_TEST_CACHE", Path.home() / ".cache" / "verl-lab-test")) / f"verl-{VERL_VERSION}"
 
@@ -64,21 +64,37 @@ _MISSING = object()
 
 
 def _plans():
-    cases = []
-    for name, cc, mem, *_ in GPU_TABLE:
-        cases.append((name, GpuTarget(name, cc, mem), {}))
-    cases.append(("A100 flash-attn", GpuTarget("NVIDIA A100-SXM4-80GB", "8.0", 81920), {"flash_attn_installed": True}))
-    cases.append(("4x3090 with KL", GpuTarget("NVIDIA GeForce RTX 3090", "8.6", 24576, 4), {"use_kl_loss": True}))
-    cases.append(("P40 long run", GpuTarget("Tesla P40", "6.1", 24576), {"total_training_steps": 500}))
-    return cases
+    """Every GPU of docs/plan.md's table that gets a plan with the default workload (on the rung it
+    lands on; the others are test_plan.py's DOES_NOT_FIT), and each rung and batch rule forced on
+    a few: (label, gpu, workload changes)."""
+    cases = [(f"{count} x {name}", GpuTarget(name, cc, mem, count), {}) for name, cc, mem, count in DOC_GPUS]
+    p40, t4 = GpuTarget("Tesla P40", "6.1", 24576), GpuTarget("Tesla T4", "7.5", 15360)
+    rtx3090 = ("NVIDIA GeForce RTX 3090", "8.6", 24576)
+    cases += [
+        ("A100 flash-attn", GpuTarget("NVIDIA A100-SXM4-80GB", "8.0", 81920), {"flash_attn_installed": True}),
+        ("4x3090 with KL", GpuTarget(*rtx3090, 4), {"use_kl_loss": True}),
+        ("3x3090 rounded batches", GpuTarget(*rtx3090, 3), {}),
+        ("3x3090 GRPO", GpuTarget(*rtx3090, 3), {"algorithm": "grpo"}),
+        ("P40 long run", p40, {"total_training_steps": 500}),
+        ("P40 one epoch", p40, {"total_training_steps": None}),
+        ("P40 GRPO (HF rollout, n=4)", p40, {"algorithm": "grpo"}),
+        ("4xP40 GRPO", GpuTarget("Tesla P40", "6.1", 24576, 4), {"algorithm": "grpo"}),
+        ("T4 GRPO", t4, {"algorithm": "grpo"}),
+        ("T4 GRPO 128-token responses", t4, {"algorithm": "grpo", "max_response_length": 128}),
+    ]
+    return [case for case in cases if _plan(case) is not None]
+
+
+def _plan(case):
+    try:
+        return make_plan(case[1], workload(**case[2]))
+    except PlanError:
+        return None
 
 
 @pytest.mark.parametrize("label,gpu,extra", _plans(), ids=[c[0] for c in _plans()])
 def test_plan_composes_with_verl_config(verl_config_dir, base_config, label, gpu, extra):
-    try:
-        plan = make_plan(gpu, workload(**extra))
-    except PlanError:
-        pytest.skip(f"{label}: no plan fits this GPU (tested in test_plan.py)")
+    plan = make_plan(gpu, workload(**extra))
     lines = plan.override_lines
     assert not any(line.startswith("++") for line in lines), "'++' silently creates dead keys"
     cfg = _compose(verl_config_dir, lines)
@@ -101,6 +117,7 @@ def test_plan_composes_with_verl_config(verl_config_dir, base_config, label, gpu
     resolved = OmegaConf.to_container(cfg, resolve=True)
     planned = {o.key: o.value for o in plan.overrides}
     assert resolved["critic"]["ppo_mini_batch_size"] == planned["actor_rollout_ref.actor.ppo_mini_batch_size"]
+    assert resolved["critic"]["rollout_n"] == planned["actor_rollout_ref.rollout.n"]
     assert resolved["critic"]["model"]["tokenizer_path"] == planned["actor_rollout_ref.model.path"]
     assert resolved["actor_rollout_ref"]["ref"]["use_torch_compile"] == planned["actor_rollout_ref.actor.use_torch_compile"]
     # verl's own batch-size rules (ray_trainer._validate_config, fsdp_workers normalisation)
@@ -112,7 +129,8 @@ def test_plan_composes_with_verl_config(verl_config_dir, base_config, label, gpu
     r = resolved["actor_rollout_ref"]["rollout"]
     assert r["max_num_batched_tokens"] >= r["prompt_length"] + r["response_length"]
     assert r["log_prob_micro_batch_size_per_gpu"] is not None
-    assert resolved["critic"]["ppo_micro_batch_size_per_gpu"] is not None
+    assert (resolved["critic"]["ppo_micro_batch_size_per_gpu"] is not None) == plan.workload.uses_critic
+    # verl's own validation and worker checks of these plans: tests/unit/test_verl_validation.py
 
 
 def test_every_added_key_has_a_real_anchor(base_config):
