@@ -2,30 +2,63 @@
 
 Reads each box's training-unit journal, the stage logs and plan.json (changes nothing), matches
 them against files/doctor/rules.toml and prints, per host, what failed, why and what to run.
-`--data doctor_json=True` prints one JSON object per host instead (also saved under the
-controller cache as doctor/<host>.json).
+A unit that never ran is said to be so, with what the launcher's preflight (run as the train
+user) says would stop it. `--data doctor_json=PATH` also writes every host's report as one JSON
+file (`--data doctor_json=True`: the controller cache's doctor/lab.json); each host's report is
+saved as doctor/<host>.json under the controller cache either way.
 """
 
 import json
+import os
+from pathlib import Path
 
-from pyinfra import host
+from pyinfra import host, state
 
 from tasks.doctor import diagnose, render
-from tasks.facts.logs import BoxLogs
+from tasks.facts.bundle import ask
+from tasks.facts.logs import BoxLogs, TrainingRun
 from tasks.hostdata import check_inventory, settings_for
 from tasks.settings import TRAIN_UNIT
+from tasks.status import unit_summary
 
 check_inventory()
 settings = settings_for()
-logs = host.get_fact(BoxLogs, unit=TRAIN_UNIT, log_glob=f"{settings.lab_root}/logs/*.log",
-                     plan_path=f"{settings.train_dir}/plan.json")
-unit_failed = "failed" in logs["unit_state"] or "exit-code" in logs["unit_state"]
-diag = diagnose(host.name, logs["sources"], logs["plan"], failed=True if unit_failed else None)
-report = diag.to_json() | {"unit_state": logs["unit_state"]}
+logs, run = ask(
+    (BoxLogs, {"unit": TRAIN_UNIT, "log_glob": f"{settings.lab_root}/logs/*.log",
+               "plan_path": f"{settings.train_dir}/plan.json"}),
+    (TrainingRun, {"unit": TRAIN_UNIT, "markers": {}, "plan_path": f"{settings.train_dir}/plan.json",
+                   "launcher": f"{settings.train_dir}/train-launcher", "user": settings.train_user,
+                   "python": settings.launcher_python, "lines": 1}),
+)
+unit_state, unit_words = unit_summary(run["unit"])
+if unit_state == "never-ran":
+    # nothing failed yet: what would stop it is what the preflight says now
+    preflight = diagnose(host.name, {"preflight": run["preflight"]}, logs["plan"])
+    diag = diagnose(host.name, {k: v for k, v in logs["sources"].items() if k != "journal"}, logs["plan"])
+    report = diag.to_json() | {"unit": unit_state, "unit_state": unit_words,
+                               "preflight": {"output": run["preflight"], "findings": preflight.to_json()["findings"]}}
+    text = render(diag) + "\n  unit: never ran (installed, never started)"
+    if run["preflight"].strip():
+        text += "; the launcher's preflight says:\n" + "\n".join(render(preflight).splitlines()[1:]) \
+            + "\n" + "\n".join(f"    | {line}" for line in run["preflight"].strip().splitlines()[-12:])
+else:
+    failed = True if unit_state in ("failed", "crash-looping") else None
+    diag = diagnose(host.name, logs["sources"], logs["plan"], failed=failed)
+    report = diag.to_json() | {"unit": unit_state, "unit_state": unit_words}
+    text = render(diag) + (f"\n  unit: {unit_state}: {unit_words}" if run["unit"] else "")
 out_dir = settings.controller_cache / "doctor"
 out_dir.mkdir(parents=True, exist_ok=True)
 (out_dir / f"{host.name}.json").write_text(json.dumps(report, indent=2))
-if host.data.get("doctor_json") in (True, "True", "true", "1"):
-    print(json.dumps(report), flush=True)
-else:
-    print(render(diag) + (f"\n  unit: {logs['unit_state']}" if logs["unit_state"] else ""), flush=True)
+print(text, flush=True)
+
+reports = state.__dict__.setdefault("verl_lab_doctor_reports", {})
+reports[host.name] = report
+target = host.data.get("doctor_json")
+if target and len(reports) == len(state.inventory.get_active_hosts()):
+    # the last host to answer writes the lab's JSON (the deploy file runs once per host)
+    path = out_dir / "lab.json" if target in (True, "True", "true", "1") else Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_name(path.name + ".part").write_text(json.dumps({"hosts": [reports[h] for h in sorted(reports)]},
+                                                              indent=2))
+    os.replace(path.with_name(path.name + ".part"), path)
+    print(f"doctor's reports of {len(reports)} hosts: {path}", flush=True)

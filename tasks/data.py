@@ -39,10 +39,11 @@ from pyinfra import host
 from pyinfra.api import FileUploadCommand, StringCommand, deploy, operation
 from pyinfra.operations import files, server
 
-from tasks.catalog import REPO_ROOT, CatalogError
+from tasks.catalog import CatalogError
 from tasks.facts.data import FilesPresent, PythonModules, SnapshotStamp, StagedFiles
 from tasks.facts.bundle import ask
 from tasks.facts.files import Marker
+from tasks.placed import marker_command
 from tasks.failure import fail_host
 from tasks.settings import LabSettings, SettingsError
 from verl_lab_box import gsm8k
@@ -51,7 +52,6 @@ from verl_lab_box.hf_snapshot import RepoSpec, SnapshotError
 
 # box-side programs, by their names in <lab_root>/libexec/data
 SCRIPTS = {"hfsnapshot.py": Path(hfsnapshot.__file__), "gsm8k.py": Path(gsm8k.__file__)}
-MARKER_TEMPLATE = REPO_ROOT / "files" / "templates" / "data.done.j2"
 
 
 @dataclass(frozen=True)
@@ -331,15 +331,14 @@ def install_data(settings: LabSettings):
             f"--dest {q(plan.source_dir)}",
             f"{py} {tools}/gsm8k.py prove --out {q(plan.data_dir)} --train-rows {plan.rows['train']} "
             f"--test-rows {plan.rows['test']} --val-rows {plan.val_rows}",
+            marker_command(marker_path, [
+                ("stage", "data"), ("digest", plan.digest), ("model_repo", plan.model.repo),
+                ("model_revision", plan.model.revision), ("model_dir", plan.model_dir),
+                ("dataset_repo", plan.dataset.repo), ("dataset_revision", plan.dataset.revision),
+                ("data_dir", plan.data_dir), ("train_file", f"{plan.data_dir}/train.parquet"),
+                ("test_file", f"{plan.data_dir}/test.parquet"), ("val_file", f"{plan.data_dir}/val_small.parquet"),
+                ("train_rows", plan.rows["train"]), ("test_rows", plan.rows["test"]),
+                ("val_rows", plan.rows["val_small"]), ("endpoint", plan.endpoint_shown),
+                ("artifact_mode", plan.mode)]),
         ],
-    )
-    files.template(
-        name=f"Marker {marker_path}",
-        src=str(MARKER_TEMPLATE),
-        dest=marker_path,
-        mode="644",
-        user="root",
-        group="root",
-        plan=plan,
-        digest=plan.digest,
     )

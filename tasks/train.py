@@ -30,26 +30,31 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyinfra import host
+import gevent
+from pyinfra import host, logger
 from pyinfra.api import deploy
-from pyinfra.operations import files, server, systemd
+from pyinfra.operations import files, python, server, systemd
 
+from tasks.doctor import diagnose, render
 from tasks.failure import fail_host
 from tasks.facts.bundle import ask
 from tasks.facts.files import Marker, PathStates, UnitState
-from tasks.placed import place, rendered, wanted_dir, wanted_file
+from tasks.facts.logs import TrainingRun
+from tasks.placed import marker_command, place, rendered, wanted_dir, wanted_file
 from tasks.plan import PlanError, TrainingPlan, Workload, make_plan, workload_for
 from tasks.target import HostTarget
 from tasks.settings import TRAIN_UNIT, LabSettings
+from tasks.status import unit_summary
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
 BOX_PACKAGE = Path(__file__).resolve().parent.parent / "verl_lab_box"
 LAUNCHER = BOX_PACKAGE / "train_launcher.py"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-train.service.j2"
 ENV_TEMPLATE = TEMPLATES / "train.env.j2"
-MARKER_TEMPLATE = TEMPLATES / "train.done.j2"
 GPU_MODULE = BOX_PACKAGE / "gpu.py"
 UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
+PREFLIGHT_PASSED = "verl-lab preflight passed on "      # the launcher prints it, then execs verl
+START_WAIT_S = 600          # the preflight asks the env's Python (torch, verl, NVML): tens of seconds
 
 
 def training_workload(settings: LabSettings, flash_attn_installed: bool = False) -> Workload:
@@ -157,7 +162,7 @@ class TrainingLayout:
     def digest(self) -> str:
         """Everything the box's files are made of: a changed input re-runs the proofs."""
         parts = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-                 for p in (LAUNCHER, UNIT_TEMPLATE, ENV_TEMPLATE, MARKER_TEMPLATE, GPU_MODULE)}
+                 for p in (LAUNCHER, UNIT_TEMPLATE, ENV_TEMPLATE, GPU_MODULE)}
         parts["values"] = json.dumps(self.values(), sort_keys=True, default=str)
         parts["plan.json"] = self.plan_json()
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
@@ -210,7 +215,6 @@ def install_train(settings: LabSettings, gpu: HostTarget):
         fail_host(name=f"Training plan for {target.count} x {target.name}", message=str(exc), stage="train")
         return
     layout = TrainingLayout(settings=settings, plan=plan, plan_source=source)
-    values = layout.values()
     user = settings.train_user
     digest = layout.digest()
     proven = bool(marker) and marker.get("digest") == digest
@@ -226,25 +230,59 @@ def install_train(settings: LabSettings, gpu: HostTarget):
 
     state = settings.train_unit_state
     want_enabled, want_running = state != "installed", state == "started"
-    unit = unit or {"enabled": False, "active": False}
+    unit = unit or UnitState.default()
+    starts = want_running and (unit_changed or not unit["active"])
     if unit_changed or unit["enabled"] != want_enabled or (want_running and not unit["active"]):
-        systemd.service(name=f"Unit {TRAIN_UNIT}: {state}", service=TRAIN_UNIT,
-                        enabled=want_enabled, running=True if want_running else None)
+        systemd.service(name=f"Unit {TRAIN_UNIT}: {state}", service=TRAIN_UNIT, enabled=want_enabled,
+                        running=True if want_running else None, restarted=want_running and unit["crash_looping"])
     if want_running and unit_changed:
         systemd.service(name=f"Restart {TRAIN_UNIT} for the changed unit", service=TRAIN_UNIT,
                         running=True, restarted=True)
 
     if proven:
         host.noop(f"training launcher and unit already proven for {target.count} x {target.name}")
-        return
-    q = shlex.quote
-    server.shell(
-        name="Prove the unit and the launcher",
-        commands=[
-            f"systemd-analyze verify {q(UNIT_PATH)}",
-            f"runuser -u {q(user)} -- {q(settings.launcher_python)} {q(layout.launcher)} "
-            "--print-overrides --against-plan >/dev/null",
-        ],
-    )
-    files.template(name=f"Marker {marker_path}", src=str(MARKER_TEMPLATE), dest=marker_path,
-                   mode="644", user="root", group="root", digest=digest, **values)
+    else:
+        q = shlex.quote
+        server.shell(
+            name="Prove the unit and the launcher",
+            commands=[
+                f"systemd-analyze verify {q(UNIT_PATH)}",
+                f"runuser -u {q(user)} -- {q(settings.launcher_python)} {q(layout.launcher)} "
+                "--print-overrides --against-plan >/dev/null",
+                marker_command(marker_path, [
+                    ("stage", "train"), ("digest", digest), ("gpu", f"{plan.gpu.count} x {plan.gpu.name}"),
+                    ("plan_source", source), ("rollout", plan.rollout), ("train_dtype", plan.train_dtype),
+                    ("attn_implementation", plan.attn_implementation),
+                    ("predicted_peak_mib", plan.predicted_peak_mib), ("launcher", layout.launcher),
+                    ("unit", TRAIN_UNIT), ("unit_state", state)]),
+            ],
+        )
+    if starts:
+        python.call(name=f"{TRAIN_UNIT} trains (past its preflight, at most {START_WAIT_S} s)",
+                    function=wait_until_training, settings=settings, seconds=START_WAIT_S)
+
+
+def wait_until_training(state, host, settings: LabSettings, seconds: float = START_WAIT_S, poll_s: float = 2.0) -> bool:
+    """Execute time, after the stage started the unit: wait until its current run has passed the
+    launcher's preflight (then verl runs). A run that stops in the preflight (the unit crash-loops
+    in ``activating (auto-restart)`` or fails), or no pass within ``seconds``, fails this host
+    with the doctor's verdict on the run's journal; the other hosts go on."""
+    args = {"unit": TRAIN_UNIT, "markers": {}, "plan_path": f"{settings.train_dir}/plan.json",
+            "launcher": f"{settings.train_dir}/train-launcher", "user": settings.train_user,
+            "python": settings.launcher_python, "lines": 60}
+    deadline, poll = gevent.get_hub().loop.now() + seconds, 0
+    while True:
+        poll += 1
+        run = host.get_fact(TrainingRun, poll=poll, **args)
+        unit_state, words = unit_summary(run["unit"])
+        if PREFLIGHT_PASSED in run["journal"]:
+            host.log_styled(f"{TRAIN_UNIT}: past its preflight, training ({words})", log_func=logger.info)
+            return True
+        stopped = unit_state not in ("running", "never-ran")
+        if stopped or gevent.get_hub().loop.now() > deadline:
+            why = f"{words}" if stopped else f"no preflight pass within {int(seconds)} s ({words})"
+            diag = diagnose(host.name, {"journal": run["journal"]}, run["plan"], failed=True)
+            host.log_styled(f"verl-lab train: {TRAIN_UNIT} did not start training: {why}\n"
+                            + "\n".join(render(diag).splitlines()[1:]), fg="red", log_func=logger.error)
+            return False
+        gevent.sleep(poll_s)

@@ -120,23 +120,28 @@ class PasswdEntry(FactBase[dict | None]):
 
 
 class UnitState(FactBase[dict[str, bool]]):
-    """Whether a systemd unit is enabled and active, in one command: ``{"enabled", "active"}``.
+    """Whether a systemd unit is enabled, active and crash-looping, in one command:
+    ``{"enabled", "active", "crash_looping"}``.
 
     ``enabled`` is True only for ``systemctl is-enabled`` = enabled; ``active`` for
-    ``is-active`` = active (or activating: a unit starting now). Both False (the default) for
-    no such unit, or no systemd (the command handles a missing systemctl: no requires_command).
+    ``is-active`` = active (or activating: a unit starting now), but not for a unit waiting to be
+    restarted after it failed (``activating (auto-restart)``): that one is ``crash_looping``. All
+    False (the default) for no such unit, or no systemd (the command handles a missing systemctl:
+    no requires_command).
     """
 
     @staticmethod
     def default() -> dict[str, bool]:
-        return {"enabled": False, "active": False}
+        return {"enabled": False, "active": False, "crash_looping": False}
 
     def command(self, unit: str) -> str:
         u = shlex.quote(unit)
         return (f"echo \"enabled=$(systemctl is-enabled {u} 2>/dev/null)\"; "
-                f"echo \"active=$(systemctl is-active {u} 2>/dev/null)\"")
+                f"echo \"active=$(systemctl is-active {u} 2>/dev/null)\"; "
+                f"echo \"sub=$(systemctl show -p SubState --value {u} 2>/dev/null)\"")
 
     def process(self, output) -> dict[str, bool]:
-        found = dict(line.strip().partition("=")[::2] for line in output if "=" in line)
-        return {"enabled": found.get("enabled", "").strip() == "enabled",
-                "active": found.get("active", "").strip() in ("active", "activating", "reloading")}
+        found = {k: v.strip() for k, v in (line.strip().partition("=")[::2] for line in output if "=" in line)}
+        looping = found.get("active") == "activating" and found.get("sub") == "auto-restart"
+        return {"enabled": found.get("enabled") == "enabled", "crash_looping": looping,
+                "active": found.get("active") in ("active", "activating", "reloading") and not looping}

@@ -1,4 +1,5 @@
-"""Facts: the logs a failed run leaves on a box, for the doctor."""
+"""Facts: the logs a failed run leaves on a box, for the doctor; how a training run is doing,
+for deploy/status.py."""
 
 from __future__ import annotations
 
@@ -35,18 +36,75 @@ class BoxLogs(FactBase[dict]):
         ])
 
     def process(self, output) -> dict:
-        sections: dict[str, list[str]] = {}
-        current = None
-        for line in output:
-            if line.startswith(SECTION):
-                current = line[len(SECTION):].strip()
-                sections[current] = []
-            elif current is not None:
-                sections[current].append(line)
-        plan_text = "\n".join(sections.pop("plan", [])).strip()
-        try:
-            plan = json.loads(plan_text) if plan_text else None
-        except ValueError:
-            plan = None
+        sections = _sections(output)
+        plan = _plan(sections.pop("plan", []))
         state = " ".join(sections.pop("unit_state", [])).strip()
         return {"sources": {k: "\n".join(v) for k, v in sections.items()}, "unit_state": state, "plan": plan}
+
+
+class TrainingRun(FactBase[dict]):
+    """How the training unit is doing, for deploy/status.py: ``{"unit": {systemctl show property:
+    value}, "markers": {stage: {key: value} | None}, "journal": text of the unit's current run (its
+    step lines and last ``lines`` lines), "plan": plan.json | None, "preflight": the launcher's
+    ``--check`` output, run as the train user only when the unit never ran, else ""}``; the
+    default, nothing read: no unit, no markers, no journal, no plan, no preflight.
+    """
+
+    @staticmethod
+    def default() -> dict:
+        return {"unit": {}, "markers": {}, "journal": "", "plan": None, "preflight": ""}
+
+    def command(self, unit: str, markers: dict, plan_path: str, launcher: str, user: str, python: str,
+                lines: int = 400, poll: int = 0) -> str:
+        """``poll``: a new number asks again (facts are cached per arguments within a run)."""
+        from tasks.status import UNIT_PROPERTIES
+
+        u, q = shlex.quote(unit), shlex.quote
+        props = " ".join(f"-p {p}" for p in UNIT_PROPERTIES)
+        parts = [f"echo '{SECTION}unit'", f"systemctl show {props} {u} 2>/dev/null"]
+        for stage, path in markers.items():
+            parts += [f"echo '{SECTION}marker:{stage}'", f"(cat {q(path)} 2>/dev/null || true)"]
+        parts += [
+            f"echo '{SECTION}journal'",
+            f"inv=$(systemctl show -p InvocationID --value {u} 2>/dev/null)",
+            f"if [ -n \"$inv\" ]; then journalctl _SYSTEMD_INVOCATION_ID=\"$inv\" --no-pager -o cat 2>/dev/null"
+            f" | awk -v n={int(lines)} '/step:[0-9]+ - |Training Progress/ {{ print; next }} {{ tail[NR % n] = $0 }}"
+            f" END {{ for (i = NR - n + 1; i <= NR; i++) if (i > 0 && (i in tail)) print tail[i] }}'; fi",
+            f"echo '{SECTION}plan'", f"(cat {q(plan_path)} 2>/dev/null || true)",
+            f"echo '{SECTION}preflight'",
+            f"if [ \"$(systemctl show -p ExecMainStartTimestampMonotonic --value {u} 2>/dev/null)\" = 0 ]"
+            f" && [ \"$(systemctl show -p NRestarts --value {u} 2>/dev/null)\" = 0 ] && [ -f {q(launcher)} ]; then"
+            f" timeout 300 runuser -u {q(user)} -- {q(python)} {q(launcher)} --check 2>&1 | tail -n 40; fi",
+        ]
+        return "; ".join(([f": poll {int(poll)}"] if poll else []) + parts)
+
+    def process(self, output) -> dict:
+        sections = _sections(output)
+        if not sections:
+            return self.default()
+        unit = dict(line.partition("=")[::2] for line in sections.pop("unit", []) if "=" in line)
+        markers = {}
+        for name in [k for k in sections if k.startswith("marker:")]:
+            found = dict(line.partition("=")[::2] for line in sections.pop(name) if "=" in line)
+            markers[name[len("marker:"):]] = found or None
+        return {"unit": unit, "markers": markers, "journal": "\n".join(sections.get("journal", [])) + "\n",
+                "plan": _plan(sections.get("plan", [])), "preflight": "\n".join(sections.get("preflight", []))}
+
+def _sections(output) -> dict[str, list[str]]:
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in output:
+        if line.startswith(SECTION):
+            current = line[len(SECTION):].strip()
+            sections[current] = []
+        elif current is not None:
+            sections[current].append(line)
+    return sections
+
+
+def _plan(lines: list[str]) -> dict | None:
+    text = "\n".join(lines).strip()
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None

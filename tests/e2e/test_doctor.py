@@ -27,7 +27,8 @@ def lab(lab_factory):
 @pytest.fixture(scope="module")
 def failed_unit(lab):
     res = lab.deploy("deploy/train.py", per_host={FORCED: {"gpu_override": A100, "train_unit_state": "started"}})
-    res.assert_ok()
+    # the stage waits for the unit to get past its preflight: it does not, so that box fails
+    assert res.failed_hosts == [FORCED], res.tail()
     box = lab.box(FORCED)
     for _ in range(60):  # the unit starts, the preflight fails, systemd records the failure
         state = box.ssh(f"systemctl show -p Result --value {UNIT}; systemctl is-failed {UNIT} || true").stdout
@@ -37,20 +38,17 @@ def failed_unit(lab):
     return state
 
 
-def doctor(lab):
-    res = lab.deploy("deploy/doctor.py", data={"doctor_json": True}, mode="text")
-    reports = {}
-    for line in res.output.splitlines():
-        start = line.find('{"host"')
-        if start >= 0:
-            report = json.loads(line[start:])
-            reports[report["host"]] = report
+def doctor(lab, tmp_path_factory):
+    path = tmp_path_factory.mktemp("doctor") / "lab.json"
+    res = lab.deploy("deploy/doctor.py", data={"doctor_json": str(path)}, mode="text")
+    assert f"doctor's reports of 2 hosts: {path}" in res.output, res.tail()
+    reports = {r["host"]: r for r in json.loads(path.read_text())["hosts"]}     # JSON on its own, in a file
     return res, reports
 
 
-def test_failed_unit_is_diagnosed_by_name(lab, failed_unit):
+def test_failed_unit_is_diagnosed_by_name(lab, failed_unit, tmp_path_factory):
     assert "exit-code" in failed_unit or "failed" in failed_unit, failed_unit
-    res, reports = doctor(lab)
+    res, reports = doctor(lab, tmp_path_factory)
     assert res.rc == 0 and res.changed == 0, res.tail()  # the doctor changes nothing
     forced = reports[FORCED]
     rules = {f["rule"] for f in forced["findings"]}
@@ -62,10 +60,18 @@ def test_failed_unit_is_diagnosed_by_name(lab, failed_unit):
     assert {"stage-not-finished", "no-cuda-device"} <= rules, rules
 
 
-def test_quiet_box_is_not_reported_as_failed(lab, failed_unit):
-    _, reports = doctor(lab)
-    assert not reports[QUIET]["failed"], reports[QUIET]
-    assert reports[QUIET]["findings"] == []
+def test_unit_that_never_ran_is_said_so_with_what_its_preflight_says(lab, failed_unit, tmp_path_factory):
+    """The quiet box's unit was installed, never started: not a failure of the unit, but the doctor
+    says it never ran and what the launcher's preflight (run as the train user) would stop on:
+    this box has no env and no data."""
+    res, reports = doctor(lab, tmp_path_factory)
+    quiet = reports[QUIET]
+    assert not quiet["failed"] and quiet["findings"] == [], quiet
+    assert quiet["unit"] == "never-ran"
+    assert "stage-not-finished" in {f["rule"] for f in quiet["preflight"]["findings"]}, quiet["preflight"]
+    assert "FAIL" in quiet["preflight"]["output"]
+    assert reports[FORCED]["unit"] in ("failed", "crash-looping")
+    assert "unit: never ran (installed, never started); the launcher's preflight says:" in res.output
 
 
 def test_text_report_names_host_cause_and_fix(lab, failed_unit):

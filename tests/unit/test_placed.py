@@ -110,7 +110,7 @@ def test_training_stage_asks_for_exactly_the_paths_it_places():
 
 def test_unit_state_command_runs_without_systemd():
     got = run_fact(UnitState(), unit="verl-lab-no-such.service")
-    assert got == {"enabled": False, "active": False}
+    assert got == {"enabled": False, "active": False, "crash_looping": False}
 
 
 class Recorder:

@@ -92,3 +92,11 @@ def test_one_marker_writer_fails_loudly_and_leaves_no_marker(tmp_path):
                           capture_output=True)
     assert done.returncode != 0 and not (blocked / "x.done").exists()
 
+
+
+def test_no_stage_renders_a_marker_template():
+    """Every stage writes its marker through tasks.placed.marker_command (cuda's and env's build
+    scripts, the data and train stages' operations); no per-stage marker template is left."""
+    assert not list((REPO / "files" / "templates").glob("*.done*"))
+    for stage in STAGES:
+        assert "marker_command" in (REPO / "tasks" / f"{stage}.py").read_text(), stage

@@ -1,0 +1,70 @@
+"""How each box is doing: `pyinfra -y inventory/lab.py deploy/status.py` (changes nothing).
+
+One row per box once every box has answered: the stages proven (markers), the env generation,
+the training unit's state (never ran, running, crash-looping, failed, finished), step / total,
+the latest score (`critic/score/mean`) and validation score, seconds per step, ETA, the GPU
+memory peak against the plan's prediction, and the doctor's verdict where the unit failed or
+never ran (then with what the launcher's preflight says).
+
+    --data status_json=lab-status.json    the rows as JSON, in that file (pyinfra's own output
+                                          stays on stdout)
+    --data status_plots=plots/            score, response length and s/step per box, and the
+                                          lab figure (PNG; needs matplotlib: pip install -e '.[plots]')
+
+Each box's journal of the current run is kept under the controller cache (status/<host>.log);
+`python -m tasks.status` and `python -m tasks.plots` read those files too.
+"""
+
+import json
+import os
+from pathlib import Path
+
+from pyinfra import host, state
+
+from tasks.doctor import diagnose, render
+from tasks.facts.logs import TrainingRun
+from tasks.hostdata import check_inventory, settings_for
+from tasks.settings import TRAIN_UNIT
+from tasks.status import STAGES, _json_safe, box_status, parse_log, render_rows, unit_summary
+
+check_inventory()
+settings = settings_for()
+run = host.get_fact(TrainingRun, unit=TRAIN_UNIT, markers={s: settings.marker(s) for s in STAGES},
+                    plan_path=f"{settings.train_dir}/plan.json", launcher=f"{settings.train_dir}/train-launcher",
+                    user=settings.train_user, python=settings.launcher_python)
+unit_state, _ = unit_summary(run["unit"])
+verdict = None
+if unit_state in ("failed", "crash-looping"):
+    diag = diagnose(host.name, {"journal": run["journal"]}, run["plan"], failed=True)
+    verdict = "\n".join(render(diag).splitlines()[1:]) or "the unit failed; the doctor found no cause"
+elif unit_state == "never-ran":
+    check = run["preflight"].strip()
+    verdict = ("the unit never ran; the launcher's preflight says:\n" + check if check else
+               "the unit never ran (train_unit_state is installed or enabled: "
+               "--data train_unit_state=started starts it)")
+row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict)
+
+out_dir = settings.controller_cache / "status"
+out_dir.mkdir(parents=True, exist_ok=True)
+(out_dir / f"{host.name}.log").write_text(run["journal"])
+rows = state.__dict__.setdefault("verl_lab_status_rows", {})
+rows[host.name] = row
+if len(rows) == len(state.inventory.get_active_hosts()):
+    # the last box to answer prints the lab (the deploy file runs once per box, side by side)
+    ordered = [rows[name] for name in sorted(rows)]
+    print(render_rows(ordered), flush=True)
+    target = host.data.get("status_json")
+    if target:
+        path = Path(target)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(path.name + ".part")
+        part.write_text(json.dumps(_json_safe({"hosts": ordered}), indent=2, allow_nan=False))
+        os.replace(part, path)
+        print(f"status of {len(ordered)} boxes: {path}", flush=True)
+    plots = host.data.get("status_plots")
+    if plots:
+        from tasks.plots import plot_all
+
+        made = plot_all({name: parse_log((out_dir / f"{name}.log").read_text()) for name in sorted(rows)},
+                        Path(plots))
+        print(f"plots: {', '.join(str(p) for p in made) or 'none (no box has finished a step)'}", flush=True)
