@@ -539,7 +539,8 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     # trainer
     add("trainer.n_gpus_per_node", gpu.count, f"{gpu.count} x {gpu.name} on this box")
     add("trainer.nnodes", 1, "one box")
-    add("trainer.total_epochs", w.total_epochs, "passes over GSM8K's train split")
+    add("trainer.total_epochs", w.total_epochs, "passes over GSM8K's train split (settings workload.epochs)"
+        + ("; the step cap below ends the run first" if w.total_training_steps else ""))
     if w.total_training_steps is not None:
         add("trainer.total_training_steps", w.total_training_steps, "settings.train_steps caps the run")
     add("trainer.logger", ["console"], "the journal keeps the console log; no wandb account needed")
@@ -725,8 +726,12 @@ def load_model_config(path: Path | str = DEFAULT_MODEL_CONFIG) -> dict:
 
 
 def workload_for(settings, flash_attn_installed: bool = False) -> Workload:
-    """The GSM8K PPO workload of a host, from its ``LabSettings`` (paths and steps)."""
+    """The GSM8K workload of a host, from its ``LabSettings`` (paths, ``workload``, step cap)."""
+    w = settings.workload
     return Workload(
+        algorithm=w["algorithm"], train_batch_size=w["train_batch_size"], ppo_mini_batch_size=w["ppo_mini_batch_size"],
+        max_prompt_length=w["max_prompt_length"], max_response_length=w["max_response_length"],
+        total_epochs=w["epochs"],
         model_path=settings.model_dir,
         train_files=f"{settings.data_dir}/train.parquet",
         # the data stage's first 64 test rows: validation at each checkpoint stays short
@@ -822,10 +827,12 @@ def doc_workload(args=None) -> Workload:
     if args is None:
         args = argparse.Namespace(model_path="/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct",
                                   data_dir="/opt/verl-lab/data/gsm8k", checkpoint_dir="/opt/verl-lab/train/checkpoints",
-                                  steps=20, model_config=DEFAULT_MODEL_CONFIG, flash_attn=False)
+                                  steps=None, epochs=1, algorithm="auto", model_config=DEFAULT_MODEL_CONFIG,
+                                  flash_attn=False)
     return Workload(model_path=args.model_path, train_files=f"{args.data_dir}/train.parquet",
                     val_files=f"{args.data_dir}/val_small.parquet", checkpoint_dir=args.checkpoint_dir,
-                    total_training_steps=args.steps, model_config=load_model_config(args.model_config),
+                    total_training_steps=args.steps, total_epochs=args.epochs, algorithm=args.algorithm,
+                    model_config=load_model_config(args.model_config),
                     flash_attn_installed=args.flash_attn)
 
 
@@ -841,7 +848,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model-path", default="/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct")
     ap.add_argument("--data-dir", default="/opt/verl-lab/data/gsm8k")
     ap.add_argument("--checkpoint-dir", default="/opt/verl-lab/train/checkpoints")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, help="a step cap (default: --epochs over GSM8K's train split)")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--algorithm", choices=ALGORITHMS, default="auto", help="auto: the fallback ladder")
     ap.add_argument("--flash-attn", action="store_true", help="flash-attn is installed in the env")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

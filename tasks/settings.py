@@ -45,7 +45,9 @@ DEFAULTS: dict[str, Any] = {
     "hf_token_file": None,             # a file on the controller holding an HF token
     "model_artifact": "qwen_model",
     "dataset_artifact": "gsm8k",
-    "train_steps": 20,
+    "train_steps": None,               # a step cap (a smoke test: e.g. 20); None: workload.epochs over GSM8K
+    # what to train (checked by _workload; the plan: tasks/plan.py, docs/plan.md)
+    "workload": {},
     # plan for this GPU instead of the box's own (a build box without a GPU, or a box whose
     # nvidia-smi cannot tell): {"name": "Tesla T4", "compute_capability": "7.5",
     # "memory_mib": 15360, "count": 1}
@@ -54,6 +56,10 @@ DEFAULTS: dict[str, Any] = {
 }
 
 KNOWN_KEYS = set(DEFAULTS)
+# workload keys and their defaults: verl's GSM8K quick start, one epoch, the plan's fallback ladder
+WORKLOAD_DEFAULTS: dict[str, Any] = {"algorithm": "auto", "train_batch_size": 256, "ppo_mini_batch_size": 64,
+                                     "max_prompt_length": 256, "max_response_length": 256, "epochs": 1}
+WORKLOAD_ALGORITHMS = ("auto", "ppo", "grpo")   # auto: PPO, else GRPO, else GRPO with shorter responses
 
 # Host data that belongs to pyinfra (its connectors' ``ssh_*``/``docker_*``... keys, its global
 # arguments ``_sudo``...) or to the site is left alone; only a near miss of a verl-lab key is an
@@ -105,10 +111,11 @@ class LabSettings:
     hf_token_file: Path | None
     model_artifact: str
     dataset_artifact: str
-    train_steps: int
+    train_steps: int | None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
     gpu_override: Mapping[str, Any] | None = None
     launcher_python: str = "/usr/bin/python3"
+    workload: Mapping[str, Any] = field(default_factory=lambda: dict(WORKLOAD_DEFAULTS))
 
     @property
     def marker_dir(self) -> str:
@@ -184,6 +191,30 @@ def _gpu_override(host: str, value: Any) -> dict[str, Any] | None:
     return {"name": value["name"], "compute_capability": cc, "memory_mib": value["memory_mib"], "count": count}
 
 
+def _workload(host: str, value: Any) -> dict[str, Any]:
+    example = "workload = {'algorithm': 'grpo', 'max_response_length': 192, 'epochs': 2}"
+    if not isinstance(value, Mapping):
+        raise SettingsError(host, "workload", f"{value!r} is not a mapping", f"use e.g. {example}")
+    for key in value:
+        if key not in WORKLOAD_DEFAULTS:
+            close = difflib.get_close_matches(str(key), sorted(WORKLOAD_DEFAULTS), n=1, cutoff=0.6)
+            raise SettingsError(host, f"workload.{key}", "not a workload key",
+                                f"did you mean workload.{close[0]}?" if close
+                                else f"use one of {', '.join(WORKLOAD_DEFAULTS)}")
+    w = {**WORKLOAD_DEFAULTS, **value}
+    if w["algorithm"] not in WORKLOAD_ALGORITHMS:
+        raise SettingsError(host, "workload.algorithm", f"{w['algorithm']!r} is not one of auto, ppo, grpo",
+                            "set it to auto (PPO, else GRPO, else shorter responses: what fits), ppo or grpo")
+    for key, default in WORKLOAD_DEFAULTS.items():
+        if key != "algorithm" and (not isinstance(w[key], int) or isinstance(w[key], bool) or w[key] < 1):
+            raise SettingsError(host, f"workload.{key}", f"{w[key]!r} is not a positive integer",
+                                f"set it to a positive integer (default {default})")
+    if w["ppo_mini_batch_size"] > w["train_batch_size"]:
+        raise SettingsError(host, "workload.ppo_mini_batch_size", f"{w['ppo_mini_batch_size']} is more than "
+                            f"train_batch_size {w['train_batch_size']}", "make it at most workload.train_batch_size")
+    return w
+
+
 def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = None) -> LabSettings:
     """Check one host's data and return its settings; raise SettingsError on the first problem."""
     for key in data:
@@ -253,8 +284,9 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         token_file = token_path
 
     steps = merged["train_steps"]
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise SettingsError(host, "train_steps", f"{steps!r} is not a positive integer", "set e.g. train_steps = 20")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise SettingsError(host, "train_steps", f"{steps!r} is not a positive integer",
+                            "set e.g. train_steps = 20 (a smoke test), or leave it unset to train workload.epochs")
 
     if not isinstance(merged["allow_no_driver"], bool):
         raise SettingsError(host, "allow_no_driver", f"{merged['allow_no_driver']!r} is not True/False",
@@ -285,4 +317,5 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         raw=dict(data),
         gpu_override=_gpu_override(host, merged["gpu_override"]),
         launcher_python=_abs_path(host, "launcher_python", merged["launcher_python"]),
+        workload=_workload(host, merged["workload"]),
     )
