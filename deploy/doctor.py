@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pyinfra import host, state
 
-from tasks.doctor import diagnose, render
+from tasks.doctor import diagnose, never_ran, render
 from tasks.facts.bundle import ask
 from tasks.facts.logs import BoxLogs, TrainingRun
 from tasks.hostdata import check_inventory, settings_for
@@ -33,14 +33,11 @@ logs, run = ask(
 unit_state, unit_words = unit_summary(run["unit"])
 if unit_state == "never-ran":
     # nothing failed yet: what would stop it is what the preflight says now
-    preflight = diagnose(host.name, {"preflight": run["preflight"]}, logs["plan"])
+    preflight, words = never_ran(host.name, run["preflight"], logs["plan"])
     diag = diagnose(host.name, {k: v for k, v in logs["sources"].items() if k != "journal"}, logs["plan"])
     report = diag.to_json() | {"unit": unit_state, "unit_state": unit_words,
                                "preflight": {"output": run["preflight"], "findings": preflight.to_json()["findings"]}}
-    text = render(diag) + "\n  unit: never ran (installed, never started)"
-    if run["preflight"].strip():
-        text += "; the launcher's preflight says:\n" + "\n".join(render(preflight).splitlines()[1:]) \
-            + "\n" + "\n".join(f"    | {line}" for line in run["preflight"].strip().splitlines()[-12:])
+    text = render(diag) + "\n  unit: " + words.replace("the unit never ran", "never ran (installed, never started)", 1)
 else:
     failed = True if unit_state in ("failed", "crash-looping") else None
     diag = diagnose(host.name, logs["sources"], logs["plan"], failed=failed)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pyinfra import host, state
 
-from tasks.doctor import diagnose, render
+from tasks.doctor import diagnose, never_ran, render
 from tasks.facts.logs import TrainingRun
 from tasks.hostdata import check_inventory, settings_for
 from tasks.settings import TRAIN_UNIT
@@ -38,10 +38,7 @@ if unit_state in ("failed", "crash-looping"):
     diag = diagnose(host.name, {"journal": run["journal"]}, run["plan"], failed=True)
     verdict = "\n".join(render(diag).splitlines()[1:]) or "the unit failed; the doctor found no cause"
 elif unit_state == "never-ran":
-    check = run["preflight"].strip()
-    verdict = ("the unit never ran; the launcher's preflight says:\n" + check if check else
-               "the unit never ran (train_unit_state is installed or enabled: "
-               "--data train_unit_state=started starts it)")
+    verdict = never_ran(host.name, run["preflight"], run["plan"])[1]
 row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict)
 
 out_dir = settings.controller_cache / "status"

@@ -54,6 +54,7 @@ ENV_TEMPLATE = TEMPLATES / "train.env.j2"
 GPU_MODULE = BOX_PACKAGE / "gpu.py"
 UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
 PREFLIGHT_PASSED = "verl-lab preflight passed on "      # the launcher prints it, then execs verl
+MARKER_PLAN_KEYS = ("rollout", "train_dtype", "attn_implementation", "predicted_peak_mib")
 START_WAIT_S = 600          # the preflight asks the env's Python (torch, verl, NVML): tens of seconds
 
 
@@ -232,29 +233,29 @@ def install_train(settings: LabSettings, gpu: HostTarget):
     want_enabled, want_running = state != "installed", state == "started"
     unit = unit or UnitState.default()
     starts = want_running and (unit_changed or not unit["active"])
-    if unit_changed or unit["enabled"] != want_enabled or (want_running and not unit["active"]):
-        systemd.service(name=f"Unit {TRAIN_UNIT}: {state}", service=TRAIN_UNIT, enabled=want_enabled,
-                        running=True if want_running else None, restarted=want_running and unit["crash_looping"])
-    if want_running and unit_changed:
-        systemd.service(name=f"Restart {TRAIN_UNIT} for the changed unit", service=TRAIN_UNIT,
-                        running=True, restarted=True)
-
+    if unit_changed or unit["enabled"] != want_enabled:
+        systemd.service(name=f"Unit {TRAIN_UNIT}: {'enabled' if want_enabled else 'disabled'}", service=TRAIN_UNIT,
+                        enabled=want_enabled, running=None)     # starting is below
+    if starts:
+        # (re)start, whatever state the last run left: a unit that crash-looped into its start limit
+        # is reset first. Whether it then trains is the wait's to say, below.
+        u = shlex.quote(TRAIN_UNIT)
+        server.shell(name=f"Unit {TRAIN_UNIT}: started" + (" (the changed unit)" if unit_changed else ""),
+                     commands=[f"systemctl reset-failed {u} 2>/dev/null || true; systemctl restart {u} || true"])
     if proven:
         host.noop(f"training launcher and unit already proven for {target.count} x {target.name}")
     else:
-        q = shlex.quote
+        q, summary = shlex.quote, plan.to_dict()
         server.shell(
             name="Prove the unit and the launcher",
             commands=[
                 f"systemd-analyze verify {q(UNIT_PATH)}",
                 f"runuser -u {q(user)} -- {q(settings.launcher_python)} {q(layout.launcher)} "
                 "--print-overrides --against-plan >/dev/null",
-                marker_command(marker_path, [
-                    ("stage", "train"), ("digest", digest), ("gpu", f"{plan.gpu.count} x {plan.gpu.name}"),
-                    ("plan_source", source), ("rollout", plan.rollout), ("train_dtype", plan.train_dtype),
-                    ("attn_implementation", plan.attn_implementation),
-                    ("predicted_peak_mib", plan.predicted_peak_mib), ("launcher", layout.launcher),
-                    ("unit", TRAIN_UNIT), ("unit_state", state)]),
+                marker_command(marker_path, [("stage", "train"), ("digest", digest),
+                                             ("gpu", f"{target.count} x {target.name}"), ("plan_source", source),
+                                             *((k, summary[k]) for k in MARKER_PLAN_KEYS),
+                                             ("launcher", layout.launcher), ("unit", TRAIN_UNIT), ("unit_state", state)]),
             ],
         )
     if starts:
@@ -269,7 +270,7 @@ def wait_until_training(state, host, settings: LabSettings, seconds: float = STA
     with the doctor's verdict on the run's journal; the other hosts go on."""
     args = {"unit": TRAIN_UNIT, "markers": {}, "plan_path": f"{settings.train_dir}/plan.json",
             "launcher": f"{settings.train_dir}/train-launcher", "user": settings.train_user,
-            "python": settings.launcher_python, "lines": 60}
+            "python": settings.launcher_python, "lines": 400}
     deadline, poll = gevent.get_hub().loop.now() + seconds, 0
     while True:
         poll += 1

@@ -74,7 +74,7 @@ class TrainingRun(FactBase[dict]):
             f"echo '{SECTION}preflight'",
             f"if [ \"$(systemctl show -p ExecMainStartTimestampMonotonic --value {u} 2>/dev/null)\" = 0 ]"
             f" && [ \"$(systemctl show -p NRestarts --value {u} 2>/dev/null)\" = 0 ] && [ -f {q(launcher)} ]; then"
-            f" timeout 300 runuser -u {q(user)} -- {q(python)} {q(launcher)} --check 2>&1 | tail -n 40; fi",
+            f" timeout 300 runuser -u {q(user)} -- {q(python)} {q(launcher)} --check 2>&1 | grep -v ' \\\\$' | tail -n 40; fi",
         ]
         return "; ".join(([f": poll {int(poll)}"] if poll else []) + parts)
 

@@ -78,7 +78,7 @@ def test_never_provisioned_box(status):
 def test_box_whose_env_broke_says_its_unit_never_ran_and_why(status):
     row = status[1][BROKEN]
     assert row["stages"] == ["env", "train"] and row["env_generation"] == "verl.gen1"
-    assert row["unit"] == "never-ran"
+    assert row["unit"] == "never-ran", json.dumps(row)
     assert row["verdict"].startswith("the unit never ran; the launcher's preflight says:")
     assert f"{ENV}/bin/python" in row["verdict"] and "FAIL" in row["verdict"], row["verdict"]
 

@@ -157,3 +157,15 @@ def test_setting_names_are_found_in_advice():
     rule = Rule("r", (), (), "cause", "set train_steps, or mirror_profile = 'cn', or `hf_token_file`; "
                 "not data.max_prompt_length=256", "env_backend / mirror_urls.pypi / plan offload level / deploy/full.py / the box's GPU")
     assert settings_named(rule) == {"train_steps", "mirror_profile", "hf_token_file", "env_backend", "mirror_urls"}
+
+
+def test_never_ran_reads_the_preflight_with_the_rules():
+    from tasks.doctor import never_ran
+
+    check = ("verl-lab preflight on box: 1 x Tesla T4 planned\n"
+             "  FAIL  env python: /opt/verl-lab/envs/verl/bin/python does not exist: the Python env stage has not "
+             "run on this box\nverl-lab preflight FAILED on box: 1 of 10 checks failed (env python)\n")
+    diag, words = never_ran("box", check)
+    assert [f.rule for f in diag.findings] == ["stage-not-finished"]
+    assert words.startswith("the unit never ran; the launcher's preflight says:\n  [stage-not-finished]")
+    assert "never ran (train_unit_state is installed or enabled" in never_ran("box", "")[1]
