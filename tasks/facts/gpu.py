@@ -28,17 +28,22 @@ from verl_lab_box.gpu import (  # noqa: F401  (re-exported: the GPU fact's vocab
 )
 
 
-class NvidiaGpus(FactBase):
+class NvidiaGpus(FactBase[GpuInventory]):
     """Every NVIDIA GPU of the box and its driver, as a ``GpuInventory``: the one GPU fact.
 
     A box with no nvidia-smi, no loaded driver or no GPU returns an inventory with
     ``problem`` set and no GPUs (and, where the GPU query failed, the driver version from
     nvidia-smi's banner or /proc: ``driver_view``); a driver without the ``compute_cap``
-    field gets the compute capability from the GPU name table, noted in ``notes``.
+    field gets the compute capability from the GPU name table, noted in ``notes``. The
+    default, no output at all: an inventory with no GPUs and the problem that says so.
     """
+
+    @staticmethod
+    def default() -> GpuInventory:
+        return parse_fact_output("")
 
     def command(self) -> str:
         return fact_command()
 
-    def process(self, output):
+    def process(self, output) -> GpuInventory:
         return parse_fact_output("\n".join(output))

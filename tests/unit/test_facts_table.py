@@ -1,5 +1,4 @@
-"""Every fact of tasks/facts/ (but the GPU fact, tests/unit/test_gpu_fact.py) against what boxes
-printed, in pyinfra's own way (its tests/facts/<module>.<Fact>/<case>.json).
+"""Every fact of tasks/facts/ against what boxes printed, in pyinfra's own way (its tests/facts/<module>.<Fact>/<case>.json).
 
 ``tests/fixtures/facts/<module>.<Fact>/<case>.json`` holds the fact's keyword arguments
 (``arg``), the shell command they make (``command``: what the box runs, kept byte for byte: the
@@ -27,7 +26,7 @@ from tasks.facts.bundle import HEADER, Bundle, _name, _text
 from tasks.facts.env import PROVE_SCRIPT
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "facts"
-MODULES = ("data", "disk", "env", "files", "logs", "nvidia")
+MODULES = ("data", "disk", "env", "files", "gpu", "logs", "nvidia")
 # a command that carries a file's text carries a name for it in the case instead
 PLACEHOLDERS = {PROVE_SCRIPT: "<verl_lab_box/env_prove.py>"}
 
@@ -64,7 +63,12 @@ def command_of(cls: type, arg: dict) -> str:
 def answer_of(cls: type, output: list[str]):
     """What host.get_fact answers for this output: no output is the default."""
     fact = cls()
-    return fact.process(output) if output else fact.default()
+    return _plain(fact.process(output) if output else fact.default())
+
+
+def _plain(answer):
+    """The GPU fact answers a GpuInventory: compared as its JSON."""
+    return json.loads(answer.to_json()) if hasattr(answer, "to_json") else answer
 
 
 @pytest.mark.parametrize("cls,path", cases())
@@ -77,7 +81,7 @@ def test_fact_case(cls, path):
     # the same answer when the fact is asked in a bundle (its output framed by header lines)
     assert _text(cls().command(**case["arg"])) in Bundle().command(facts=[(cls, case["arg"])])
     framed = [f"{HEADER} 0 {_name(cls)}", *case["output"], f"{HEADER} end"]
-    assert Bundle().process(framed) == [answer]
+    assert [_plain(a) for a in Bundle().process(framed)] == [answer]
 
 
 @pytest.mark.parametrize("cls", fact_classes(), ids=fact_dir)
