@@ -52,11 +52,19 @@ class Profile:
     validate: bool = True
     stands_for: str = ""
     seed_recipe: bool = False
+    plan_memory_mib: int | None = None   # plan for this much memory (else memory_mib), then ...
+    overrides: tuple[str, ...] = ()      # ... run it with these Hydra overrides after the plan's
 
     @property
     def cap_mib(self) -> int | None:
         return self.memory_mib - OUTSIDE_TORCH_MIB if self.capped else None
 
+
+GRPO_FSDP2 = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=64",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.use_kl_loss=True",
+              "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+              "actor_rollout_ref.actor.entropy_coeff=0", "algorithm.use_kl_in_reward=False",
+              "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.offload_policy=True")
 
 PROFILES = [
     Profile("p40", "Tesla P40", "6.1", 24576, stands_for="Tesla P40 (24 GiB), the plan as built now"),
@@ -68,6 +76,24 @@ PROFILES = [
             stands_for="the H200 itself; HF rollout instead of the plan's vLLM, for this run only"),
     Profile("p40-today", "Tesla P40", "6.1", 24576, code="today", steps=2, validate=False,
             stands_for="Tesla P40, the plan and verl patches as they were before this work (throughput baseline)"),
+    # probes for a rung the plan does not have yet: GRPO (no critic: verl 0.5.0's FSDP2 cannot wrap
+    # the critic's Qwen2ForTokenClassification, "__class__ assignment ... object layout differs",
+    # call 6) with the actor on FSDP2 with CPUOffloadPolicy (params, grads and the AdamW step on the
+    # CPU; the ref is offloaded the same way by verl), on the P40 plan's fp32 + HF rollout
+    Profile("grpo-11g", "NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, plan_memory_mib=24576, steps=2, validate=False,
+            overrides=GRPO_FSDP2 + ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+                                    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+                                    "++actor_rollout_ref.rollout.micro_batch_size=128"),
+            stands_for="GTX 1080 Ti / RTX 2080 Ti (11 GiB): GRPO n=4, actor on FSDP2 CPU offload, micro 2, chunk 128"),
+    Profile("grpo-8g", "NVIDIA GeForce GTX 1080", "6.1", 8192, plan_memory_mib=24576, steps=2, validate=False,
+            overrides=GRPO_FSDP2 + ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                                    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+                                    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+                                    "++actor_rollout_ref.rollout.micro_batch_size=64",
+                                    "actor_rollout_ref.model.enable_gradient_checkpointing=True"),
+            stands_for="GTX 1080 / RTX 4060 (8 GiB): GRPO n=4, actor on FSDP2 CPU offload, micro 1, chunk 64, "
+                       "gradient checkpointing"),
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
             stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),
 ]
@@ -123,7 +149,7 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
     root = lab_root(profile)
     settings = load_settings(profile.name, {"lab_root": root, "env_prefix": f"{root}/env",
                                             "train_steps": profile.steps})
-    target = GpuTarget(profile.gpu_name, profile.compute_capability, profile.memory_mib, 1)
+    target = GpuTarget(profile.gpu_name, profile.compute_capability, profile.plan_memory_mib or profile.memory_mib, 1)
     workload = training_workload(settings)
     if profile.rollout_engine != "auto":
         from dataclasses import replace
@@ -178,6 +204,7 @@ def render(names: list[str], out_root: Path, today_ref: str) -> None:
             # a launcher older than the `--` passthrough: run its overrides directly
             if "-- KEY=VALUE" not in (out / "train" / "train-launcher").read_text():
                 record["kind"] = "print-overrides"
+        record["extra_overrides"] += list(profile.overrides)
         if not profile.validate:
             record["extra_overrides"].append("trainer.test_freq=-1")
         (out / "profile.json").write_text(json.dumps(record, indent=2) + "\n")
