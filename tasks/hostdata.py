@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from pyinfra import host, inventory
 
+from tasks.cluster import Cluster, check_clusters
 from tasks.settings import LabSettings, SettingsError, load_settings
 
 _CHECKED = False
 _CACHE: dict[str, LabSettings] = {}
+_CLUSTERS: dict[str, "Cluster"] = {}
 
 
 class InventoryError(SystemExit):
@@ -25,17 +27,31 @@ def settings_for(target=None) -> LabSettings:
     return _CACHE[target.name]
 
 
+def cluster_for(target=None) -> Cluster | None:
+    """The Ray cluster the host trains in (checked with every host's data), or None: it trains alone."""
+    target = target or host
+    return next((c for c in _CLUSTERS.values() if target.name in c.members), None)
+
+
 def check_inventory(hosts=None) -> None:
     """Check every host's data once per run (``hosts`` defaults to pyinfra's inventory)."""
     global _CHECKED
     if _CHECKED:
         return
     problems: list[str] = []
+    checked, in_groups = {}, {}
     for each in hosts if hosts is not None else inventory:
         try:
-            settings_for(each)
+            checked[each.name] = settings_for(each)
         except SettingsError as exc:
             problems.append(str(exc))
+        inv = getattr(each, "inventory", None)
+        if inv is not None and "cluster" not in inv.get_host_data(each.name):   # its groups decide its cluster
+            in_groups[each.name] = {g: inv.get_group_data(g)["cluster"] for g in each.groups
+                                    if inv.get_group_data(g).get("cluster")}
+    clusters, cluster_problems = check_clusters(checked, in_groups)
+    _CLUSTERS.update(clusters)
+    problems += [str(p) for p in cluster_problems]
     _CHECKED = True
     if problems:
         raise InventoryError(

@@ -53,6 +53,10 @@ DEFAULTS: dict[str, Any] = {
     # "memory_mib": 15360, "count": 1}
     "gpu_override": None,
     "launcher_python": "/usr/bin/python3",   # runs the training launcher (stdlib only)
+    # boxes that train together as one Ray cluster (tasks/cluster.py): {"name": "lab1", "head": "box1",
+    # "port": 6379}, the same value on every member (e.g. in the group's group_data); None: trains alone
+    "cluster": None,
+    "cluster_address": None,           # this box's IPv4 address on the cluster network (the head needs one)
 }
 
 KNOWN_KEYS = set(DEFAULTS)
@@ -116,6 +120,8 @@ class LabSettings:
     gpu_override: Mapping[str, Any] | None = None
     launcher_python: str = "/usr/bin/python3"
     workload: Mapping[str, Any] = field(default_factory=lambda: dict(WORKLOAD_DEFAULTS))
+    cluster: Mapping[str, Any] | None = None
+    cluster_address: str | None = None
 
     @property
     def marker_dir(self) -> str:
@@ -213,6 +219,45 @@ def _workload(host: str, value: Any) -> dict[str, Any]:
         raise SettingsError(host, "workload.ppo_mini_batch_size", f"{w['ppo_mini_batch_size']} is more than "
                             f"train_batch_size {w['train_batch_size']}", "make it at most workload.train_batch_size")
     return w
+
+
+CLUSTER_EXAMPLE = "cluster = {'name': 'lab1', 'head': 'box1'} on every box of the cluster (e.g. in its group_data)"
+CLUSTER_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,30}$")
+
+
+def _cluster(host: str, value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise SettingsError(host, "cluster", f"{value!r} is not a mapping", f"set {CLUSTER_EXAMPLE}")
+    for key in value:
+        if key not in ("name", "head", "port"):
+            raise SettingsError(host, f"cluster.{key}", "not a cluster key", "use name, head and port")
+    for key in ("name", "head"):
+        if not isinstance(value.get(key), str) or not value[key].strip():
+            raise SettingsError(host, f"cluster.{key}", "missing" if key not in value else f"{value[key]!r} is not "
+                                "a name", f"set {CLUSTER_EXAMPLE}" + (" (head: the inventory name of the box "
+                                                                      "that runs Ray's head)" if key == "head" else ""))
+    if not CLUSTER_NAME_RE.match(value["name"]):
+        raise SettingsError(host, "cluster.name", f"{value['name']!r} is not a short lowercase name",
+                            "use letters, digits, '-' or '_', e.g. 'lab1'")
+    port = value.get("port", 6379)
+    if not isinstance(port, int) or isinstance(port, bool) or not 1024 <= port <= 65535:
+        raise SettingsError(host, "cluster.port", f"{port!r} is not a port from 1024 to 65535",
+                            "leave it out for Ray's default 6379, or set a free port")
+    return {"name": value["name"], "head": value["head"], "port": port}
+
+
+def _ip_address(host: str, key: str, value: Any) -> str | None:
+    import ipaddress
+
+    if value is None:
+        return None
+    try:
+        return str(ipaddress.IPv4Address(value))
+    except (ipaddress.AddressValueError, ValueError):
+        raise SettingsError(host, key, f"{value!r} is not an IPv4 address",
+                            "set the box's address on the cluster network, e.g. '10.0.0.5'") from None
 
 
 def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = None) -> LabSettings:
@@ -318,4 +363,6 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         gpu_override=_gpu_override(host, merged["gpu_override"]),
         launcher_python=_abs_path(host, "launcher_python", merged["launcher_python"]),
         workload=_workload(host, merged["workload"]),
+        cluster=_cluster(host, merged["cluster"]),
+        cluster_address=_ip_address(host, "cluster_address", merged["cluster_address"]),
     )

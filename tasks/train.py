@@ -35,6 +35,7 @@ from pyinfra import host, logger
 from pyinfra.api import deploy
 from pyinfra.operations import files, python, server, systemd
 
+from tasks.cluster import cluster_plan
 from tasks.doctor import diagnose, render
 from tasks.failure import fail_host
 from tasks.facts.bundle import ask
@@ -198,9 +199,9 @@ def _flash_attn(env_marker: dict | None) -> bool:
 
 
 @deploy("verl-lab training plan, launcher and unit")
-def install_train(settings: LabSettings, gpu: HostTarget):
-    """Plan for the host's GPU target; launcher, env file, plan.json and the systemd unit; proofs;
-    marker."""
+def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict | None = None):
+    """Plan for the host's GPU target (in a Ray cluster: ``cluster_targets``, every member's, for
+    tasks.cluster.cluster_plan); launcher, env file, plan.json and the systemd unit; proofs; marker."""
     # one command for all this stage reads (tasks/facts/bundle.py)
     marker_path = settings.marker("train")
     env_marker, marker, states, unit = ask(
@@ -211,7 +212,8 @@ def install_train(settings: LabSettings, gpu: HostTarget):
         return
     target, source = gpu.target, gpu.source
     try:
-        plan = make_plan(target, training_workload(settings, _flash_attn(env_marker)))
+        workload = training_workload(settings, _flash_attn(env_marker))
+        plan = cluster_plan(cluster_targets, workload) if cluster_targets else make_plan(target, workload)
     except PlanError as exc:
         fail_host(name=f"Training plan for {target.count} x {target.name}", message=str(exc), stage="train")
         return

@@ -1,0 +1,305 @@
+"""Boxes that train together: one Ray cluster, verl's own engine for many machines.
+
+Host data ``cluster = {"name": "lab1", "head": "box1", "port": 6379}`` (the same value on every
+member: set it once in the group's group_data) puts a box in a cluster; ``cluster_address`` is
+a box's IPv4 address on the cluster network (the head needs one, or an IP literal as its
+``ssh_hostname``; a worker without one uses the source address of its route to the head).
+Default: no cluster, every box trains alone, and this stage does nothing at all.
+
+Pure parts: the cross-host check of the setting (``check_clusters``, run with every host's
+settings before any host changes), the network interface NCCL and Gloo use (``choose_interface``,
+from ``ip -o route get <head>``), and the cluster plan (``cluster_plan``: precision and memory by
+the weakest GPU, ``trainer.nnodes`` and ``trainer.n_gpus_per_node``). The stage
+``install_cluster`` places a Ray head or worker unit (files/templates/verl-lab-ray.service.j2)
+running the env's Ray as the train user, its environment file, and a drop-in that gives the
+training unit RAY_ADDRESS and the interface.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from pyinfra import host
+from pyinfra.api import deploy
+from pyinfra.operations import server, systemd
+
+from tasks.facts.bundle import ask
+from tasks.facts.cluster import RouteToHead
+from tasks.facts.files import PathStates, UnitState
+from tasks.failure import fail_host
+from tasks.placed import place, rendered, wanted_dir, wanted_file
+from tasks.plan import GpuTarget, PlanError, Reason, TrainingPlan, Workload, make_plan
+from tasks.settings import TRAIN_UNIT, LabSettings, SettingsError
+from tasks.verl_config import Override
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
+UNIT_TEMPLATE = TEMPLATES / "verl-lab-ray.service.j2"
+ENV_TEMPLATE = TEMPLATES / "ray.env.j2"
+DROPIN_TEMPLATE = TEMPLATES / "train-cluster.conf.j2"
+RAY_UNIT = "verl-lab-ray.service"
+RAY_UNIT_PATH = f"/etc/systemd/system/{RAY_UNIT}"
+TRAIN_DROPIN = f"/etc/systemd/system/{TRAIN_UNIT}.d/cluster.conf"
+HEAD_WAIT_TRIES = 30             # a worker asks for the head 30 times, 2 s apart, then fails (and restarts)
+GCS_RECONNECT_S = 20             # a worker's raylet gives up on a vanished head after this (Ray's default: 60)
+
+
+class ClusterError(ValueError):
+    """The box cannot join its cluster as it is; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    head: str
+    head_address: str
+    port: int
+    members: tuple[str, ...]
+
+    @property
+    def address(self) -> str:
+        return f"{self.head_address}:{self.port}"
+
+    def role(self, host: str) -> str:
+        return "head" if host == self.head else "worker"
+
+
+def _ipv4(value: Any) -> str | None:
+    try:
+        return str(ipaddress.IPv4Address(str(value)))
+    except ValueError:
+        return None
+
+
+def check_clusters(settings: Mapping[str, LabSettings],
+                   group_values: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[dict[str, Cluster], list[SettingsError]]:
+    """Every cluster of the inventory, and what is wrong with the setting across hosts (a head
+    outside its cluster, members that disagree, a head without an address, a box put in two
+    clusters by two of its groups). ``group_values``: host -> {group: the cluster value that
+    group's data sets}, for boxes whose own host data does not set one."""
+    problems: list[SettingsError] = []
+    for host, by_group in sorted((group_values or {}).items()):
+        names = sorted({f"{g}: {v.get('name')}" for g, v in by_group.items() if isinstance(v, Mapping)})
+        if len({v.get("name") for v in by_group.values() if isinstance(v, Mapping)}) > 1:
+            problems.append(SettingsError(host, "cluster", f"the box is in two clusters ({', '.join(names)})",
+                                          "take it out of one of these groups, or set its own cluster in host data"))
+    members: dict[str, list[str]] = {}
+    for host, s in settings.items():
+        if s.cluster:
+            members.setdefault(s.cluster["name"], []).append(host)
+    clusters = {}
+    for name, hosts in sorted(members.items()):
+        first = settings[hosts[0]].cluster
+        odd = [h for h in hosts if settings[h].cluster != first]
+        if odd:
+            problems.append(SettingsError(odd[0], "cluster", f"{settings[odd[0]].cluster!r} differs from "
+                                          f"{hosts[0]}'s {first!r} in cluster {name!r}",
+                                          f"give every box of {name} the same value (once, in its group's group_data)"))
+            continue
+        head = first["head"]
+        if head not in hosts:
+            problems.append(SettingsError(hosts[0], "cluster.head", f"{head!r} is not a box of cluster {name!r} "
+                                          f"(its boxes: {', '.join(sorted(hosts))})",
+                                          f"name one of them as the head, or put {head} in cluster {name}"))
+            continue
+        hs = settings[head]
+        address = hs.cluster_address or _ipv4(hs.raw.get("ssh_hostname") or head)
+        if not address:
+            problems.append(SettingsError(head, "cluster_address", f"the head of cluster {name!r} has no address "
+                                          "the workers can be given", "set cluster_address = '<its IPv4 address "
+                                          "on the cluster network>' in its host data"))
+            continue
+        clusters[name] = Cluster(name, head, address, first["port"], tuple(sorted(hosts)))
+    return clusters, problems
+
+
+@dataclass(frozen=True)
+class Interface:
+    name: str                    # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME
+    address: str                 # this box's source address towards the head
+    reason: str
+
+
+def _addr_owner(addrs: str, address: str) -> str | None:
+    """The interface of ``ip -o -4 addr show`` output that holds ``address`` (or its subnet)."""
+    want, best = ipaddress.IPv4Address(address), None
+    for line in addrs.splitlines():
+        cells = line.split()
+        if len(cells) >= 4 and cells[2] == "inet":
+            net = ipaddress.IPv4Interface(cells[3])
+            if net.ip == want:
+                return cells[1]
+            if want in net.network and best is None:
+                best = cells[1]
+    return best
+
+
+def choose_interface(route: str, addrs: str, head: str) -> Interface:
+    """One concrete interface for NCCL and Gloo (Gloo takes no ``^lo``-style patterns), from the
+    ``RouteToHead`` fact. The head itself (a ``local`` route) takes the interface holding its
+    address; loopback only when the head's address is itself a loopback one (every node on
+    one machine); a missing or unreachable route raises ClusterError."""
+    first = route.splitlines()[0] if route.strip() else ""
+    cells = first.split()
+    loopback = ipaddress.IPv4Address(head).is_loopback
+    if not cells or "dev" not in cells or cells[0] in ("unreachable", "blackhole", "prohibit", "throw"):
+        raise ClusterError(f"no route from this box to the head {head}: {first or 'ip printed nothing'}; "
+                           "fix the network (or cluster_address) so that `ip route get " + head + "` names an interface")
+    dev = cells[cells.index("dev") + 1]
+    src = cells[cells.index("src") + 1] if "src" in cells else head
+    if cells[0] == "local":
+        owner = "lo" if loopback else _addr_owner(addrs, head)
+        if not owner or (owner == "lo" and not loopback):
+            raise ClusterError(f"{head} is this box's own address but no network interface holds it "
+                               f"({owner or 'none found'}): other boxes cannot reach it; use an address of a real interface")
+        why = ("the head's address is a loopback address: every node is on this machine" if loopback
+               else f"this box is the head; {owner} holds {head}")
+        return Interface(owner, head, why)
+    if dev == "lo" and not loopback:
+        raise ClusterError(f"the route to the head {head} goes over the loopback interface: {first}")
+    via = f" via the gateway {cells[cells.index('via') + 1]}" if "via" in cells else ""
+    return Interface(dev, src, f"the route to the head {head} leaves by {dev}{via} (source {src})")
+
+
+def weakest_gpu(targets: Mapping[str, GpuTarget]) -> tuple[GpuTarget, str]:
+    """The per-node GPU the cluster plans for: the lowest compute capability decides precision and
+    rollout, the smallest memory the memory plan, the smallest count ``n_gpus_per_node``."""
+    low_cc = min(targets.items(), key=lambda kv: (kv[1].cc, kv[1].memory_mib))
+    low_mem = min(targets.items(), key=lambda kv: (kv[1].memory_mib, kv[1].cc))
+    count = min(t.count for t in targets.values())
+    name = low_cc[1].name if low_mem[1].memory_mib >= low_cc[1].memory_mib \
+        else f"{low_cc[1].name} (with {low_mem[1].name}'s memory)"
+    gpu = GpuTarget(name, low_cc[1].compute_capability, min(low_cc[1].memory_mib, low_mem[1].memory_mib), count)
+    uneven = len({t.count for t in targets.values()}) > 1
+    why = (f"precision and rollout by the lowest compute capability ({low_cc[1].name} on {low_cc[0]}, "
+           f"{low_cc[1].compute_capability}), memory by the smallest ({low_mem[1].memory_mib} MiB on {low_mem[0]}), "
+           f"{count} GPU(s) per node" + (" (the smallest count: verl's resource pool is even; other GPUs stay idle)"
+                                        if uneven else ""))
+    return gpu, why
+
+
+def cluster_plan(targets: Mapping[str, GpuTarget], workload: Workload, estimator=None) -> TrainingPlan:
+    """The plan of a cluster (``targets``: each member's GPU target): make_plan for the weakest
+    GPU at the cluster's world size (batches and FSDP sharding over every GPU), then verl's node
+    split; ``plan.gpu`` is the per-node target the launcher checks on each box."""
+    per_node, why = weakest_gpu(targets)
+    nodes = len(targets)
+    plan = make_plan(replace(per_node, count=per_node.count * nodes), workload, estimator)
+    split = {"trainer.n_gpus_per_node": (per_node.count, f"{per_node.count} x {per_node.name} on each node"),
+             "trainer.nnodes": (nodes, f"{nodes} boxes in the Ray cluster ({', '.join(sorted(targets))})")}
+    overrides = [Override(o.key, *split[o.key]) if o.key in split else o for o in plan.overrides]
+    return replace(plan, gpu=per_node, overrides=overrides,
+                   reasons=[Reason("cluster", f"{nodes} x {per_node.count} x {per_node.name}", why), *plan.reasons])
+
+
+# ------------------------------------------------------------------ the stage
+
+
+@dataclass(frozen=True)
+class RayNode:
+    """One box's Ray unit, environment and training drop-in (pure)."""
+
+    settings: LabSettings
+    cluster: Cluster
+    interface: Interface
+    num_gpus: int
+    plan_env: Mapping[str, str]
+
+    @property
+    def role(self) -> str:
+        return self.cluster.role(self.settings.host)
+
+    @property
+    def node_address(self) -> str:
+        s = self.settings
+        return s.cluster_address or (self.cluster.head_address if self.role == "head" else self.interface.address)
+
+    def values(self) -> dict:
+        s = self.settings
+        return {"host": s.host, "role": self.role, "cluster": self.cluster.name, "node_address": self.node_address,
+                "head_address": self.cluster.address, "port": self.cluster.port, "num_gpus": self.num_gpus,
+                "ray": f"{s.env_prefix}/bin/ray", "ray_dir": ray_dir(s), "env_file": ray_env_file(s),
+                "train_user": s.train_user, "home": f"{s.lab_root}/home", "env_prefix": s.env_prefix,
+                "cuda_prefix": s.cuda_prefix, "interface": self.interface, "hf_endpoint": s.mirrors.base("huggingface"),
+                "plan_env": dict(self.plan_env), "unit_name": RAY_UNIT, "wait_tries": HEAD_WAIT_TRIES,
+                "gcs_reconnect_s": GCS_RECONNECT_S}
+
+
+def ray_dir(settings: LabSettings) -> str:
+    """Ray's temp dir (sessions, sockets): the head's, which every worker uses too."""
+    return f"{settings.lab_root}/ray"
+
+
+def ray_env_file(settings: LabSettings) -> str:
+    return f"{settings.train_dir}/ray.env"
+
+
+def cluster_paths(settings: LabSettings) -> list[str]:
+    return [ray_dir(settings), ray_env_file(settings), RAY_UNIT_PATH, str(Path(TRAIN_DROPIN).parent), TRAIN_DROPIN]
+
+
+def cluster_wanted(node: RayNode) -> list:
+    s, values = node.settings, node.values()
+    return [wanted_dir(ray_dir(s), "Ray's temp dir (the train user's)", mode="750", user=s.train_user,
+                       group=s.train_user),
+            wanted_file(ray_env_file(s), f"Ray {node.role} environment file", rendered(ENV_TEMPLATE, **values),
+                        mode="640", group=s.train_user),
+            wanted_file(RAY_UNIT_PATH, f"Unit {RAY_UNIT} ({node.role})", rendered(UNIT_TEMPLATE, **values)),
+            wanted_dir(str(Path(TRAIN_DROPIN).parent)),
+            wanted_file(TRAIN_DROPIN, f"{TRAIN_UNIT} in cluster {node.cluster.name}", rendered(DROPIN_TEMPLATE, **values))]
+
+
+def member_targets(cluster: Cluster, own: str, target: GpuTarget) -> dict[str, GpuTarget | None]:
+    """Prepare time: every member's GPU target (the other boxes' GPU facts, or their gpu_override)."""
+    from pyinfra import inventory
+
+    from tasks.facts.gpu import NvidiaGpus
+    from tasks.hostdata import settings_for
+    from tasks.target import decide_gpu
+
+    found = {}
+    for name in cluster.members:
+        if name == own:
+            found[name] = target
+            continue
+        other = inventory.get_host(name)
+        ov = settings_for(other)
+        found[name] = decide_gpu(ov, None if ov.gpu_override else other.get_fact(NvidiaGpus)).target
+    return found
+
+
+@deploy("verl-lab Ray cluster node")
+def install_cluster(settings: LabSettings, gpu, cluster: Cluster, targets: Mapping[str, GpuTarget | None]):
+    """The box's Ray unit (head or worker), its environment and the training unit's drop-in; the
+    unit (re)started when they changed or it is not running."""
+    from tasks.train import training_workload
+
+    route, states, unit = ask((RouteToHead, {"address": cluster.head_address}),
+                              (PathStates, {"paths": cluster_paths(settings)}), (UnitState, {"unit": RAY_UNIT}))
+    missing = sorted(n for n, t in targets.items() if t is None)
+    try:
+        if missing:
+            raise ClusterError(f"no GPU target on {', '.join(missing)} (see its training stage)")
+        interface = choose_interface(route["route"], route["addrs"], cluster.head_address)
+        plan_env = cluster_plan(targets, training_workload(settings)).env
+    except (ClusterError, PlanError) as exc:
+        fail_host(name=f"Ray {cluster.role(settings.host)} of cluster {cluster.name}", message=str(exc),
+                  stage="cluster")
+        return
+    node = RayNode(settings, cluster, interface, gpu.target.count, plan_env)
+    changed = [p for p, why in place(cluster_wanted(node), states).items() if why]
+    if RAY_UNIT_PATH in changed or TRAIN_DROPIN in changed:
+        systemd.daemon_reload(name="systemd reads the changed units")
+    unit = unit or UnitState.default()
+    if not unit["enabled"]:
+        systemd.service(name=f"Unit {RAY_UNIT}: enabled", service=RAY_UNIT, enabled=True, running=None)
+    if changed or not unit["active"]:
+        why = "changed: " + ", ".join(changed) if changed else "not running"
+        server.shell(name=f"Unit {RAY_UNIT}: (re)started ({why})",
+                     commands=[f"systemctl reset-failed {RAY_UNIT} 2>/dev/null || true; systemctl restart {RAY_UNIT}"])
+    else:
+        host.noop(f"Ray {node.role} of cluster {cluster.name} at {node.node_address} running "
+                  f"(NCCL/Gloo over {interface.name})")
+

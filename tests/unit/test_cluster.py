@@ -1,0 +1,200 @@
+"""Boxes that train together (tasks/cluster.py): the cluster setting, checked per host and across
+hosts before any host changes; the network interface NCCL and Gloo use, from real
+``ip -o route get`` outputs (tests/fixtures/facts/cluster.RouteToHead/); the cluster plan by the
+weakest GPU; the Ray units rendered for a head and a worker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks import hostdata
+from tasks.cluster import (Cluster, ClusterError, Interface, RayNode, check_clusters, choose_interface,
+                           cluster_plan, cluster_wanted, weakest_gpu)
+from tasks.plan import GpuTarget, doc_workload, make_plan
+from tasks.settings import SettingsError, load_settings
+
+ROUTES = Path(__file__).resolve().parents[1] / "fixtures" / "facts" / "cluster.RouteToHead"
+P40 = GpuTarget("Tesla P40", "6.1", 24576, 1)
+RTX3090 = GpuTarget("NVIDIA GeForce RTX 3090", "8.6", 24576, 1)
+T4 = GpuTarget("Tesla T4", "7.5", 15360, 1)
+LAB1 = {"name": "lab1", "head": "box1"}
+
+
+def route_case(name: str) -> tuple[dict, str]:
+    case = json.loads((ROUTES / f"{name}.json").read_text())
+    return case["fact"], case["arg"]["address"]
+
+
+# ------------------------------------------------------------------ the interface
+
+
+@pytest.mark.parametrize("case, name, address, words", [
+    ("direct", "eth0", "192.0.2.2", "leaves by eth0 (source"),
+    ("via_gateway", "eth0", "192.0.2.2", "via the gateway 192.0.2.1"),
+    ("the_head_itself", "eth0", "192.0.2.2", "this box is the head; eth0 holds 192.0.2.2"),
+    ("loopback_lab", "lo", "127.0.0.2", "every node is on this machine"),
+])
+def test_interface_from_the_route_to_the_head(case, name, address, words):
+    fact, head = route_case(case)
+    chosen = choose_interface(fact["route"], fact["addrs"], head)
+    assert (chosen.name, chosen.address) == (name, address) and words in chosen.reason
+
+
+@pytest.mark.parametrize("case", ["no_route", "nothing"])
+def test_no_route_to_the_head_is_refused_with_what_ip_said(case):
+    fact, head = route_case(case)
+    with pytest.raises(ClusterError, match=f"no route from this box to the head {head}") as exc:
+        choose_interface(fact["route"], fact["addrs"], head)
+    if case == "no_route":
+        assert "Network is unreachable" in str(exc.value)
+
+
+def test_loopback_is_never_chosen_for_a_head_other_boxes_must_reach():
+    fact, _ = route_case("the_head_itself")
+    with pytest.raises(ClusterError, match="no network interface holds it"):     # 10.1.1.1: on no interface
+        choose_interface("local 10.1.1.1 dev lo src 10.1.1.1 uid 0 \\    cache <local>", fact["addrs"], "10.1.1.1")
+    with pytest.raises(ClusterError, match="over the loopback interface"):
+        choose_interface("10.1.1.1 dev lo src 127.0.0.1 uid 0", fact["addrs"], "10.1.1.1")
+    with pytest.raises(ClusterError, match="no route"):
+        choose_interface("unreachable 10.1.1.1 dev eth0", "", "10.1.1.1")
+
+
+# ------------------------------------------------------------------ the cluster plan
+
+
+def test_a_p40_and_an_rtx3090_train_in_fp32_with_the_p40s_memory():
+    plan = cluster_plan({"p40": P40, "rtx3090": RTX3090}, doc_workload())
+    d = plan.to_dict()
+    assert (d["train_dtype"], d["rollout"], d["attn_implementation"]) == ("fp32", "hf", "sdpa")
+    assert d["gpu"] == {"name": "Tesla P40", "compute_capability": "6.1", "memory_mib": 24576, "count": 1}
+    assert "trainer.nnodes=2" in d["overrides"] and "trainer.n_gpus_per_node=1" in d["overrides"]
+    why = d["reasons"][0]
+    assert why["setting"] == "cluster" and "Tesla P40 on p40, 6.1" in why["why"] and "24576 MiB on p40" in why["why"]
+    assert d["predicted_peak_mib"] <= d["budget_mib"]
+    # batches and FSDP sharding over both GPUs: less per GPU than the P40 alone
+    assert d["predicted_peak_mib"] < make_plan(P40, doc_workload()).to_dict()["predicted_peak_mib"]
+
+
+def test_memory_and_precision_can_come_from_different_boxes():
+    gpu, why = weakest_gpu({"p40": P40, "t4": T4})
+    assert (gpu.compute_capability, gpu.memory_mib) == ("6.1", 15360)
+    assert gpu.name == "Tesla P40 (with Tesla T4's memory)" and "15360 MiB on t4" in why
+    d = cluster_plan({"p40": P40, "t4": T4}, doc_workload()).to_dict()
+    assert d["train_dtype"] == "fp32" and d["gpu"]["memory_mib"] == 15360 and d["predicted_peak_mib"] <= d["budget_mib"]
+
+
+def test_uneven_gpu_counts_plan_the_smallest_count_and_say_so():
+    two = GpuTarget("NVIDIA A100-SXM4-80GB", "8.0", 81920, 2)
+    d = cluster_plan({"a": two, "b": GpuTarget(two.name, "8.0", 81920, 1)}, doc_workload()).to_dict()
+    assert "trainer.n_gpus_per_node=1" in d["overrides"] and "trainer.nnodes=2" in d["overrides"]
+    assert "other GPUs stay idle" in d["reasons"][0]["why"] and d["train_dtype"] == "bf16"
+
+
+# ------------------------------------------------------------------ the setting
+
+
+def settings(host: str = "box1", **data):
+    return load_settings(host, data)
+
+
+def test_default_every_box_trains_alone():
+    s = settings()
+    assert s.cluster is None and s.cluster_address is None
+    assert check_clusters({"box1": s}) == ({}, [])
+
+
+@pytest.mark.parametrize("value, key, words", [
+    ({"name": "lab1"}, "cluster.head", "missing"),
+    ({"head": "box1"}, "cluster.name", "missing"),
+    ({"name": "Lab 1", "head": "box1"}, "cluster.name", "not a short lowercase name"),
+    ({**LAB1, "port": 80}, "cluster.port", "not a port from 1024 to 65535"),
+    ({**LAB1, "heads": "box1"}, "cluster.heads", "not a cluster key"),
+    ("lab1", "cluster", "is not a mapping"),
+])
+def test_bad_cluster_values_name_host_key_and_fix(value, key, words):
+    with pytest.raises(SettingsError) as exc:
+        settings("box7", cluster=value)
+    assert (exc.value.host, exc.value.key) == ("box7", key) and words in exc.value.problem and exc.value.fix
+
+
+def test_bad_cluster_address():
+    with pytest.raises(SettingsError, match="host box2: cluster_address: 'box1.lab' is not an IPv4 address"):
+        settings("box2", cluster=LAB1, cluster_address="box1.lab")
+
+
+def test_a_cluster_with_its_head_address():
+    s = {"box1": settings("box1", cluster=LAB1, cluster_address="10.0.0.5"),
+         "box2": settings("box2", cluster=LAB1), "alone": settings("alone")}
+    clusters, problems = check_clusters(s)
+    assert problems == []
+    assert clusters == {"lab1": Cluster("lab1", "box1", "10.0.0.5", 6379, ("box1", "box2"))}
+    assert clusters["lab1"].role("box2") == "worker" and clusters["lab1"].address == "10.0.0.5:6379"
+    # the head's ssh_hostname, where it is an IP literal, is its address too
+    s["box1"] = settings("box1", cluster=LAB1, ssh_hostname="10.0.0.9")
+    assert check_clusters(s)[0]["lab1"].head_address == "10.0.0.9"
+
+
+@pytest.mark.parametrize("data, host, key, words", [
+    ({"box1": {"cluster": {"name": "lab1", "head": "box9"}, "cluster_address": "10.0.0.5"},
+      "box2": {"cluster": {"name": "lab1", "head": "box9"}}}, "box1", "cluster.head",
+     "'box9' is not a box of cluster 'lab1' (its boxes: box1, box2)"),
+    ({"box1": {"cluster": LAB1, "cluster_address": "10.0.0.5"}, "box2": {"cluster": {**LAB1, "head": "box2"}}},
+     "box2", "cluster", "differs from box1's"),
+    ({"box1": {"cluster": LAB1, "ssh_hostname": "box1.lab"}, "box2": {"cluster": LAB1}}, "box1", "cluster_address",
+     "the head of cluster 'lab1' has no address"),
+])
+def test_cluster_values_that_disagree_across_hosts(data, host, key, words):
+    _, problems = check_clusters({h: settings(h, **d) for h, d in data.items()})
+    assert len(problems) == 1 and (problems[0].host, problems[0].key) == (host, key), problems
+    assert words in problems[0].problem and problems[0].fix
+
+
+def test_one_box_in_two_clusters_fails_the_whole_inventory_before_any_host_changes(monkeypatch):
+    from pyinfra.api import Inventory
+
+    for name, value in (("_CHECKED", False), ("_CACHE", {}), ("_CLUSTERS", {})):
+        monkeypatch.setattr(hostdata, name, value)
+    inv = Inventory((["box1", "box2", "box3"], {}),
+                    lab1=(["box1", "box2"], {"cluster": {"name": "lab1", "head": "box1"}}),
+                    lab2=(["box2", "box3"], {"cluster": {"name": "lab2", "head": "box3"}}))
+    with pytest.raises(hostdata.InventoryError) as exc:
+        hostdata.check_inventory(list(inv))
+    text = str(exc.value)
+    assert "nothing was changed on any host" in text
+    assert "host box2: cluster: the box is in two clusters (lab1: lab1, lab2: lab2)" in text
+    assert "host box1: cluster_address: the head of cluster 'lab1' has no address" in text
+
+
+# ------------------------------------------------------------------ the units
+
+
+def node(host: str, role_address: Interface, **data) -> RayNode:
+    cluster = Cluster("lab1", "box1", "127.0.0.2", 6380, ("box1", "box2", "box3"))
+    s = settings(host, cluster={**LAB1, "port": 6380}, env_backend="venv", **data)
+    return RayNode(s, cluster, role_address, 2, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+
+
+def test_head_and_worker_units_and_their_environment():
+    lo = Interface("lo", "127.0.0.2", "the head's address is a loopback address: every node is on this machine")
+    head = {w.path: w.content.decode() for w in cluster_wanted(node("box1", lo, cluster_address="127.0.0.2"))
+            if w.content is not None}
+    worker = {w.path: w.content.decode() for w in cluster_wanted(node("box2", lo, cluster_address="127.0.0.3"))
+              if w.content is not None}
+    unit = "/etc/systemd/system/verl-lab-ray.service"
+    ray = "/opt/verl-lab/envs/verl/bin/ray"
+    assert (f"ExecStart={ray} start --head --block --node-ip-address=127.0.0.2 --port=6380 --num-gpus=2 "
+            "--temp-dir=/opt/verl-lab/ray") in head[unit]
+    assert "ExecStartPre" not in head[unit] and "User=verl" in head[unit] and f"ExecStop={ray} stop" in head[unit]
+    assert (f"ExecStart={ray} start --block --address=127.0.0.2:6380 --node-ip-address=127.0.0.3 "
+            "--num-gpus=2") in worker[unit]
+    assert f"until {ray} health-check --address 127.0.0.2:6380" in worker[unit] and "-ge 30" in worker[unit]
+    assert "$$((n+1))" in worker[unit] and "Restart=on-failure" in worker[unit]   # $$: systemd's escape of $
+    env = worker["/opt/verl-lab/train/ray.env"]
+    for line in ("NCCL_SOCKET_IFNAME=lo", "GLOO_SOCKET_IFNAME=lo", "RAY_ADDRESS=127.0.0.2:6380",
+                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "HF_ENDPOINT=https://"):
+        assert line in env, env
+    dropin = head["/etc/systemd/system/verl-lab-train.service.d/cluster.conf"]
+    assert "EnvironmentFile=/opt/verl-lab/train/ray.env" in dropin and "ReadWritePaths=/opt/verl-lab/ray" in dropin
