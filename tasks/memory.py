@@ -345,6 +345,7 @@ def train_step_peak(shape: ModelShape, role: str = "actor", dtype: str = "bf16",
         "logits_transient": max(logits_fwd, logits_bwd) / MIB,
         "phase_forward": fwd / MIB,
         "phase_backward": bwd / MIB,
+        "phase_backward_start": bwd_start / MIB,
         "phase_optimizer": opt / MIB,
         "cublas_workspace": WORKSPACE_MIB,
         "cuda_context": CUDA_CONTEXT_MIB,
@@ -518,6 +519,8 @@ class VerlWorkload:
     critic_param_offload: bool = False
     critic_optimizer_offload: bool = False
     n_gpus: int = 1                    # FSDP shards params, grads and optimizer states over the box's GPUs
+    # FSDP2 + CPUOffloadPolicy for the actor (verl 0.5.0 then offloads the ref the same way): no critic
+    actor_offload_policy: bool = False
     # inferred: verl 0.5.0 puts vLLM to sleep (weights to host, KV cache freed) between
     # rollouts. False charges vLLM's share to every phase.
     vllm_sleep: bool = True
@@ -535,6 +538,8 @@ class VerlWorkload:
                      "gpu_memory_mib", "n_gpus"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.actor_offload_policy and self.use_critic:
+            raise ValueError("actor_offload_policy has no critic: verl 0.5.0 cannot FSDP2-wrap it")
 
 
 def _transient(est: Estimate) -> float:
@@ -559,6 +564,12 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     FSDP keeps 1/n_gpus of every model's states per GPU and gathers one unit at a time while it
     computes: the embedding (the root unit) and two decoder layers (the next one prefetched) in
     the compute dtype (inferred: not measured on several GPUs; the transients stay unsharded).
+
+    ``actor_offload_policy`` (FSDP2 + CPUOffloadPolicy): nothing of the actor or ref stays on the GPU
+    between phases; each pass holds the units FSDP gathers (the same embedding + two layers), an
+    update also their gradients (the root's, the tied embedding's, lives through the backward),
+    and no full half-precision copy. Measured (GPU call 7, fp32, HF rollout): the actor's
+    log-prob pass peaks after the root is released, the ref's (no entropy) while it is held.
     """
     wl = workload
     s = shape
@@ -581,14 +592,20 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         res_critic = (0.0 if wl.critic_param_offload else params_c) \
             + (0.0 if wl.critic_optimizer_offload else opt_c)
     res_ref = 0.0 if wl.ref_param_offload else ref_params
+    offp = wl.actor_offload_policy
+    if offp:
+        res_actor = res_ref = 0.0
 
     if wl.train_dtype != "fp32" and not wl.grad_ckpt:
         path = _attention_path(s, wl.train_dtype, wl.attn)
         per_token = s.layers * _layer_saved_bytes_per_token(s, True, path) + VERL_ACTOR_LOGIT_BYTES_AUTOCAST * s.vocab
-        actor_act = (2.0 * s.layers * s.layer_params + wl.micro_batch * seq * per_token) / MIB
+        actor_act = ((0.0 if offp else 2.0 * s.layers * s.layer_params) + wl.micro_batch * seq * per_token) / MIB
     else:
-        actor_act = _transient(train_step_peak(s, "actor", wl.train_dtype, wl.attn, wl.grad_ckpt,
-                                               wl.micro_batch, seq))
+        step = train_step_peak(s, "actor", wl.train_dtype, wl.attn, wl.grad_ckpt, wl.micro_batch, seq)
+        actor_act = _transient(step)
+        if offp and wl.grad_ckpt:   # no AdamW temporary on the GPU to stand in for activations: the backward's start
+            actor_act = max(actor_act, step.breakdown["phase_backward_start"] - step.breakdown["weights"]
+                            - step.breakdown["adamw_states"] - STEP_MISC_MIB)
         # verl's policy loss adds log-softmax and entropy over the response logits in fp32 (inferred;
         # matches the fp32 measurements within 1%)
         actor_act += 2.0 * 4.0 * s.vocab * wl.micro_batch * wl.response_len / MIB
@@ -596,10 +613,13 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     if wl.use_critic:
         critic_act = _transient(train_step_peak(s, "critic", wl.train_dtype, wl.attn,
                                                 wl.grad_ckpt, c_micro, seq))
-    half_copy_a = 2.0 * P_a / MIB * (1 if wl.train_dtype != "fp32" else 0)
-    gathered = 0.0 if wl.n_gpus == 1 else _bytes(wl.train_dtype) * (s.embed_params + 2 * s.layer_params) / MIB
+    half_copy_a = 2.0 * P_a / MIB * (1 if wl.train_dtype != "fp32" and not offp else 0)
+    gathered = 0.0 if wl.n_gpus == 1 and not offp else _bytes(wl.train_dtype) * (s.embed_params + 2 * s.layer_params) / MIB
     # a no-grad forward for log-probs and entropy (measured, VERL_LOGPROB_BYTES)
     logprob_pass = VERL_LOGPROB_BYTES * s.vocab * lp_micro * seq / MIB + half_copy_a
+    # offload: the ref's pass (no entropy) holds the root and its fp32 logits (measured); the actor's peaks in
+    # the entropy, after the root is released (measured)
+    ref_pass = gathered + 4.0 * s.vocab * lp_micro * seq / MIB if offp else None
     # the critic's value pass: one layer's activations and the hidden states (inferred)
     values_pass = lp_micro * seq * (4.0 * s.hidden * 4 + 3.0 * 4 * s.ffn) / MIB \
         + (2.0 * P_c / MIB if wl.train_dtype != "fp32" else 0.0)
@@ -620,7 +640,8 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     always = rollout if (wl.rollout == "vllm" and not wl.vllm_sleep) else 0.0
     resident = res_actor + res_critic + res_ref + always
     overhead = CUDA_CONTEXT_MIB + VERL_PROCESS_OVERHEAD_MIB
-    logprob_pass += gathered
+    logprob_pass = max(logprob_pass, ref_pass) if offp else logprob_pass + gathered
+    grads_a = 4.0 * (s.embed_params + s.layer_params) / MIB if offp else grads_a   # offload: the units' in flight
     values_pass += gathered if wl.use_critic else 0.0
     actor_act += gathered
     critic_act += gathered if wl.use_critic else 0.0
@@ -628,7 +649,7 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     phases = {
         "phase_rollout": resident - always + rollout,
         # an offloaded ref runs under FSDP's CPUOffload: one unit at a time on the GPU
-        "phase_ref_logprob": resident + (logprob_pass if wl.use_ref else 0.0),
+        "phase_ref_logprob": resident + ((ref_pass if offp else logprob_pass) if wl.use_ref else 0.0),
         "phase_actor_logprob": resident + logprob_pass
         + (params_a if wl.actor_param_offload else 0.0),
         "phase_critic_values": (resident + values_pass + (params_c if wl.critic_param_offload else 0.0))
@@ -642,11 +663,11 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     }
     peak = max(phases.values()) + overhead
     host = 0.0
-    if wl.actor_param_offload:
-        host += params_a
-    if wl.actor_optimizer_offload:
+    if wl.actor_param_offload or offp:
+        host += params_a + (4.0 * P_a / MIB if offp else 0.0)   # offload policy: the gradients too
+    if wl.actor_optimizer_offload or offp:
         host += opt_a
-    if wl.use_ref and wl.ref_param_offload:
+    if wl.use_ref and (wl.ref_param_offload or offp):
         host += ref_params
     if wl.use_critic and wl.critic_param_offload:
         host += params_c
@@ -674,10 +695,10 @@ def held_at_vllm_start_mib(shape: ModelShape, workload: VerlWorkload) -> float:
     ray_trainer.init_workers builds the critic and the ref before the actor and its rollout) and
     the process overhead."""
     wl = workload
-    held = 0.0 if wl.actor_param_offload else 4.0 * shape.params("actor") / MIB
+    held = 0.0 if wl.actor_param_offload or wl.actor_offload_policy else 4.0 * shape.params("actor") / MIB
     if wl.use_critic and not wl.critic_param_offload:
         held += 4.0 * shape.params("critic") / MIB
-    if wl.use_ref and not wl.ref_param_offload:
+    if wl.use_ref and not (wl.ref_param_offload or wl.actor_offload_policy):
         held += (4 if wl.train_dtype == "fp32" else 2) * shape.params("actor") / MIB
     held /= wl.n_gpus
     return held + CUDA_CONTEXT_MIB + VERL_PROCESS_OVERHEAD_MIB

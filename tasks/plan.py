@@ -66,16 +66,23 @@ ROLLOUT_CHUNK_CHOICES = (256, 128, 64, 32, 16, 8, 4, 2, 1)   # prompts per HF ge
 VLLM_SHARE_MAX = 0.9       # never give vLLM more of the GPU than this
 VLLM_SHARE_MIN = 0.05
 
-# The fallback ladder, best training first: (rung, algorithm, response tokens (None: the workload's), why).
+# The fallback ladder, best training first: (rung, algorithm, response tokens (None: the workload's),
+# the actor on FSDP2 with CPUOffloadPolicy, why).
 GRPO_N = 4   # samples per prompt: verl's GSM8K GRPO example takes 5; 4 keeps PPO's 256 sequences a step in 64 x 4
-RUNGS: tuple[tuple[str, str, int | None, str], ...] = (
-    ("ppo", "ppo", None, "PPO with a learned critic (GAE): verl's GSM8K quick start"),
-    ("grpo", "grpo", None, f"GRPO: no critic (no critic params, gradients, optimizer states or passes); each "
-                           f"prompt sampled {GRPO_N} times, the advantage is a reward against its group's"),
-    ("grpo-response-192", "grpo", 192, "GRPO with responses cut to 192 tokens: GSM8K answers longer than that "
-                                       "lose their final '#### n' and score 0"),
-    ("grpo-response-128", "grpo", 128, "GRPO with responses cut to 128 tokens: many step-by-step GSM8K answers "
-                                       "lose their final '#### n' and score 0"),
+_OFFLOAD_WHY = ("the actor on FSDP2 with CPUOffloadPolicy (actor_rollout_ref.actor.strategy=fsdp2, fsdp_config."
+                "offload_policy=True): its params, gradients and AdamW states live on the CPU and the AdamW step runs "
+                "there; the GPU holds the layers FSDP gathers while they compute, activations, logits and the "
+                "rollout; verl offloads the ref the same way. Slower: every micro-batch moves the weights in and the "
+                "gradients out over PCIe. Critic-free: verl 0.5.0 cannot FSDP2-wrap the critic (GPU call 6)")
+RUNGS: tuple[tuple[str, str, int | None, bool, str], ...] = (
+    ("ppo", "ppo", None, False, "PPO with a learned critic (GAE): verl's GSM8K quick start"),
+    ("grpo", "grpo", None, False, f"GRPO: no critic (no critic params, gradients, optimizer states or passes); each "
+                                  f"prompt sampled {GRPO_N} times, the advantage is a reward against its group's"),
+    ("grpo-cpu-offload", "grpo", None, True, f"GRPO with {_OFFLOAD_WHY}"),
+    ("grpo-cpu-offload-response-192", "grpo", 192, True, "GRPO, actor on FSDP2 CPU offload, responses cut to 192 "
+                                                         "tokens: GSM8K answers longer lose their '#### n' (score 0)"),
+    ("grpo-cpu-offload-response-128", "grpo", 128, True, "GRPO, actor on FSDP2 CPU offload, responses cut to 128 "
+                                                         "tokens: many GSM8K answers lose their '#### n' (score 0)"),
 )
 ALGORITHMS = ("auto", "ppo", "grpo")
 # verl 0.5.0's GSM8K GRPO example (examples/grpo_trainer/run_qwen2-7b.sh): the KL to the reference in the loss
@@ -145,6 +152,7 @@ class Workload:
     flash_attn_installed: bool = False
     rollout_engine: str = "auto"         # "auto": vLLM where the GPU has it; "hf": the HF rollout
     val_rows: int = VAL_ROWS             # rows of val_small.parquet (HF chunks must divide them)
+    actor_offload_policy: bool = False   # the actor (and ref) on FSDP2 with CPUOffloadPolicy (RUNGS)
 
     @property
     def uses_reference(self) -> bool:
@@ -230,7 +238,7 @@ class TrainingPlan:
             "rung": self.rung,
             "workload": {k: getattr(self.workload, k) for k in ("algorithm", "rollout_n", "train_batch_size",
                          "ppo_mini_batch_size", "max_prompt_length", "max_response_length", "total_training_steps",
-                         "total_epochs")} if self.workload else None,
+                         "total_epochs", "actor_offload_policy")} if self.workload else None,
             "rollout": self.precision.rollout,
             "rollout_dtype": self.precision.rollout_dtype,
             "train_dtype": self.precision.train_dtype,
@@ -358,8 +366,12 @@ def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
     best_failure: MemoryEstimate | None = None
     tried = 0
     found: tuple[MemoryChoice, MemoryEstimate] | None = None
-    candidates = ((ckpt, level, micro) for ckpt in (False, True) for level in offload_levels(workload, precision)
-                  for micro in _micro_choices(mini_per_gpu))
+    if workload.actor_offload_policy:   # fewer micro-batches = fewer PCIe round trips: larger first, even with checkpointing
+        level = {k: k == "ref_param_offload" for k in OFFLOAD_LADDER}
+        candidates = ((ckpt, level, micro) for micro in _micro_choices(mini_per_gpu) for ckpt in (False, True))
+    else:
+        candidates = ((ckpt, level, micro) for ckpt in (False, True) for level in offload_levels(workload, precision)
+                      for micro in _micro_choices(mini_per_gpu))
     for ckpt, level, micro in candidates:
         choice = MemoryChoice(offload=level, actor_micro_batch=micro, log_prob_micro_batch=1,
                               critic_micro_batch=micro, rollout_micro_batch=1, grad_ckpt=ckpt)
@@ -415,11 +427,16 @@ def _no_fit(gpu: GpuTarget, workload: Workload, best_failure: MemoryEstimate) ->
 
 def _memory_reasons(gpu, workload, precision, choice, est, tried) -> list[Reason]:
     on = [k for k in OFFLOAD_LADDER if choice.offload.get(k)]
+    policy = workload.actor_offload_policy
     reasons = [Reason("gradient_checkpointing", choice.grad_ckpt,
-                      "without it no offload level and micro-batch fits the budget (it recomputes each layer "
-                      "in the backward pass: about a third more update compute)" if choice.grad_ckpt else
+                      ("it lets a larger update micro-batch fit (fewer PCIe round trips of the offloaded weights and "
+                       "gradients)" if policy else "without it no offload level and micro-batch fits the budget")
+                      + " (it recomputes each layer in the backward pass: about a third more update compute)"
+                      if choice.grad_ckpt else
                       "the estimate fits without it (it would recompute every layer in the backward pass)"),
-               Reason("offload", ", ".join(on) or "none",
+               Reason("offload", "actor_offload_policy, ref" if policy else (", ".join(on) or "none"),
+                      "FSDP2's CPUOffloadPolicy keeps the actor's and the ref's params (and the actor's gradients and "
+                      "AdamW states) on the CPU; the FSDP1 offload flags are ignored for the actor" if policy else
                       (f"the estimate fits {est.budget_mib} MiB without offload (offload costs PCIe transfers "
                        "every step)" if not on else
                        f"without {on[-1]} the estimate exceeds the {est.budget_mib} MiB budget; "
@@ -427,8 +444,10 @@ def _memory_reasons(gpu, workload, precision, choice, est, tried) -> list[Reason
     reasons.append(Reason("micro_batches", f"actor {choice.actor_micro_batch}, critic {choice.critic_micro_batch}, "
                                            f"log-prob/values {choice.log_prob_micro_batch}",
                           f"updates: the largest micro-batch (of {', '.join(map(str, MICRO_BATCH_CHOICES))}) dividing "
-                          "the per-GPU mini-batch that fits; no-gradient passes: the largest that still fits "
-                          f"({tried} candidates estimated)"))
+                          "the per-GPU mini-batch that fits"
+                          + (", with gradient checkpointing if that fits a larger one: each micro-batch moves the "
+                             "weights in and the gradients out over PCIe" if policy else "")
+                          + f"; no-gradient passes: the largest that still fits ({tried} candidates estimated)"))
     reasons.append(Reason("rollout_micro_batch", choice.rollout_micro_batch,
                           ("sequences per HF generate() call" if precision.rollout == "hf" else
                            "sequences vLLM runs at once (its KV cache and sampler are sized for them)")
@@ -492,7 +511,9 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     for key, label in (("actor_rollout_ref.model.enable_gradient_checkpointing", "actor"),
                        ("critic.model.enable_gradient_checkpointing", "critic")):
         add(key, choice.grad_ckpt,
-            f"{label}: needed to fit the memory budget (recomputes each layer in the backward pass)" if choice.grad_ckpt
+            f"{label}: needed to fit the memory budget"
+            + (" at a larger update micro-batch (fewer PCIe round trips)" if w.actor_offload_policy else "")
+            + " (recomputes each layer in the backward pass)" if choice.grad_ckpt
             else f"{label}: the estimate fits without it, and it costs a recomputed forward in every update")
     add("actor_rollout_ref.actor.use_torch_compile", precision.use_torch_compile,
         "Triton supports this GPU" if precision.use_torch_compile
@@ -527,9 +548,18 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     add("critic.forward_micro_batch_size_per_gpu", choice.log_prob_micro_batch,
         "the critic's value pass has no gradients: as the actor's log-prob pass")
     # offload
+    if w.actor_offload_policy:
+        add("actor_rollout_ref.actor.strategy", "fsdp2", "FSDP2 (fully_shard) for the actor; the ref follows "
+            "(actor_rollout_ref.ref.strategy interpolates it, and verl builds the ref with the actor's strategy)")
+        add("actor_rollout_ref.actor.fsdp_config.offload_policy", True, "CPUOffloadPolicy: the actor's params, "
+            "gradients and AdamW states on the CPU, the AdamW step there (FSDP2 only; verl 0.5.0 always offloads the ref)")
     for name in OFFLOAD_LADDER:
         on = bool(choice.offload.get(name))
-        if name == "ref_param_offload" and not w.uses_reference:
+        if w.actor_offload_policy and name.startswith("actor"):
+            why = "verl 0.5.0 ignores it under offload_policy (fsdp_workers forces it False): CPUOffloadPolicy offloads"
+        elif w.actor_offload_policy and name == "ref_param_offload":
+            why = "says what happens: verl 0.5.0 builds the ref with CPUOffloadPolicy under fsdp2 whatever this flag says"
+        elif name == "ref_param_offload" and not w.uses_reference:
             why = "no reference model in this run"
         elif name == "actor_param_offload" and precision.rollout == "hf":
             why = "never with the HF rollout: verl 0.5.0 does not reload offloaded actor params before generation"
@@ -611,11 +641,12 @@ def ladder(workload: Workload, gpu: GpuTarget) -> list[tuple[str, Workload, str]
     """The rungs ``workload.algorithm`` allows ("auto": all of RUNGS; else that algorithm at the
     workload's lengths), each as the workload it trains, with batches every GPU gets a share of."""
     out = []
-    for rung, algorithm, response, why in RUNGS:
+    for rung, algorithm, response, offload_policy, why in RUNGS:
         if workload.algorithm not in ("auto", algorithm) or \
                 (response and (workload.algorithm != "auto" or response >= workload.max_response_length)):
             continue
-        w = replace(workload, algorithm=algorithm, max_response_length=response or workload.max_response_length)
+        w = replace(workload, algorithm=algorithm, max_response_length=response or workload.max_response_length,
+                    actor_offload_policy=offload_policy)
         if algorithm == "grpo":   # PPO's sequences a step: prompts / GRPO_N, each sampled GRPO_N times
             w = replace(w, rollout_n=GRPO_N, use_kl_loss=True, train_batch_size=max(1, w.train_batch_size // GRPO_N),
                         ppo_mini_batch_size=max(1, w.ppo_mini_batch_size // GRPO_N))
@@ -692,6 +723,7 @@ def _verl_workload(gpu: GpuTarget, workload: Workload, precision: Precision, cho
         actor_param_offload=bool(off.get("actor_param_offload")),
         actor_optimizer_offload=bool(off.get("actor_optimizer_offload")),
         ref_param_offload=bool(off.get("ref_param_offload")),
+        actor_offload_policy=workload.actor_offload_policy,
         critic_param_offload=bool(off.get("critic_param_offload")),
         critic_optimizer_offload=bool(off.get("critic_optimizer_offload")),
     )
@@ -810,7 +842,8 @@ def gpu_table(workload: Workload) -> str:
             rows.append(f"| {gpu} | {cc} | {mem} | no plan: short by {short} | | | | | | | |")
             continue
         d = p.to_dict()
-        off = ", ".join(k.replace("_offload", "") for k, v in d["offload"].items() if v) or "none"
+        off = "actor + ref: FSDP2 offload_policy" if p.workload.actor_offload_policy else \
+            (", ".join(k.replace("_offload", "") for k, v in d["offload"].items() if v) or "none")
         mb = d["micro_batches"]
         critic = mb["critic"] if p.workload.uses_critic else "-"
         engine = f" {vllm_engine(p.gpu).upper()}" if d["rollout"] == "vllm" else ""

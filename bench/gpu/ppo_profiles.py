@@ -94,6 +94,13 @@ PROFILES = [
                                     "actor_rollout_ref.model.enable_gradient_checkpointing=True"),
             stands_for="GTX 1080 / RTX 4060 (8 GiB): GRPO n=4, actor on FSDP2 CPU offload, micro 1, chunk 64, "
                        "gradient checkpointing"),
+    # the product's own plans on the grpo-cpu-offload rung (no overrides): what tasks/plan.py gives these cards
+    Profile("gtx1080ti", "NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, steps=2, validate=False,
+            stands_for="GTX 1080 Ti (11 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
+                       "CPUOffloadPolicy, fp32, HF rollout)"),
+    Profile("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=1, validate=False,
+            stands_for="GTX 1080 (8 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
+                       "CPUOffloadPolicy, fp32, HF rollout)"),
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
             stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),
 ]

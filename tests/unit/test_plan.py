@@ -45,10 +45,13 @@ GPU_TABLE = [
     ("NVIDIA A100-SXM4-80GB", "8.0", 81920, "bf16", "vllm", "bfloat16", "sdpa", True),
     ("NVIDIA H100 80GB HBM3", "9.0", 81559, "bf16", "vllm", "bfloat16", "sdpa", True),
 ]
-# The rung of the ladder each GPU lands on with the default workload; None: no rung fits (the AdamW
-# step of the actor alone, 20 bytes per parameter + the process, is more than these hold)
-RUNG = {"NVIDIA GeForce GTX 1080": None, "NVIDIA GeForce GTX 1080 Ti": None, "NVIDIA GeForce RTX 2080 Ti": None,
-        "NVIDIA GeForce RTX 3080": None, "NVIDIA GeForce RTX 4060": None, "NVIDIA GeForce RTX 3060": "grpo"}
+# The rung of the ladder each GPU lands on with the default workload; None: no rung fits. The 8-11 GB
+# cards cannot hold the actor's AdamW step (20 bytes per parameter + the process): the actor on FSDP2
+# with CPUOffloadPolicy (GPU call 7)
+OFFLOADED = "grpo-cpu-offload"
+RUNG = {"NVIDIA GeForce GTX 1080": OFFLOADED, "NVIDIA GeForce GTX 1080 Ti": OFFLOADED,
+        "NVIDIA GeForce RTX 2080 Ti": OFFLOADED, "NVIDIA GeForce RTX 3080": OFFLOADED,
+        "NVIDIA GeForce RTX 4060": OFFLOADED, "NVIDIA GeForce RTX 3060": "grpo"}
 DOES_NOT_FIT = {name for name, rung in RUNG.items() if rung is None}
 
 
@@ -100,6 +103,15 @@ def test_plan_table(name, cc, mem, dtype, rollout, rdtype, attn, compile_ok):
         assert ov["algorithm.adv_estimator"] == "grpo" and ov["actor_rollout_ref.rollout.n"] == 4
         assert not [k for k in ov if k.startswith("critic.")]
         assert ov["data.train_batch_size"] * 4 == 256 and ov["actor_rollout_ref.actor.ppo_mini_batch_size"] * 4 == 64
+    if p.rung == OFFLOADED:   # FSDP2 + CPUOffloadPolicy; verl forces the actor's FSDP1 flags False, always offloads the ref
+        assert ov["actor_rollout_ref.actor.strategy"] == "fsdp2"
+        assert ov["actor_rollout_ref.actor.fsdp_config.offload_policy"] is True
+        assert ov[planmod.OFFLOAD_KEYS["actor_param_offload"]] is False
+        assert ov[planmod.OFFLOAD_KEYS["actor_optimizer_offload"]] is False
+        assert ov[planmod.OFFLOAD_KEYS["ref_param_offload"]] is True
+        assert p.to_dict()["workload"]["actor_offload_policy"] is True
+    else:
+        assert "actor_rollout_ref.actor.strategy" not in ov and "actor_rollout_ref.actor.fsdp_config.offload_policy" not in ov
     assert ov["actor_rollout_ref.actor.use_torch_compile"] is compile_ok
     assert ov["actor_rollout_ref.rollout.tensor_model_parallel_size"] == 1
     assert ov["trainer.n_gpus_per_node"] == 1 and ov["trainer.nnodes"] == 1
@@ -222,9 +234,8 @@ def test_fsdp_shards_states_over_the_gpus():
     four = make_plan(GpuTarget("Tesla P40", "6.1", 24576, 4), workload())
     assert four.estimate.breakdown["actor_states"] * 4 == pytest.approx(one.estimate.breakdown["actor_states"], abs=2)
     assert four.memory.actor_micro_batch > one.memory.actor_micro_batch
-    # an 11 GB card alone has no rung; four of them train PPO
-    with pytest.raises(PlanError):
-        make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload())
+    # an 11 GB card alone trains GRPO with the actor offloaded to the CPU; four of them train PPO
+    assert make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload()).rung == OFFLOADED
     assert make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, 4), workload()).rung == "ppo"
 
 
@@ -255,13 +266,15 @@ def test_ladder_falls_back_to_grpo_with_its_reasons():
 def test_ladder_shortens_responses_last_and_names_every_rung():
     p = make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(),
                   estimator=_rung_estimator(lambda w: w.max_response_length <= 128))
-    assert p.rung == "grpo-response-128" and overrides_of(p)["data.max_response_length"] == 128
+    assert p.rung == "grpo-cpu-offload-response-128" and overrides_of(p)["data.max_response_length"] == 128
+    assert overrides_of(p)["actor_rollout_ref.actor.fsdp_config.offload_policy"] is True
     assert overrides_of(p)["data.max_prompt_length"] == 256         # prompts are never cut
     with pytest.raises(PlanError) as err:
         make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(), estimator=_rung_estimator(lambda w: False))
     msg = str(err.value)
     assert msg.split("short by ", 1)[1].startswith("628 MiB")       # the last rung's shortfall first
-    assert "ppo short by 756 MiB, grpo short by 756 MiB, grpo-response-192 short by 692 MiB" in msg
+    assert ("ppo short by 756 MiB, grpo short by 756 MiB, grpo-cpu-offload short by 756 MiB, "
+            "grpo-cpu-offload-response-192 short by 692 MiB") in msg
     assert "LoRA" in msg and "Change:" in msg
 
 
@@ -269,7 +282,7 @@ def test_algorithm_choice_limits_the_ladder():
     never = _rung_estimator(lambda w: False)
     with pytest.raises(PlanError, match=r"Rungs tried: ppo short by \d+ MiB \("):
         make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(algorithm="ppo"), estimator=never)
-    with pytest.raises(PlanError, match=r"Rungs tried: grpo short by \d+ MiB \("):
+    with pytest.raises(PlanError, match=r"Rungs tried: grpo short by \d+ MiB, grpo-cpu-offload short by \d+ MiB \("):
         make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(algorithm="grpo"), estimator=never)
     p = make_plan(GpuTarget("NVIDIA H200", "9.0", 143771), workload(algorithm="grpo"))
     assert p.rung == "grpo" and p.workload.rollout_n == 4
@@ -369,3 +382,28 @@ def test_plan_overrides_for_host_defaults():
     assert "actor_rollout_ref.rollout.name=vllm" in lines
     assert "actor_rollout_ref.model.path=/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct" in lines
     assert "trainer.default_local_dir=/opt/verl-lab/train/checkpoints" in lines
+
+
+def test_offload_rung_comes_after_grpo_and_prefers_larger_micro_batches():
+    """The FSDP2 CPU-offload rung: tried when GRPO on FSDP1 does not fit, at full response length before
+    any cut; its search takes the largest update micro-batch that fits, with gradient checkpointing if
+    that is what lets it fit (each micro-batch moves the weights in and the gradients out over PCIe)."""
+    calls = []
+
+    def est(gpu, wl, prec, choice):
+        calls.append((wl.actor_offload_policy, choice.actor_micro_batch, choice.grad_ckpt))
+        ok = wl.actor_offload_policy and (choice.actor_micro_batch <= 4 if choice.grad_ckpt else choice.actor_micro_batch <= 1)
+        return MemoryEstimate(peak_mib=1000 if ok else 3000, budget_mib=2000, breakdown={"phase_actor_update": 900})
+    p = make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload(), estimator=est)
+    assert p.rung == OFFLOADED and p.workload.max_response_length == 256
+    assert (p.memory.actor_micro_batch, p.memory.grad_ckpt) == (4, True)     # not micro-batch 1 without checkpointing
+    offloaded = [c[1:] for c in calls if c[0]]
+    assert offloaded[:5] == [(16, False), (16, True), (8, False), (8, True), (4, False)]
+    rung = next(r for r in p.reasons if r.setting == "rung")
+    assert "CPUOffloadPolicy" in rung.why and "PCIe" in rung.why and "critic" in rung.why and "grpo is short by" in rung.why
+    micro = next(r for r in p.reasons if r.setting == "micro_batches")
+    assert "PCIe" in micro.why
+    # algorithm = "grpo" gets the offload rung too; "ppo" never does (verl 0.5.0 cannot FSDP2-wrap the critic)
+    assert make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload(algorithm="grpo")).rung == OFFLOADED
+    with pytest.raises(PlanError, match=r"Rungs tried: ppo short by \d+ MiB \("):
+        make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload(algorithm="ppo"))

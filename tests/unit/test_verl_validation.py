@@ -42,11 +42,18 @@ def _broken():
 
 
 @pytest.fixture(scope="module")
-def results(verl_python, tmp_path_factory):
+def verl_root(tmp_path_factory):
+    """verl 0.5.0's sdist with the project's patches applied."""
     root = standin.verl_tree(tmp_path_factory.mktemp("verl"))
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
     for patch in verl_source.patch_files():
         subprocess.run(["git", "apply", str(patch)], cwd=root, check=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def results(verl_python, verl_root, tmp_path_factory):
+    root = verl_root
     items = [{"label": label, "overrides": _plan((label, gpu, extra)).override_lines, "n_gpus": gpu.count,
               "train_rows": TRAIN_ROWS, "val_rows": 64} for label, gpu, extra in CASES]
     items += [{"label": label, "overrides": lines, "n_gpus": n, "train_rows": TRAIN_ROWS, "val_rows": 64}
@@ -83,6 +90,14 @@ def test_verl_accepts_the_plan(results, label, gpu, extra):
     if w.uses_critic:
         assert (workers["critic_mini_per_gpu"], workers["critic_micro"]) == (workers["actor_mini_per_gpu"],
                                                                            plan.memory.critic_micro_batch)
+    # the FSDP2 CPU-offload rung: the actor (and through the interpolation the ref) on fsdp2 with the policy on;
+    # the critic's strategy stays one main_ppo accepts (no critic is built); the actor's FSDP1 flags are off
+    s = r["strategies"]
+    assert (s["actor"], s["ref"], s["offload_policy"]) == (("fsdp2", "fsdp2", True) if w.actor_offload_policy
+                                                           else ("fsdp", "fsdp", False))
+    assert s["critic"] in ("fsdp", "fsdp2")
+    if w.actor_offload_policy:
+        assert workers["actor_offload"] == [False, False]
     # HF rollout: equal chunks of the planned size over a rank's share of a step and of validation
     if plan.precision.rollout == "hf":
         train, val = r["hf_chunks"]["train"], r["hf_chunks"]["validation"]
@@ -95,3 +110,26 @@ def test_verl_refuses_broken_plans(results, label, lines, n, message):
     r = results[label]
     error = r.get("error") or r["workers"].get("error")
     assert error and message in error, r
+
+
+def test_verl_code_behind_the_cpu_offload_rung(verl_root):
+    """What the grpo-cpu-offload rung relies on, in verl 0.5.0's own code (the workers' init_model, which
+    the checks above do not run, needs a GPU): under fsdp2 with offload_policy the actor gets
+    CPUOffloadPolicy and its FSDP1 offload flags are forced False; the ref is always built with
+    CPUOffloadPolicy (its param_offload flag is never read on that path); the ref is built with the
+    actor's strategy; vLLM's sharding manager moves each CPU-offloaded DTensor to the GPU itself; the
+    critic has no such policy path the plan could use (GPU call 6: FSDP2 cannot wrap it here)."""
+    workers = (verl_root / "verl/workers/fsdp_workers.py").read_text()
+    build = workers.split("def _build_model_optimizer", 1)[1].split("def _build_rollout", 1)[0]
+    assert 'fsdp_strategy = self.config.actor.strategy' in build          # the ref too
+    policy = build.split('elif fsdp_strategy == "fsdp2":', 1)[1].split("fsdp_kwargs", 1)[0]
+    assert 'if role == "actor" and fsdp_config.offload_policy:' in policy
+    assert "cpu_offload = CPUOffloadPolicy(pin_memory=True)" in policy
+    assert "self._is_offload_param = False" in policy and "self._is_offload_optimizer = False" in policy
+    assert 'cpu_offload = None if role == "actor" else CPUOffloadPolicy(pin_memory=True)' in policy
+    ref = workers.split("def compute_ref_log_prob", 1)[1].split("@register", 1)[0]
+    assert "load_fsdp_model_to_gpu" not in ref and "_is_offload_param" not in ref
+    assert "strategy: ${actor_rollout_ref.actor.strategy}" in (verl_root / "verl/trainer/config/ref/ref.yaml").read_text()
+    vllm = (verl_root / "verl/workers/sharding_manager/fsdp_vllm.py").read_text()
+    assert "param.to(device, non_blocking=True).full_tensor() if isinstance(param, DTensor)" in vllm
+    assert "used when fsdp2 set cpu_offload_policy" in vllm
