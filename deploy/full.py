@@ -5,10 +5,8 @@ Stages run in this order; each is idempotent alone and has its own deploy file
 whose env is broken gets it rebuilt beside the old one (the env stage swaps only after the new env passes its proofs).
 """
 
-from dataclasses import replace
-
 from tasks.base import base_layout
-from tasks.cluster import install_cluster, member_targets
+from tasks.cluster import install_cluster, training_in
 from tasks.cuda import install_cuda
 from tasks.data import install_data
 from tasks.hostdata import check_inventory, cluster_for, settings_for
@@ -22,11 +20,8 @@ gpu = base_layout(settings)        # the host's GPU target, decided once for eve
 install_cuda(settings, gpu)
 install_env(settings, gpu)
 install_data(settings)
-cluster = cluster_for()            # None: the box trains alone
-if cluster is None:
-    install_train(settings, gpu)
-else:                              # one plan for the cluster; only the head's unit trains (over Ray)
-    targets = member_targets(cluster, settings.host, gpu.target)
-    head = cluster.role(settings.host) == "head"
-    install_train(settings if head else replace(settings, train_unit_state="installed"), gpu, targets)
+cluster = cluster_for()            # None: the box trains alone (and nothing below asks more)
+train_settings, targets = training_in(cluster, settings, gpu)
+install_train(train_settings, gpu, targets)
+if cluster:
     install_cluster(settings, gpu, cluster, targets)

@@ -228,7 +228,8 @@ class RayNode:
 
 
 def ray_dir(settings: LabSettings) -> str:
-    """Ray's temp dir (sessions, sockets): the head's, which every worker uses too."""
+    """Holds Ray's temp dir ``tmp/`` (sessions, sockets: the head's, which every worker uses too;
+    Ray makes it mode 777, so it lives inside this folder of the train user's)."""
     return f"{settings.lab_root}/ray"
 
 
@@ -242,13 +243,24 @@ def cluster_paths(settings: LabSettings) -> list[str]:
 
 def cluster_wanted(node: RayNode) -> list:
     s, values = node.settings, node.values()
-    return [wanted_dir(ray_dir(s), "Ray's temp dir (the train user's)", mode="750", user=s.train_user,
+    return [wanted_dir(ray_dir(s), "Ray's folder (the train user's)", mode="750", user=s.train_user,
                        group=s.train_user),
             wanted_file(ray_env_file(s), f"Ray {node.role} environment file", rendered(ENV_TEMPLATE, **values),
                         mode="640", group=s.train_user),
             wanted_file(RAY_UNIT_PATH, f"Unit {RAY_UNIT} ({node.role})", rendered(UNIT_TEMPLATE, **values)),
             wanted_dir(str(Path(TRAIN_DROPIN).parent)),
             wanted_file(TRAIN_DROPIN, f"{TRAIN_UNIT} in cluster {node.cluster.name}", rendered(DROPIN_TEMPLATE, **values))]
+
+
+def training_in(cluster: Cluster | None, settings: LabSettings, gpu) -> tuple[LabSettings, dict | None]:
+    """What the training stage gets on a cluster member: every member's GPU target (one plan for
+    the cluster) and, on a worker, a unit left installed, not enabled (training runs from the
+    head, over Ray). A box alone: its own settings, no targets, nothing asked."""
+    if cluster is None:
+        return settings, None
+    targets = member_targets(cluster, settings.host, gpu.target)
+    return (settings if cluster.role(settings.host) == "head" else replace(settings, train_unit_state="installed"),
+            targets)
 
 
 def member_targets(cluster: Cluster, own: str, target: GpuTarget) -> dict[str, GpuTarget | None]:

@@ -186,11 +186,11 @@ def test_head_and_worker_units_and_their_environment():
     unit = "/etc/systemd/system/verl-lab-ray.service"
     ray = "/opt/verl-lab/envs/verl/bin/ray"
     assert (f"ExecStart={ray} start --head --block --node-ip-address=127.0.0.2 --port=6380 --num-gpus=2 "
-            "--temp-dir=/opt/verl-lab/ray") in head[unit]
+            "--temp-dir=/opt/verl-lab/ray/tmp") in head[unit]
     assert "ExecStartPre" not in head[unit] and "User=verl" in head[unit] and f"ExecStop={ray} stop" in head[unit]
     assert (f"ExecStart={ray} start --block --address=127.0.0.2:6380 --node-ip-address=127.0.0.3 "
             "--num-gpus=2") in worker[unit]
-    assert f"until {ray} health-check --address 127.0.0.2:6380" in worker[unit] and "-ge 30" in worker[unit]
+    assert f"until timeout 10 {ray} health-check --address 127.0.0.2:6380" in worker[unit] and "-ge 30" in worker[unit]
     assert "$$((n+1))" in worker[unit] and "Restart=on-failure" in worker[unit]   # $$: systemd's escape of $
     env = worker["/opt/verl-lab/train/ray.env"]
     for line in ("NCCL_SOCKET_IFNAME=lo", "GLOO_SOCKET_IFNAME=lo", "RAY_ADDRESS=127.0.0.2:6380",

@@ -1,0 +1,164 @@
+"""A Ray cluster of three lab boxes (issue 17): deploy/cluster.py makes a real Ray head and two
+workers, each box on its own address (127.0.0.2-4: the boxes share the test machine's network,
+so every address of 127/8 reaches them all), with real systemd units run by the train user.
+
+Ray here: the real Ray 2.46.0 (verl 0.5.0's pin range) installed from the cached PyPI wheels
+(tests/fixtures/standins/env.py's wheelhouse) into a plain venv at the env's prefix on each
+box by this test's setup, not by the env stage (building three full envs takes too long here);
+the units run ``<env_prefix>/bin/ray`` as they would in a real env. GPUs: the stand-in
+nvidia-smi's count (1, 1 and 2), given to Ray as ``--num-gpus`` from the GPU fact.
+
+Proven here: the cluster forms with 3 nodes and the declared GPUs; the environment NCCL/Gloo
+and the launcher read (interface from the route to the head, RAY_ADDRESS); a second deploy
+changes nothing; the head's unit restarted -> both workers rejoin; a stopped unit leaves no Ray
+process. Not proven here: training across nodes (NCCL needs GPUs; the CPU torch stand-in is not
+in these venvs), the launcher's cross-node checks (not built yet), a real multi-host network.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.lab import BoxSpec
+from tests.lab.box import free_port
+
+HEAD, WK1, WK2 = "head", "wk1", "wk2"
+ADDRESS = {HEAD: "127.0.0.2", WK1: "127.0.0.3", WK2: "127.0.0.4"}
+GPUS = {"127.0.0.2": 1.0, "127.0.0.3": 1.0, "127.0.0.4": 2.0}
+ENV = "/opt/verl-lab/envs/verl"
+UNIT = "verl-lab-ray.service"
+RAY_WHEELS = {"ray", "attrs", "certifi", "charset_normalizer", "click", "filelock", "idna", "jsonschema",
+              "jsonschema_specifications", "msgpack", "packaging", "protobuf", "pyyaml", "referencing", "requests",
+              "rpds_py", "typing_extensions", "urllib3"}
+NODES = ("import json, ray; ray.init(address={addr!r}, _node_ip_address='127.0.0.2', log_to_driver=False); "
+         "print(json.dumps([{{'ip': n['NodeManagerAddress'], 'gpus': n['Resources'].get('GPU', 0)}} "
+         "for n in ray.nodes() if n['Alive']]))")
+
+
+def install_ray(box, wheels) -> None:
+    dest = box.root / "var/tmp/ray-wheels"
+    dest.mkdir(parents=True, exist_ok=True)
+    for whl in wheels:
+        shutil.copy(whl, dest / whl.name)
+    box.ssh(f"python3 -m venv {ENV} && {ENV}/bin/pip install -q --no-index --find-links /var/tmp/ray-wheels "
+            "ray==2.46.0", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def lab(lab_factory):
+    from tests.fixtures.standins.env import wheelhouse
+
+    lab = lab_factory([BoxSpec(HEAD, gpu="t4"), BoxSpec(WK1, gpu="p40"), BoxSpec(WK2, gpu="rtx3090", gpu_count=2)])
+    wheels = [w for w in wheelhouse().glob("*.whl") if w.name.split("-")[0].lower() in RAY_WHEELS]
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda b: install_ray(lab.box(b), wheels), (HEAD, WK1, WK2)))
+    lab.cluster_port = free_port()
+    return lab
+
+
+def deploy(lab, deploy_file="deploy/cluster.py"):
+    return lab.deploy(deploy_file, data={"cluster": {"name": "lab1", "head": HEAD, "port": lab.cluster_port}},
+                      per_host={name: {"cluster_address": address} for name, address in ADDRESS.items()}, timeout=900)
+
+
+def nodes(lab) -> list[dict]:
+    code = NODES.format(addr=f"127.0.0.2:{lab.cluster_port}")
+    res = lab.box(HEAD).ssh(f"cd /opt/verl-lab/home && {ENV}/bin/python -c \"{code}\"", user="verl", check=False,
+                            timeout=120)
+    try:
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return []
+
+
+def wait_for_nodes(lab, timeout: float = 240) -> dict[str, float]:
+    deadline, seen = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        seen = {n["ip"]: n["gpus"] for n in nodes(lab)}
+        if seen == GPUS:
+            return seen
+        time.sleep(3)
+    journals = {b: lab.box(b).ssh(f"journalctl -u {UNIT} -n 30 --no-pager", check=False).stdout for b in ADDRESS}
+    raise AssertionError(f"cluster nodes {seen} != {GPUS}:\n" + "\n".join(f"--- {b}\n{j}" for b, j in journals.items()))
+
+
+@pytest.fixture(scope="module")
+def converged(lab):
+    res = deploy(lab)
+    res.assert_ok()
+    return res
+
+
+def test_three_boxes_form_a_ray_cluster_with_their_gpus(lab, converged):
+    started = time.monotonic()
+    assert wait_for_nodes(lab) == GPUS
+    print(f"cluster formed {time.monotonic() - started:.1f}s after the deploy")
+    deadline = time.monotonic() + 60       # `ray status` is the autoscaler's view: it follows within seconds
+    while True:
+        status = lab.box(HEAD).ssh(f"{ENV}/bin/ray status --address 127.0.0.2:{lab.cluster_port}", user="verl").stdout
+        if "0.0/4.0 GPU" in status or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert "0.0/4.0 GPU" in status and status.split("Pending:")[0].count(" node_") == 3, status
+
+
+def test_units_run_as_the_train_user_with_the_route_to_the_head(lab, converged):
+    for name, address in ADDRESS.items():
+        box = lab.box(name)
+        unit = box.read_text(f"/etc/systemd/system/{UNIT}")
+        assert f"--node-ip-address={address}" in unit and "User=verl" in unit
+        assert ("--head" in unit) == (name == HEAD)
+        env = box.read_text("/opt/verl-lab/train/ray.env")
+        for line in ("NCCL_SOCKET_IFNAME=lo", "GLOO_SOCKET_IFNAME=lo", f"RAY_ADDRESS=127.0.0.2:{lab.cluster_port}"):
+            assert line in env, env
+        owners = box.ssh("ps -o user= -C raylet", check=False).stdout.split()
+        assert owners == ["verl"], owners
+        assert box.exists("/etc/systemd/system/verl-lab-train.service.d/cluster.conf")
+
+
+def test_a_second_deploy_changes_nothing(lab, converged):
+    res = deploy(lab)
+    assert res.rc == 0 and res.changed == 0, res
+
+
+def test_the_head_restarted_the_workers_rejoin(lab, converged):
+    wait_for_nodes(lab)
+    raylets = {name: lab.box(name).ssh("ps -o pid= -C raylet").stdout.split() for name in (WK1, WK2)}
+    lab.box(HEAD).ssh(f"systemctl restart {UNIT}")
+    started = time.monotonic()
+    assert wait_for_nodes(lab, timeout=300) == GPUS
+    print(f"workers rejoined {time.monotonic() - started:.1f}s after the head's restart")
+    for name in ADDRESS:       # one raylet per box: the old sessions are gone
+        assert len(lab.box(name).ssh("ps -o pid= -C raylet", check=False).stdout.split()) == 1
+    for name in (WK1, WK2):    # the workers' raylets are new ones: they joined the new head
+        assert lab.box(name).ssh("ps -o pid= -C raylet").stdout.split() != raylets[name]
+
+
+def test_a_stopped_unit_leaves_no_ray_process(lab, converged):
+    box = lab.box(WK2)
+    box.ssh(f"systemctl stop {UNIT}")
+    assert box.ssh("ps -u verl -o pid=,args=", check=False).stdout.strip() == ""
+    box.ssh(f"systemctl start {UNIT}")
+    assert wait_for_nodes(lab) == GPUS
+
+
+def test_the_training_stage_plans_for_the_cluster(lab, converged):
+    res = deploy(lab, "deploy/train.py")
+    res.assert_ok()
+    plans = {name: json.loads(lab.box(name).read_text("/opt/verl-lab/train/plan.json")) for name in ADDRESS}
+    assert len({json.dumps(p["overrides"]) for p in plans.values()}) == 1       # one plan on every node
+    plan = plans[HEAD]
+    assert "trainer.nnodes=3" in plan["overrides"] and "trainer.n_gpus_per_node=1" in plan["overrides"]
+    assert plan["train_dtype"] == "fp32" and plan["rollout"] == "hf"          # the P40 on wk1 decides
+    assert plan["gpu"]["memory_mib"] == 15360                                  # the T4's memory on the head
+    assert plan["reasons"][0]["setting"] == "cluster" and "other GPUs stay idle" in plan["reasons"][0]["why"]
+    enabled = {name: lab.box(name).ssh("systemctl is-enabled verl-lab-train.service", check=False).stdout.strip()
+               for name in ADDRESS}
+    assert enabled == {HEAD: "enabled", WK1: "disabled", WK2: "disabled"}      # only the head's unit trains
+    env_files = lab.box(HEAD).ssh("systemctl show -p EnvironmentFiles verl-lab-train.service").stdout
+    assert "/opt/verl-lab/train/ray.env" in env_files, env_files
