@@ -39,6 +39,7 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-ray.service.j2"
 ENV_TEMPLATE = TEMPLATES / "ray.env.j2"
 DROPIN_TEMPLATE = TEMPLATES / "train-cluster.conf.j2"
+CHECKER = Path(__file__).resolve().parent.parent / "verl_lab_box" / "cluster_check.py"
 RAY_UNIT = "verl-lab-ray.service"
 RAY_UNIT_PATH = f"/etc/systemd/system/{RAY_UNIT}"
 TRAIN_DROPIN = f"/etc/systemd/system/{TRAIN_UNIT}.d/cluster.conf"
@@ -238,7 +239,8 @@ def ray_env_file(settings: LabSettings) -> str:
 
 
 def cluster_paths(settings: LabSettings) -> list[str]:
-    return [ray_dir(settings), ray_env_file(settings), RAY_UNIT_PATH, str(Path(TRAIN_DROPIN).parent), TRAIN_DROPIN]
+    return [ray_dir(settings), ray_env_file(settings), f"{settings.train_dir}/cluster-check", RAY_UNIT_PATH,
+            str(Path(TRAIN_DROPIN).parent), TRAIN_DROPIN]
 
 
 def cluster_wanted(node: RayNode) -> list:
@@ -247,6 +249,8 @@ def cluster_wanted(node: RayNode) -> list:
                        group=s.train_user),
             wanted_file(ray_env_file(s), f"Ray {node.role} environment file", rendered(ENV_TEMPLATE, **values),
                         mode="640", group=s.train_user),
+            wanted_file(f"{s.train_dir}/cluster-check", "Cluster check (verl_lab_box/cluster_check.py)",
+                        CHECKER.read_bytes(), mode="750", group=s.train_user),
             wanted_file(RAY_UNIT_PATH, f"Unit {RAY_UNIT} ({node.role})", rendered(UNIT_TEMPLATE, **values)),
             wanted_dir(str(Path(TRAIN_DROPIN).parent)),
             wanted_file(TRAIN_DROPIN, f"{TRAIN_UNIT} in cluster {node.cluster.name}", rendered(DROPIN_TEMPLATE, **values))]
@@ -307,8 +311,9 @@ def install_cluster(settings: LabSettings, gpu, cluster: Cluster, targets: Mappi
     unit = unit or UnitState.default()
     if not unit["enabled"]:
         systemd.service(name=f"Unit {RAY_UNIT}: enabled", service=RAY_UNIT, enabled=True, running=None)
-    if changed or not unit["active"]:
-        why = "changed: " + ", ".join(changed) if changed else "not running"
+    restart = [p for p in changed if p in (ray_env_file(settings), RAY_UNIT_PATH)]   # what `ray start` reads
+    if restart or not unit["active"]:
+        why = "changed: " + ", ".join(restart) if restart else "not running"
         server.shell(name=f"Unit {RAY_UNIT}: (re)started ({why})",
                      commands=[f"systemctl reset-failed {RAY_UNIT} 2>/dev/null || true; systemctl restart {RAY_UNIT}"])
     else:

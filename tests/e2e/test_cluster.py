@@ -162,3 +162,26 @@ def test_the_training_stage_plans_for_the_cluster(lab, converged):
     assert enabled == {HEAD: "enabled", WK1: "disabled", WK2: "disabled"}      # only the head's unit trains
     env_files = lab.box(HEAD).ssh("systemctl show -p EnvironmentFiles verl-lab-train.service").stdout
     assert "/opt/verl-lab/train/ray.env" in env_files, env_files
+
+
+CHECK = ("set -a; . /opt/verl-lab/train/ray.env; set +a; cd /opt/verl-lab/home; "
+         f"exec {ENV}/bin/python /opt/verl-lab/train/cluster-check --plan /opt/verl-lab/train/plan.json")
+
+
+def test_the_cluster_check_passes_then_refuses_a_node_with_another_env(lab, converged):
+    wait_for_nodes(lab)
+    head = lab.box(HEAD)
+    ok = head.ssh(CHECK, user="verl", check=False, timeout=300)
+    assert ok.returncode == 0 and "verl-lab cluster check passed: 3 nodes x 1 GPU(s)" in ok.stdout, ok
+    # wk1's env gets another verl (a package of that name where the others have none)
+    site = lab.box(WK1).ssh(f"{ENV}/bin/python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'"
+                            ).stdout.strip()
+    lab.box(WK1).ssh(f"mkdir -p {site}/verl && echo 'PATCHED = 1' > {site}/verl/__init__.py")
+    try:
+        bad = head.ssh(CHECK, user="verl", check=False, timeout=300)
+    finally:
+        lab.box(WK1).ssh(f"rm -rf {site}/verl")
+    assert bad.returncode == 1 and "verl-lab cluster check FAILED" in bad.stdout, bad
+    lines = [line for line in bad.stdout.splitlines() if line.startswith("  node ")]
+    assert lines and all(line.startswith(f"  node {ADDRESS[WK1]} ({lab.box(WK1).hostname})") for line in lines), lines
+    assert any("verl sources" in line for line in lines), lines

@@ -21,6 +21,7 @@ MODULES = sorted(PACKAGE.glob("*.py"))
 SIBLINGS = {p.stem for p in MODULES} | {"verl_lab_box"}
 # module -> what it imports late (inside a function), and where that runs
 LATE_IMPORTS = {
+    "cluster_check": {"ray"},                                # the env's Ray, on the head
     "env_prove": {"torch", "vllm", "xformers", "verl"},      # the env's python proves its env
     "gpu": {"pynvml"},                                       # read_nvml, in the training env
     "gsm8k": {"pyarrow"},                                    # the env's pyarrow (verl's own)

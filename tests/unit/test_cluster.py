@@ -198,3 +198,34 @@ def test_head_and_worker_units_and_their_environment():
         assert line in env, env
     dropin = head["/etc/systemd/system/verl-lab-train.service.d/cluster.conf"]
     assert "EnvironmentFile=/opt/verl-lab/train/ray.env" in dropin and "ReadWritePaths=/opt/verl-lab/ray" in dropin
+
+
+# ------------------------------------------------------------------ the check before training (box side)
+
+
+def test_cluster_check_names_the_node_and_what_differs():
+    from verl_lab_box.cluster_check import compare
+
+    same = {"host": "h", "python": "3.10.12", "torch": "2.6.0+cu118", "ray": "2.46.0", "verl": "0.5.0",
+            "verl sources": "ab12", "model": "cd34", "data": "ef56"}
+    nodes = [{"ip": "10.0.0.5", "gpus": 2, "fingerprint": {**same, "host": "head"}},
+             {"ip": "10.0.0.6", "gpus": 2, "fingerprint": {**same, "host": "wk1"}},
+             {"ip": "10.0.0.7", "gpus": 1, "fingerprint": {**same, "host": "wk2", "ray": "2.45.0", "model": "00ff"}}]
+    assert compare(nodes[:2], "10.0.0.5", 2, 2) == []
+    problems = compare(nodes, "10.0.0.5", 3, 2)
+    assert problems == ["node 10.0.0.7 (wk2): 1 GPU(s), the plan uses 2 per node",
+                        "node 10.0.0.7 (wk2): ray 2.45.0 differs from the head's 2.46.0",
+                        "node 10.0.0.7 (wk2): model 00ff differs from the head's cd34"]
+    missing = compare(nodes[:2], "10.0.0.5", 3, 2)
+    assert missing[0].startswith("2 node(s) joined (10.0.0.5, 10.0.0.6), the plan trains on 3")
+
+
+def test_cluster_check_fingerprints_files_and_packages(tmp_path):
+    from verl_lab_box.cluster_check import fingerprint
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    a = fingerprint(["pip"], str(tmp_path / "model"), [str(tmp_path / "nothing.parquet")])
+    assert a["pip"] != "not installed" and a["data"] == "missing" and a["model"] != "missing"
+    (tmp_path / "model" / "config.json").write_text("{ }")
+    assert fingerprint(["pip"], str(tmp_path / "model"), [])["model"] != a["model"]
