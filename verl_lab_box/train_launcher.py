@@ -136,7 +136,8 @@ def check_gpu(rep, launch):
         return
     names = sorted({g.name for g in inv.gpus})
     problems = []
-    if names != [name]:
+    cluster = any(o.startswith("trainer.nnodes=") and o != "trainer.nnodes=1" for o in launch.overrides)
+    if names != [name] and not cluster:     # a cluster's plan is for its weakest GPU: count and memory count here
         problems.append(f"the plan is for {name}, nvidia-smi lists {', '.join(names)}")
     if len(inv.gpus) < count:
         problems.append(f"the plan uses {count} GPUs, nvidia-smi lists {len(inv.gpus)}")
@@ -263,6 +264,29 @@ def check_dirs(rep, launch):
         rep.ok("train dirs", f"{launch.work_dir}, {launch.checkpoint_dir} writable")
 
 
+def check_cluster(rep, launch):
+    """A plan for a Ray cluster (trainer.nnodes > 1): every node joined, with the head's env, model
+    and data (``cluster-check`` beside the plan, in the env's Python, with ``ray.env`` beside it)."""
+    nodes = next((o.split("=", 1)[1] for o in launch.overrides if o.startswith("trainer.nnodes=")), "1")
+    if nodes == "1":
+        return
+    here = os.path.dirname(os.path.abspath(launch.plan_file))
+    env = dict(os.environ)
+    with open(os.path.join(here, "ray.env")) as fh:         # systemd sets these already (the unit's drop-in)
+        for line in fh:
+            key, sep, value = line.strip().partition("=")
+            if sep and not key.startswith("#"):
+                env.setdefault(key, value)
+    res = subprocess.run([launch.env_python, os.path.join(here, "cluster-check"), "--plan", launch.plan_file],
+                         capture_output=True, text=True, timeout=600, env=env)
+    lines = [line.strip() for line in (res.stdout + res.stderr).splitlines() if line.strip()]
+    if res.returncode == 0:
+        rep.ok("cluster", (res.stdout.strip().splitlines() or [f"{nodes} nodes"])[-1])
+    else:
+        named = [line for line in lines if line.startswith("node ") or "joined" in line]
+        rep.fail("cluster", "; ".join(named or lines[-3:]) or f"cluster-check exited {res.returncode}")
+
+
 def command(launch, extra=()):
     return [launch.env_python, "-m", "verl.trainer.main_ppo", *launch.overrides, *extra]
 
@@ -280,7 +304,7 @@ def preflight(launch, extra=()):
     print(f"verl-lab preflight on {host}: {launch.gpu_count} x {launch.gpu_name} planned (plan from "
           f"{launch.plan_source})", flush=True)
     rep = Report()
-    for check in (check_gpu, check_driver, check_env, check_data, check_dirs):
+    for check in (check_gpu, check_driver, check_env, check_data, check_dirs, check_cluster):
         try:
             check(rep, launch)
         except Exception as exc:  # a check that breaks is a failed check, not a traceback

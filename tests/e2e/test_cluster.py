@@ -167,21 +167,28 @@ def test_the_training_stage_plans_for_the_cluster(lab, converged):
 CHECK = ("set -a; . /opt/verl-lab/train/ray.env; set +a; cd /opt/verl-lab/home; "
          f"exec {ENV}/bin/python /opt/verl-lab/train/cluster-check --plan /opt/verl-lab/train/plan.json")
 
+LAUNCHER_CHECK = "runuser -u verl -- /usr/bin/python3 /opt/verl-lab/train/train-launcher --check"
+
 
 def test_the_cluster_check_passes_then_refuses_a_node_with_another_env(lab, converged):
     wait_for_nodes(lab)
     head = lab.box(HEAD)
     ok = head.ssh(CHECK, user="verl", check=False, timeout=300)
     assert ok.returncode == 0 and "verl-lab cluster check passed: 3 nodes x 1 GPU(s)" in ok.stdout, ok
+    launcher = head.ssh(LAUNCHER_CHECK, check=False, timeout=300).stdout     # the launcher's preflight runs it too
+    assert "  ok    cluster: verl-lab cluster check passed: 3 nodes" in launcher, launcher
+    assert "  FAIL  gpu:" not in launcher, launcher       # the plan is for the weakest GPU, not this box's T4
     # wk1's env gets another verl (a package of that name where the others have none)
     site = lab.box(WK1).ssh(f"{ENV}/bin/python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'"
                             ).stdout.strip()
     lab.box(WK1).ssh(f"mkdir -p {site}/verl && echo 'PATCHED = 1' > {site}/verl/__init__.py")
     try:
         bad = head.ssh(CHECK, user="verl", check=False, timeout=300)
+        refused = head.ssh(LAUNCHER_CHECK, check=False, timeout=300)
     finally:
         lab.box(WK1).ssh(f"rm -rf {site}/verl")
     assert bad.returncode == 1 and "verl-lab cluster check FAILED" in bad.stdout, bad
     lines = [line for line in bad.stdout.splitlines() if line.startswith("  node ")]
     assert lines and all(line.startswith(f"  node {ADDRESS[WK1]} ({lab.box(WK1).hostname})") for line in lines), lines
     assert any("verl sources" in line for line in lines), lines
+    assert refused.returncode == 1 and f"  FAIL  cluster: node {ADDRESS[WK1]} (" in refused.stdout, refused.stdout

@@ -229,3 +229,24 @@ def test_cluster_check_fingerprints_files_and_packages(tmp_path):
     assert a["pip"] != "not installed" and a["data"] == "missing" and a["model"] != "missing"
     (tmp_path / "model" / "config.json").write_text("{ }")
     assert fingerprint(["pip"], str(tmp_path / "model"), [])["model"] != a["model"]
+
+
+def test_the_launchers_preflight_runs_the_cluster_check_only_for_a_cluster_plan(tmp_path):
+    import sys
+    from types import SimpleNamespace
+
+    from verl_lab_box import train_launcher
+
+    (tmp_path / "ray.env").write_text("# Ray\nRAY_ADDRESS=10.0.0.5:6379\n")
+    (tmp_path / "cluster-check").write_text(
+        "import os, sys\nprint('verl-lab cluster check FAILED:')\nprint('  node 10.0.0.7 (wk2): ray 2.45.0 differs "
+        "from the head\\'s 2.46.0', os.environ['RAY_ADDRESS'])\nsys.exit(1)\n")
+    launch = SimpleNamespace(plan_file=str(tmp_path / "plan.json"), env_python=sys.executable,
+                             overrides=["trainer.nnodes=1"])
+    rep = train_launcher.Report()
+    train_launcher.check_cluster(rep, launch)
+    assert rep.results == []                       # one box: nothing to check
+    launch.overrides = ["trainer.nnodes=3"]
+    train_launcher.check_cluster(rep, launch)
+    assert rep.results == [("FAIL", "cluster", "node 10.0.0.7 (wk2): ray 2.45.0 differs from the head's 2.46.0 "
+                                                "10.0.0.5:6379")]
