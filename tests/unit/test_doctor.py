@@ -55,6 +55,14 @@ EXCERPTS = {
                         "(another process holds GPU memory: nvidia-smi shows which)",
     "stage-not-finished": "  FAIL  env marker: /opt/verl-lab/markers/env.done missing: the Python env stage has "
                           "not finished on this box",
+    # the cluster check's lines (tests/e2e/test_cluster.py), a worker unit's ExecStartPre, NCCL/Gloo/Ray's own
+    "cluster-node-differs": "  FAIL  cluster: node 127.0.0.3 (wk1-3f2a1b): verl sources 9c1e differs from the head's missing",
+    "cluster-not-joined": "verl-lab: no Ray head at 10.0.0.5:6379 after 30 tries",
+    "cluster-interface": "RuntimeError: [enforce fail at ../third_party/gloo/gloo/transport/tcp/device.cc:83] "
+                         "ifa != nullptr. Unable to find address for: eth1",
+    "cluster-collective-timeout": "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
+                                  "OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600010 milliseconds before timing out.",
+    "ray-version-mismatch": "RuntimeError: Version mismatch: The cluster was started with:",
 }
 
 # Lines that share words with a rule but are not that failure.
@@ -68,6 +76,8 @@ NOT_MATCHES = {
     "gpu-memory-short": "  ok    gpu memory: 23000 MiB free >= predicted peak 19018 MiB",
     "plan-gpu-mismatch": "  ok    gpu: 1 x Tesla T4, 15360 MiB, driver 535.104.05",
     "stage-not-finished": "  ok    env marker: /opt/verl-lab/markers/env.done",
+    "cluster-node-differs": "  ok    cluster: verl-lab cluster check passed: 3 nodes x 1 GPU(s), the same env",
+    "cluster-not-joined": "  ok    cluster: verl-lab cluster check passed: 3 nodes x 1 GPU(s)",
 }
 
 
