@@ -294,7 +294,7 @@ CALL7_PHASES = {"generate_sequences": "phase_rollout", "compute_log_prob": "phas
                 "compute_ref_log_prob": "phase_ref_logprob", "update_actor": "phase_actor_update"}
 
 
-def _call7(name):
+def _call7(name, folder=CALL7):
     import importlib.util
 
     from tasks.plan import OFFLOAD_LADDER, GpuTarget, MemoryChoice, Workload, choose_precision, default_estimator
@@ -302,9 +302,11 @@ def _call7(name):
     spec = importlib.util.spec_from_file_location("ppo_results", REPO / "bench/gpu/ppo_results.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    run = mod.summarise(CALL7 / name)
-    profile = json.loads((CALL7 / name / "profile.json").read_text())
-    ov = dict(o.lstrip("+").split("=", 1) for o in profile["overrides"])
+    run = mod.summarise(folder / name)
+    profile = json.loads((folder / name / "profile.json").read_text())
+    # call 7 ran the P40 plan with overrides after it; call 8 the product's own plan for the card
+    ran = json.loads((folder / name / "plan.json").read_text())["overrides"] + profile["overrides"]
+    ov = dict(o.lstrip("+").split("=", 1) for o in ran)
     assert (ov["actor_rollout_ref.actor.strategy"], ov["actor_rollout_ref.actor.fsdp_config.offload_policy"]) == \
         ("fsdp2", "True")
     gpu = GpuTarget(profile["gpu_name"], profile["compute_capability"], profile["memory_mib"])
@@ -362,3 +364,18 @@ def test_cpu_offload_policy_keeps_no_states_on_the_gpu(shape):
     assert ck[1].breakdown["phase_actor_update"] > ck[0].breakdown["phase_actor_update"] + 2000
     with pytest.raises(ValueError, match="no critic"):
         VerlWorkload(use_critic=True, actor_offload_policy=True)
+
+
+# ---- the same rung as the product plans it, on the H200 (GPU call 8): GTX 1080 Ti (micro 8, chunk 256)
+# and GTX 1080 (micro 4, chunk 128), both with checkpointing; 2 steps and 1 step, every phase ran
+CALL8 = REPO / "bench/gpu/results/ppo-20261204/call8"
+
+
+@pytest.mark.parametrize("name", ["gtx1080ti", "gtx1080"])
+def test_cpu_offload_rung_as_planned_within_10_percent_of_verl(name):
+    run, est = _call7(name, CALL8)
+    assert set(run["phases"]) >= set(CALL7_PHASES) and not run["oom"] and run["steps_done"] >= 1
+    for phase, key in CALL7_PHASES.items():
+        measured = run["phases"][phase]["peak_allocated_mib"]
+        assert 0.9 <= measured / est.breakdown[key] <= 1.1, (name, phase, measured, est.breakdown[key])
+    assert run["measured_peak_mib"] <= run["cap_mib"] + 1311      # never above the card (allocator cap + outside)

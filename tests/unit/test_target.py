@@ -46,7 +46,7 @@ def test_compose_proof_uses_the_hosts_own_settings():
 
 def test_compose_proof_says_when_there_is_no_plan():
     settings = load_settings("box1", {})
-    small = GpuInventory(gpus=(Gpu(0, "NVIDIA GeForce GTX 1050 Ti", "6.1", 4096, 4000, "535.104.05"),))   # no rung fits 4 GB
+    small = GpuInventory(gpus=(Gpu(0, "NVIDIA GeForce GTX 1050", "6.1", 2048, 2000, "535.104.05"),))   # no rung fits 2 GB
     overrides, note = envstage.compose_overrides(decide_gpu(settings, small), settings)
     assert overrides == () and "no training plan" in note and "short by" in note
     overrides, note = envstage.compose_overrides(decide_gpu(settings, GpuInventory(problem="no nvidia-smi")), settings)
