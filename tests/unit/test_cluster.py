@@ -191,6 +191,7 @@ def test_head_and_worker_units_and_their_environment():
     assert (f"ExecStart={ray} start --block --address=127.0.0.2:6380 --node-ip-address=127.0.0.3 "
             "--num-gpus=2") in worker[unit]
     assert f"until timeout 10 {ray} health-check --address 127.0.0.2:6380" in worker[unit] and "-ge 30" in worker[unit]
+    assert "TimeoutStartSec=390" in worker[unit]      # systemd's 90 s default would cut the wait short
     assert "$$((n+1))" in worker[unit] and "Restart=on-failure" in worker[unit]   # $$: systemd's escape of $
     env = worker["/opt/verl-lab/train/ray.env"]
     for line in ("NCCL_SOCKET_IFNAME=lo", "GLOO_SOCKET_IFNAME=lo", "RAY_ADDRESS=127.0.0.2:6380",
