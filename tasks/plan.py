@@ -877,6 +877,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--compute-capability", help="e.g. 8.6")
     ap.add_argument("--gpu-memory-mib", type=int)
     ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--nodes", type=int, default=1, help="boxes of this GPU in one Ray cluster (tasks/cluster.py)")
     ap.add_argument("--model-config", type=Path, default=DEFAULT_MODEL_CONFIG)
     ap.add_argument("--model-path", default="/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct")
     ap.add_argument("--data-dir", default="/opt/verl-lab/data/gsm8k")
@@ -900,7 +901,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--compute-capability {args.compute_capability!r} is not like 8.6")
     try:
-        plan = make_plan(gpu, doc_workload(args))
+        if args.nodes > 1:          # a uniform Ray cluster of this GPU
+            from tasks.cluster import cluster_plan
+            plan = cluster_plan({f"node{i + 1}": gpu for i in range(args.nodes)}, doc_workload(args))
+        else:
+            plan = make_plan(gpu, doc_workload(args))
     except PlanError as exc:
         print(f"no plan: {exc}", file=sys.stderr)
         return 2

@@ -251,3 +251,13 @@ def test_the_launchers_preflight_runs_the_cluster_check_only_for_a_cluster_plan(
     train_launcher.check_cluster(rep, launch)
     assert rep.results == [("FAIL", "cluster", "node 10.0.0.7 (wk2): ray 2.45.0 differs from the head's 2.46.0 "
                                                 "10.0.0.5:6379")]
+
+
+def test_plan_cli_for_a_uniform_cluster(capsys):
+    from tasks.plan import main
+
+    assert main(["--gpu-name", "Tesla P40", "--compute-capability", "6.1", "--gpu-memory-mib", "24576",
+                 "--gpus", "2", "--nodes", "4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "trainer.nnodes=4" in d["overrides"] and "trainer.n_gpus_per_node=2" in d["overrides"]
+    assert d["gpu"]["count"] == 2 and d["reasons"][0]["value"] == "4 x 2 x Tesla P40"
