@@ -9,15 +9,14 @@ saved as doctor/<host>.json under the controller cache either way.
 """
 
 import json
-import os
 from pathlib import Path
 
-from pyinfra import host, state
+from pyinfra import host
 
 from tasks.doctor import diagnose, never_ran, render
 from tasks.facts.bundle import ask
 from tasks.facts.logs import BoxLogs, TrainingRun
-from tasks.hostdata import check_inventory, settings_for
+from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
 from tasks.settings import TRAIN_UNIT
 from tasks.status import unit_summary
 
@@ -48,14 +47,10 @@ out_dir.mkdir(parents=True, exist_ok=True)
 (out_dir / f"{host.name}.json").write_text(json.dumps(report, indent=2))
 print(text, flush=True)
 
-reports = state.__dict__.setdefault("verl_lab_doctor_reports", {})
-reports[host.name] = report
+reports = every_host_once_all_answered("doctor_reports", report)
 target = host.data.get("doctor_json")
-if target and len(reports) == len(state.inventory.get_active_hosts()):
+if target and reports is not None:
     # the last host to answer writes the lab's JSON (the deploy file runs once per host)
     path = out_dir / "lab.json" if target in (True, "True", "true", "1") else Path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_name(path.name + ".part").write_text(json.dumps({"hosts": [reports[h] for h in sorted(reports)]},
-                                                              indent=2))
-    os.replace(path.with_name(path.name + ".part"), path)
+    write_json(path, {"hosts": list(reports.values())})
     print(f"doctor's reports of {len(reports)} hosts: {path}", flush=True)

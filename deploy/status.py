@@ -15,15 +15,13 @@ Each box's journal of the current run is kept under the controller cache (status
 `python -m tasks.status` and `python -m tasks.plots` read those files too.
 """
 
-import json
-import os
 from pathlib import Path
 
-from pyinfra import host, state
+from pyinfra import host
 
 from tasks.doctor import diagnose, never_ran, render
 from tasks.facts.logs import TrainingRun
-from tasks.hostdata import check_inventory, settings_for
+from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
 from tasks.settings import TRAIN_UNIT
 from tasks.status import STAGES, _json_safe, box_status, parse_log, render_rows, unit_summary
 
@@ -44,24 +42,18 @@ row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["pl
 out_dir = settings.controller_cache / "status"
 out_dir.mkdir(parents=True, exist_ok=True)
 (out_dir / f"{host.name}.log").write_text(run["journal"])
-rows = state.__dict__.setdefault("verl_lab_status_rows", {})
-rows[host.name] = row
-if len(rows) == len(state.inventory.get_active_hosts()):
+rows = every_host_once_all_answered("status_rows", row)
+if rows is not None:
     # the last box to answer prints the lab (the deploy file runs once per box, side by side)
-    ordered = [rows[name] for name in sorted(rows)]
+    ordered = list(rows.values())
     print(render_rows(ordered), flush=True)
     target = host.data.get("status_json")
     if target:
-        path = Path(target)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(path.name + ".part")
-        part.write_text(json.dumps(_json_safe({"hosts": ordered}), indent=2, allow_nan=False))
-        os.replace(part, path)
-        print(f"status of {len(ordered)} boxes: {path}", flush=True)
+        write_json(target, _json_safe({"hosts": ordered}))
+        print(f"status of {len(ordered)} boxes: {target}", flush=True)
     plots = host.data.get("status_plots")
     if plots:
         from tasks.plots import plot_all
 
-        made = plot_all({name: parse_log((out_dir / f"{name}.log").read_text()) for name in sorted(rows)},
-                        Path(plots))
+        made = plot_all({name: parse_log((out_dir / f"{name}.log").read_text()) for name in rows}, Path(plots))
         print(f"plots: {', '.join(str(p) for p in made) or 'none (no box has finished a step)'}", flush=True)

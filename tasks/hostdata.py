@@ -58,3 +58,27 @@ def check_inventory(hosts=None) -> None:
             "verl-lab: the inventory has errors; nothing was changed on any host:\n  "
             + "\n  ".join(problems)
         )
+
+
+def every_host_once_all_answered(key: str, value) -> dict | None:
+    """A deploy file runs once per host, side by side: keep this host's ``value`` on pyinfra's run
+    state under ``key``; the last host to answer gets every host's value (by host name, sorted),
+    the others None. For a lab-wide report (deploy/status.py, deploy/doctor.py)."""
+    from pyinfra import state
+
+    found = state.__dict__.setdefault(f"verl_lab_{key}", {})
+    found[host.name] = value
+    return dict(sorted(found.items())) if len(found) == len(state.inventory.get_active_hosts()) else None
+
+
+def write_json(path, data) -> None:
+    """``data`` as JSON at ``path``, whole or not at all (``.part`` then a rename)."""
+    import json
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(data, indent=2, allow_nan=False))
+    os.replace(part, path)
