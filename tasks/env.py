@@ -137,9 +137,10 @@ def xformers_decision(want_vllm: bool, gpu_cc: str | None) -> tuple[bool, str]:
                   " requires it: the same cu118 build is pinned so pip's tie-break cannot pick PyPI's CUDA 12.4 one")
 
 
-def torch_cuda_arch_list(gpu_cc: str | None) -> str:
-    """Build for this box's GPU only (far faster); a GPU-less box gets torch's own list."""
-    return gpu_cc if gpu_cc else NO_GPU_ARCH_LIST
+def torch_cuda_arch_list(arch_list: str | None) -> str:
+    """Build for this box's GPUs only (far faster: every compute capability it has, e.g. "6.1;8.6" on
+    a box mixing a P40 and an RTX 3090); a GPU-less box gets torch's own list."""
+    return arch_list if arch_list else NO_GPU_ARCH_LIST
 
 
 def build_jobs(mem_total_kib: int | None, cpus: int | None) -> int:
@@ -292,7 +293,7 @@ def plan_env(settings: LabSettings, gpu: HostTarget, build: dict, overrides: tup
         pip_version=env_pip_version(),
         apex_url=apex.url(settings.mirrors),
         apex_ref=str(apex.ref),
-        arch_list=torch_cuda_arch_list(gpu_cc),
+        arch_list=torch_cuda_arch_list(gpu.target.arch_list if gpu.target else None),
         max_jobs=build_jobs(build.get("mem_total_kib"), build.get("cpus")),
         cc=cc,
         cxx=cxx,

@@ -100,12 +100,14 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class GpuTarget:
-    """The GPU the plan is for (all GPUs of a box are taken to be this one)."""
+    """The GPU the plan is for: every GPU of the box is taken to be this one. A box of mixed GPU
+    models is planned for its weakest (``mixed`` then lists what the box has)."""
 
     name: str
     compute_capability: str
     memory_mib: int
     count: int = 1
+    mixed: tuple[tuple[int, str, str, int], ...] = ()   # a mixed box: (count, name, cc, MiB) per model
 
     @property
     def cc(self) -> tuple[int, int]:
@@ -113,20 +115,43 @@ class GpuTarget:
 
         return parse_compute_capability(self.compute_capability)
 
+    @property
+    def arch_list(self) -> str:
+        """TORCH_CUDA_ARCH_LIST for kernels built on the box (Apex): every compute capability it has."""
+        from tasks.facts.gpu import parse_compute_capability
+
+        ccs = {self.compute_capability} | {cc for _, _, cc, _ in self.mixed}
+        return ";".join(sorted(ccs, key=parse_compute_capability))
+
+    @property
+    def names(self) -> list[str]:
+        """The GPU models nvidia-smi should list (the launcher checks them)."""
+        return sorted({name for _, name, _, _ in self.mixed} or {self.name})
+
+    def mixed_words(self) -> str:
+        return "; ".join(f"{n} x {name} (cc {cc}, {mib} MiB)" for n, name, cc, mib in self.mixed)
+
     @classmethod
     def from_inventory(cls, inventory) -> "GpuTarget":
-        """From a ``tasks.facts.gpu.GpuInventory``; raises PlanError when it has no usable GPU."""
+        """From a ``tasks.facts.gpu.GpuInventory``; raises PlanError when it has no usable GPU. A box
+        of mixed models is planned for the weakest: precision and rollout by the lowest compute
+        capability, memory by the smallest GPU, every GPU in the count (FSDP gives each the same share)."""
+        from tasks.facts.gpu import parse_compute_capability
+
         if not inventory.ok:
             raise PlanError(f"no usable NVIDIA GPU: {inventory.problem or 'nvidia-smi listed none'}")
-        first = inventory.gpus[0]
-        mixed = sorted({g.name for g in inventory.gpus})
-        if len(mixed) > 1:
-            raise PlanError(f"the box mixes GPU models ({', '.join(mixed)}); one plan needs identical GPUs: "
-                            "set gpu_override in host data for the model to train on, or use CUDA_VISIBLE_DEVICES")
-        if not first.compute_capability:
-            raise PlanError(f"the compute capability of {first.name!r} is unknown; set gpu_override in host data")
-        return cls(name=first.name, compute_capability=first.compute_capability,
-                   memory_mib=min(g.memory_total_mib for g in inventory.gpus), count=len(inventory.gpus))
+        gpus = inventory.gpus
+        unknown = sorted({g.name for g in gpus if not g.compute_capability})
+        if unknown:
+            raise PlanError(f"the compute capability of {', '.join(map(repr, unknown))} is unknown; "
+                            "set gpu_override in host data")
+        weakest = min(gpus, key=lambda g: (parse_compute_capability(g.compute_capability), g.memory_total_mib))
+        models = sorted({(g.name, g.compute_capability) for g in gpus}, key=lambda m: parse_compute_capability(m[1]))
+        mixed = () if len(models) == 1 else tuple(
+            (sum(g.name == n for g in gpus), n, cc, min(g.memory_total_mib for g in gpus if g.name == n))
+            for n, cc in models)
+        return cls(name=weakest.name, compute_capability=weakest.compute_capability,
+                   memory_mib=min(g.memory_total_mib for g in gpus), count=len(gpus), mixed=mixed)
 
 
 @dataclass(frozen=True)
@@ -618,6 +643,11 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
         raise PlanError(f"workload algorithm must be one of {', '.join(ALGORITHMS)}, not {workload.algorithm!r}")
     estimator = estimator or default_estimator
     precision, reasons = choose_precision(gpu, workload.flash_attn_installed, workload.rollout_engine)
+    if gpu.mixed:
+        reasons.insert(0, Reason("gpu", f"{gpu.count} x {gpu.name} ({gpu.memory_mib} MiB)",
+                                 f"the box mixes GPU models ({gpu.mixed_words()}): planned for the weakest, "
+                                 "precision and rollout by the lowest compute capability, memory by the smallest GPU; "
+                                 "FSDP gives every GPU the same share, so the larger ones keep memory unused"))
     failed: list[tuple[str, PlanError]] = []
     for rung, w, why in ladder(workload, gpu):
         try:

@@ -113,7 +113,7 @@ class TrainingLayout:
         return {
             "host": s.host,
             "plan_source": self.plan_source,
-            "gpu": {"name": gpu.name, "count": gpu.count, "memory_mib": gpu.memory_mib},
+            "gpu": {"name": gpu.name, "count": gpu.count, "memory_mib": gpu.memory_mib, "names": gpu.names},
             "predicted_peak_mib": int(self.plan.to_dict()["predicted_peak_mib"]),
             "paths": {
                 "train_dir": self.train_dir,

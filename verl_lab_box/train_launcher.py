@@ -52,6 +52,8 @@ class Launch:
             self.gpu_name = str(launch["gpu"]["name"])
             self.gpu_count = int(launch["gpu"]["count"])
             self.gpu_memory_mib = int(launch["gpu"]["memory_mib"])
+            # the models nvidia-smi should list (a mixed box is planned for its weakest)
+            self.gpu_names = sorted(str(n) for n in launch["gpu"].get("names") or [self.gpu_name])
             self.predicted_peak_mib = int(launch["predicted_peak_mib"])
             self.train_dir = paths["train_dir"]
             self.work_dir = paths["work_dir"]
@@ -137,8 +139,8 @@ def check_gpu(rep, launch):
     names = sorted({g.name for g in inv.gpus})
     problems = []
     cluster = any(o.startswith("trainer.nnodes=") and o != "trainer.nnodes=1" for o in launch.overrides)
-    if names != [name] and not cluster:     # a cluster's plan is for its weakest GPU: count and memory count here
-        problems.append(f"the plan is for {name}, nvidia-smi lists {', '.join(names)}")
+    if names != launch.gpu_names and not cluster:   # a cluster's plan is for its weakest GPU: count and memory count here
+        problems.append(f"the plan is for {', '.join(launch.gpu_names)}, nvidia-smi lists {', '.join(names)}")
     if len(inv.gpus) < count:
         problems.append(f"the plan uses {count} GPUs, nvidia-smi lists {len(inv.gpus)}")
     small = [g for g in inv.gpus[:count] if g.memory_total_mib < memory]

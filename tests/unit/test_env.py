@@ -79,6 +79,14 @@ def test_vllm_skipped_without_gpu_and_arch_list_falls_back():
     assert plan.arch_list == envstage.NO_GPU_ARCH_LIST and plan.gpu_cc is None
 
 
+def test_mixed_box_builds_apex_for_every_arch_and_vllm_by_the_weakest():
+    inv = GpuInventory(gpus=(Gpu(0, "NVIDIA GeForce RTX 3090", "8.6", 24576, 24000, "535.104.05"),
+                             Gpu(1, "Tesla P40", "6.1", 24576, 24000, "535.104.05")))
+    plan = envstage.plan_env(settings(), decide_gpu(settings(), inv), BUILD)
+    assert plan.arch_list == "6.1;8.6"
+    assert plan.vllm is False and "6.1 < 7.0" in plan.vllm_reason
+
+
 def test_torch_pins_index_and_constraints_from_catalog():
     plan = envstage.plan_env(settings(), gpus(), BUILD)
     assert plan.torch_requirements == ("torch==2.6.0+cu118", "torchvision==0.21.0+cu118", "torchaudio==2.6.0+cu118")

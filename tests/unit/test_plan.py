@@ -314,11 +314,31 @@ def test_target_from_inventory():
     assert (t.name, t.compute_capability, t.memory_mib, t.count) == ("Tesla T4", "7.5", 15360, 2)
     with pytest.raises(PlanError, match="no usable NVIDIA GPU: the NVIDIA driver is not loaded"):
         GpuTarget.from_inventory(GpuInventory(problem="the NVIDIA driver is not loaded"))
-    mixed = (gpus[0], Gpu(1, "Tesla P40", "6.1", 24576, 24400, "535.104.05"))
-    with pytest.raises(PlanError, match="mixes GPU models"):
-        GpuTarget.from_inventory(GpuInventory(gpus=mixed))
+    assert (t.mixed, t.arch_list, t.names) == ((), "7.5", ["Tesla T4"])
     with pytest.raises(PlanError, match="compute capability"):
         GpuTarget.from_inventory(GpuInventory(gpus=(Gpu(0, "Odd GPU", None, 8000, 8000, "470.1"),)))
+
+
+def test_mixed_box_is_planned_for_its_weakest_gpu():
+    """A P40 beside two RTX 3090s: fp32 and the HF rollout (the P40's 6.1), the 3090's 24 GiB
+    (the smaller here), all three GPUs in the count, Apex built for both archs, and the plan says so."""
+    gpus = (Gpu(0, "NVIDIA GeForce RTX 3090", "8.6", 24576, 24200, "535.104.05"),
+            Gpu(1, "Tesla P40", "6.1", 24451, 24400, "535.104.05"),
+            Gpu(2, "NVIDIA GeForce RTX 3090", "8.6", 24576, 24200, "535.104.05"))
+    t = GpuTarget.from_inventory(GpuInventory(gpus=gpus))
+    assert (t.name, t.compute_capability, t.memory_mib, t.count) == ("Tesla P40", "6.1", 24451, 3)
+    assert t.arch_list == "6.1;8.6"
+    assert t.names == ["NVIDIA GeForce RTX 3090", "Tesla P40"]
+    plan = make_plan(t, workload())
+    assert (plan.precision.train_dtype, plan.precision.rollout) == ("fp32", "hf")
+    gpu_reason = next(r for r in plan.reasons if r.setting == "gpu")
+    assert "1 x Tesla P40 (cc 6.1, 24451 MiB); 2 x NVIDIA GeForce RTX 3090 (cc 8.6, 24576 MiB)" in gpu_reason.why
+    assert "weakest" in gpu_reason.why
+    # the same box's memory is the smaller GPU's even where that is the newer model
+    small = (Gpu(0, "Tesla P40", "6.1", 24576, 24400, "535"), Gpu(1, "NVIDIA GeForce RTX 3060", "8.6", 12288, 12000, "535"))
+    t = GpuTarget.from_inventory(GpuInventory(gpus=small))
+    assert (t.name, t.compute_capability, t.memory_mib, t.count) == ("Tesla P40", "6.1", 12288, 2)
+    assert not any(r.setting == "gpu" for r in make_plan(GpuTarget("Tesla P40", "6.1", 24576), workload()).reasons)
 
 
 def test_override_formatting():

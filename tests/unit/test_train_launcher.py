@@ -137,7 +137,7 @@ def test_plan_json_launch_section_has_overrides_with_reasons():
     assert [o["override"] for o in launch["overrides"]] == plan["overrides"] == lay.plan.override_lines
     assert [o["why"] for o in launch["overrides"]] == [o.why for o in lay.plan.overrides]
     assert all(o["why"] for o in launch["overrides"])
-    assert launch["gpu"] == {"name": "Tesla T4", "count": 1, "memory_mib": 15360}
+    assert launch["gpu"] == {"name": "Tesla T4", "count": 1, "memory_mib": 15360, "names": ["Tesla T4"]}
     assert launch["predicted_peak_mib"] == plan["predicted_peak_mib"]
     assert (launch["host"], launch["plan_source"]) == ("box1", "nvidia-smi")
     assert launch["paths"] == {
@@ -264,6 +264,23 @@ def test_gpu_mismatch_and_low_free_memory(box):
         "#!/bin/sh\necho \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\"; exit 9\n")
     out = run_launcher(box, "--check")
     assert "FAIL  gpu: nvidia-smi: the NVIDIA driver is not loaded" in out.stdout
+
+
+def test_mixed_box_plan_accepts_its_own_gpus_only(box):
+    """plan.json of a box mixing a T4 and a P40 (planned for the P40) names both models: that box's
+    nvidia-smi passes the GPU check, a box with only one of them does not."""
+    plan_path = Path(box["layout"].train_dir) / "plan.json"
+    plan = json.loads(plan_path.read_text())
+    plan["launch"]["gpu"] = {"name": "Tesla P40", "count": 2, "memory_mib": 15360, "names": ["Tesla P40", "Tesla T4"]}
+    plan_path.write_text(json.dumps(plan))
+    (box["bin"] / "nvidia-smi").write_text("#!/bin/sh\necho '0, Tesla P40, 6.1, 24576, 24000, 535.104.05'\n"
+                                           "echo '1, Tesla T4, 7.5, 15360, 15000, 535.104.05'\n")
+    out = run_launcher(box, "--check")
+    assert "ok    gpu: 2 x Tesla P40, 15360 MiB" in out.stdout
+    (box["bin"] / "nvidia-smi").write_text("#!/bin/sh\necho '0, Tesla T4, 7.5, 15360, 15000, 535.104.05'\n"
+                                           "echo '1, Tesla T4, 7.5, 15360, 15000, 535.104.05'\n")
+    out = run_launcher(box, "--check")
+    assert "FAIL  gpu: the plan is for Tesla P40, Tesla T4, nvidia-smi lists Tesla T4" in out.stdout
 
 
 def test_plain_run_refuses_after_failed_preflight(box):
