@@ -456,29 +456,32 @@ class VllmMemory:
         return self.weights_mib + self.kv_granted_mib + self.profile_mib + self.non_torch_mib
 
 
-def vllm_profile_mib(shape: ModelShape, dtype: str, max_num_batched_tokens: int, max_num_seqs: int) -> float:
+def vllm_profile_mib(shape: ModelShape, dtype: str, max_num_batched_tokens: int, max_num_seqs: int,
+                     tp: int = 1) -> float:
     """Activation peak of vLLM's profiling forward: one layer's residual, hidden states, q/k/v,
     attention output, gate/up and activated MLP over max_num_batched_tokens tokens, with half
     again for the allocator, plus the sampler's fp32 logits, probabilities, log-probabilities,
     sorted values, int64 sort indices and masks for max_num_seqs sequences (inferred from the
     model runner's dummy runs)."""
     w = _bytes(dtype)
-    layer = max_num_batched_tokens * (2 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 3 * shape.ffn) * w
+    layer = max_num_batched_tokens * (2 * shape.hidden + (2 * shape.q_dim + 2 * shape.kv_dim + 3 * shape.ffn) / tp) * w
     sampler = max_num_seqs * shape.vocab * 4 * 8
     return (1.5 * layer + sampler) / MIB
 
 
 def vllm_memory(shape: ModelShape, *, engine: str, dtype: str, gpu_memory_mib: int, seqs: int, seq_len: int,
                 max_num_batched_tokens: int, held_at_start_mib: float, share_min: float = 0.05,
-                share_max: float = 0.9) -> VllmMemory:
+                share_max: float = 0.9, tp: int = 1) -> VllmMemory:
     """The smallest share (in 0.01 steps) whose KV cache holds ``seqs`` sequences of ``seq_len``
     under ``engine``'s accounting; capped at ``share_max`` (then the KV cache may fall short:
-    ``kv_granted_mib < kv_wanted_mib`` says so)."""
+    ``kv_granted_mib < kv_wanted_mib`` says so). ``tp`` > 1: one engine spans ``tp`` GPUs and each
+    holds 1/tp of the weights, of the heads' KV cache and of the layer activations (inferred: not
+    measured), for ``tp`` times the sequences (verl gives the engine its GPUs' share of the batch)."""
     if engine not in ("v0", "v1"):
         raise ValueError("engine must be 'v0' or 'v1'")
-    weights = _bytes(dtype) * shape.params("actor") / MIB
+    weights = _bytes(dtype) * shape.params("actor") / MIB / tp
     kv_wanted = VLLM_KV_MARGIN * shape.kv_bytes_per_token(dtype) * seqs * seq_len / MIB
-    profile = vllm_profile_mib(shape, dtype, max_num_batched_tokens, seqs)
+    profile = vllm_profile_mib(shape, dtype, max_num_batched_tokens, seqs * tp, tp)
     own = weights + profile + VLLM_NON_TORCH_MIB
     counted = own + (held_at_start_mib if engine == "v1" else 0.0)
     share = -(-(counted + kv_wanted) * 100 // gpu_memory_mib) / 100     # round up to 0.01

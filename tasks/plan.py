@@ -212,6 +212,7 @@ class MemoryChoice:
     rollout_micro_batch: int            # sequences generated at once: the HF chunk, or vLLM's max_num_seqs
     vllm_gpu_memory_utilization: float | None = None
     grad_ckpt: bool = False             # gradient checkpointing of actor and critic
+    rollout_tp: int = 1                 # vLLM tensor parallel size (GPUs one rollout engine spans)
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ class TrainingPlan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "verl_version": self.verl_version,
-            "gpu": asdict(self.gpu),
+            "gpu": {k: v for k, v in asdict(self.gpu).items() if k != "mixed" or v},   # "mixed" only on a mixed box
             "rung": self.rung,
             "workload": {k: getattr(self.workload, k) for k in ("algorithm", "rollout_n", "train_batch_size",
                          "ppo_mini_batch_size", "max_prompt_length", "max_response_length", "total_training_steps",
@@ -276,6 +277,7 @@ class TrainingPlan:
                 "log_prob": self.memory.log_prob_micro_batch,
                 "critic": self.memory.critic_micro_batch,
                 "rollout": self.memory.rollout_micro_batch,
+                "rollout_tp": self.memory.rollout_tp,
             },
             "vllm_gpu_memory_utilization": self.memory.vllm_gpu_memory_utilization,
             "predicted_peak_mib": self.estimate.peak_mib,
@@ -381,6 +383,14 @@ def rollout_chunk_choices(workload: Workload, gpu: GpuTarget) -> list[int]:
             if m >= val_per_gpu or val_per_gpu % (val_per_gpu // m) == 0] or [1]
 
 
+def rollout_tp_choices(gpu: GpuTarget, workload: Workload) -> list[int]:
+    """vLLM tensor parallel sizes to try, smallest first: 1, then each power of two that divides the
+    GPU count and the model's attention and KV heads (vLLM splits heads over the GPUs)."""
+    heads = int(workload.model_config.get("num_attention_heads") or 1)
+    kv = int(workload.model_config.get("num_key_value_heads") or heads)
+    return [tp for tp in (1, 2, 4, 8) if tp == 1 or (gpu.count % tp == 0 and heads % tp == 0 and kv % tp == 0)]
+
+
 def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
                   estimator: Estimator) -> tuple[MemoryChoice, MemoryEstimate, list[Reason]]:
     """The fastest choice the estimate fits: no checkpointing before checkpointing, fewer offloads
@@ -393,13 +403,15 @@ def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
     found: tuple[MemoryChoice, MemoryEstimate] | None = None
     if workload.actor_offload_policy:   # fewer micro-batches = fewer PCIe round trips: larger first, even with checkpointing
         level = {k: k == "ref_param_offload" for k in OFFLOAD_LADDER}
-        candidates = ((ckpt, level, micro) for micro in _micro_choices(mini_per_gpu) for ckpt in (False, True))
+        candidates = [(ckpt, level, micro) for micro in _micro_choices(mini_per_gpu) for ckpt in (False, True)]
     else:
-        candidates = ((ckpt, level, micro) for ckpt in (False, True) for level in offload_levels(workload, precision)
-                      for micro in _micro_choices(mini_per_gpu))
-    for ckpt, level, micro in candidates:
+        candidates = [(ckpt, level, micro) for ckpt in (False, True) for level in offload_levels(workload, precision)
+                      for micro in _micro_choices(mini_per_gpu)]
+    # vLLM across several GPUs only where one GPU cannot hold the rollout (TP costs an all-reduce per layer)
+    tps = rollout_tp_choices(gpu, workload) if precision.rollout == "vllm" else [1]
+    for tp, (ckpt, level, micro) in ((tp, c) for tp in tps for c in candidates):
         choice = MemoryChoice(offload=level, actor_micro_batch=micro, log_prob_micro_batch=1,
-                              critic_micro_batch=micro, rollout_micro_batch=1, grad_ckpt=ckpt)
+                              critic_micro_batch=micro, rollout_micro_batch=1, grad_ckpt=ckpt, rollout_tp=tp)
         est = estimator(gpu, workload, precision, choice)
         tried += 1
         if est.fits:
@@ -547,7 +559,10 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     add("actor_rollout_ref.rollout.name", precision.rollout,
         "vLLM on compute capability >= 7.0" if precision.rollout == "vllm" else "no vLLM below compute capability 7.0")
     add("actor_rollout_ref.rollout.dtype", precision.rollout_dtype, "generation dtype for this GPU")
-    add("actor_rollout_ref.rollout.tensor_model_parallel_size", 1, "the model fits one GPU (default is 2)")
+    add("actor_rollout_ref.rollout.tensor_model_parallel_size", choice.rollout_tp,
+        "the rollout fits one GPU (default is 2)" if choice.rollout_tp == 1 else
+        f"vLLM's weights and KV cache do not fit one GPU beside the training states: each rollout engine spans "
+        f"{choice.rollout_tp} GPUs (tensor parallel)")
     if precision.rollout == "vllm":
         share = choice.vllm_gpu_memory_utilization
         add("actor_rollout_ref.rollout.gpu_memory_utilization", share,
@@ -557,8 +572,8 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
             "states")
         add("actor_rollout_ref.rollout.max_num_batched_tokens", max_num_batched_tokens(w),
             "chunked prefill needs max_num_batched_tokens >= prompt + response length")
-        add("actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs", choice.rollout_micro_batch,
-            "sequences at once: this GPU's share of a step when the memory estimate fits it (else in waves); "
+        add("actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs", choice.rollout_micro_batch * choice.rollout_tp,
+            "sequences at once: the share of a step of the GPUs the engine spans, when the memory estimate fits it (else in waves); "
             "rollout.max_num_seqs is never passed to vLLM in 0.5.0")
     else:
         add("actor_rollout_ref.rollout.micro_batch_size", choice.rollout_micro_batch,
@@ -664,7 +679,9 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
                             overrides=verl_overrides(gpu, w, precision, choice), env=env,
                             reasons=reasons + [rung_reason, *_batch_reasons(workload, w)] + mem_reasons + env_reasons)
     tried = ", ".join(f"{r} short by {e.short_mib} MiB" for r, e in failed)
-    raise PlanError(f"{failed[-1][1]} Rungs tried: {tried} (no LoRA rung: not proven on a GPU yet).")
+    err = PlanError(f"{failed[-1][1]} Rungs tried: {tried} (no LoRA rung: not proven on a GPU yet).")
+    err.short_mib = min(e.short_mib for _, e in failed)
+    raise err
 
 
 def ladder(workload: Workload, gpu: GpuTarget) -> list[tuple[str, Workload, str]]:
@@ -720,7 +737,7 @@ def vllm_memory_for(gpu: GpuTarget, workload: Workload, precision: Precision, ch
     shape = ModelShape.from_config(dict(workload.model_config))
     return vllm_memory(
         shape, engine=vllm_engine(gpu), dtype=_MEM_DTYPE[precision.rollout_dtype], gpu_memory_mib=gpu.memory_mib,
-        seqs=choice.rollout_micro_batch, seq_len=workload.sequence_length,
+        seqs=choice.rollout_micro_batch, seq_len=workload.sequence_length, tp=choice.rollout_tp,
         max_num_batched_tokens=max_num_batched_tokens(workload),
         held_at_start_mib=held_at_vllm_start_mib(shape, _verl_workload(gpu, workload, precision, choice)),
         share_min=VLLM_SHARE_MIN, share_max=VLLM_SHARE_MAX)
@@ -782,15 +799,75 @@ def default_estimator(gpu: GpuTarget, workload: Workload, precision: Precision, 
 
 # ---------------------------------------------------------------- host entry and CLI
 
+def catalog_models(catalog) -> list:
+    """The catalog's models (kind hf-model), largest first (parameters of their config.json)."""
+    from tasks.memory import ModelShape
+
+    models = [a for a in catalog.artifacts.values() if a.kind == "hf-model"]
+    return sorted(models, key=lambda a: -ModelShape.from_config(catalog_model_config(a)).params("actor"))
+
+
+def with_model(workload: Workload, artifact, model_path: str | None = None) -> Workload:
+    """``workload`` training another catalog model (its shape, name and, where given, its path)."""
+    name = (artifact.repo or artifact.name).rsplit("/", 1)[-1].lower()
+    return replace(workload, model_config=catalog_model_config(artifact), model_path=model_path or workload.model_path,
+                   experiment_name=f"{name.removesuffix('-instruct')}-gsm8k")
+
+
+def plan_naming_models_that_fit(plan: Callable[[Workload], TrainingPlan], workload: Workload, catalog,
+                                model: str) -> TrainingPlan:
+    """``plan(workload)``; where the model does not fit, the PlanError also names the catalog's
+    models that do (largest first, with their rung), or says that none does."""
+    try:
+        return plan(workload)
+    except PlanError as exc:
+        if not hasattr(exc, "short_mib"):
+            raise
+        fits, smallest = [], None
+        for a in catalog_models(catalog):
+            if a.name == model:
+                continue
+            try:
+                fits.append(f"{a.repo} (rung {plan(with_model(workload, a)).rung})")
+            except PlanError as other:
+                smallest = (a, other)
+        if fits:
+            hint = (f" Models of the catalog that fit, largest first: {'; '.join(fits)}: set workload.model to "
+                    "one of them in host data.")
+        elif smallest:
+            hint = (f" No model of the catalog fits: the smallest, {smallest[0].repo}, is short by "
+                    f"{getattr(smallest[1], 'short_mib', '?')} MiB too.")
+        else:
+            hint = ""
+        err = PlanError(f"{exc}{hint}")
+        err.short_mib = exc.short_mib
+        raise err from None
+
+
 def load_model_config(path: Path | str = DEFAULT_MODEL_CONFIG) -> dict:
     with open(path) as fh:
         return json.load(fh)
 
 
+def model_config_path(repo: str) -> Path:
+    """The model's config.json kept in the repo (files/models/<name>/), which the plan reads before
+    the model is downloaded: e.g. files/models/qwen2.5-1.5b-instruct/config.json."""
+    return REPO_ROOT / "files" / "models" / repo.rsplit("/", 1)[-1].lower() / "config.json"
+
+
+def catalog_model_config(artifact) -> dict:
+    """The shape of a catalog model (``tasks.catalog.Artifact`` of kind hf-model)."""
+    path = model_config_path(artifact.repo or artifact.name)
+    if not path.is_file():
+        raise PlanError(f"no config.json for {artifact.repo} at {path.relative_to(REPO_ROOT)}: the plan needs the "
+                        "model's shape before it is downloaded; add it there (the config.json of the pinned revision)")
+    return load_model_config(path)
+
+
 def workload_for(settings, flash_attn_installed: bool = False) -> Workload:
     """The GSM8K workload of a host, from its ``LabSettings`` (paths, ``workload``, step cap)."""
     w = settings.workload
-    return Workload(
+    return with_model(Workload(
         algorithm=w["algorithm"], train_batch_size=w["train_batch_size"], ppo_mini_batch_size=w["ppo_mini_batch_size"],
         max_prompt_length=w["max_prompt_length"], max_response_length=w["max_response_length"],
         total_epochs=w["epochs"],
@@ -800,9 +877,8 @@ def workload_for(settings, flash_attn_installed: bool = False) -> Workload:
         val_files=f"{settings.data_dir}/val_small.parquet",
         checkpoint_dir=f"{settings.train_dir}/checkpoints",
         total_training_steps=settings.train_steps,
-        model_config=load_model_config(),
         flash_attn_installed=flash_attn_installed,
-    )
+    ), settings.catalog.artifact(settings.model_artifact))
 
 
 def plan_overrides_for_host(gpu: GpuTarget, settings=None, flash_attn_installed: bool = False) -> list[str]:
@@ -892,7 +968,8 @@ def doc_workload(args=None) -> Workload:
                                   data_dir="/opt/verl-lab/data/gsm8k", checkpoint_dir="/opt/verl-lab/train/checkpoints",
                                   steps=None, epochs=1, algorithm="auto", model_config=DEFAULT_MODEL_CONFIG,
                                   flash_attn=False)
-    return Workload(model_path=args.model_path, train_files=f"{args.data_dir}/train.parquet",
+    return Workload(model_path=args.model_path or "/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct",
+                    train_files=f"{args.data_dir}/train.parquet",
                     val_files=f"{args.data_dir}/val_small.parquet", checkpoint_dir=args.checkpoint_dir,
                     total_training_steps=args.steps, total_epochs=args.epochs, algorithm=args.algorithm,
                     model_config=load_model_config(args.model_config),
@@ -908,8 +985,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-mib", type=int)
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=1, help="boxes of this GPU in one Ray cluster (tasks/cluster.py)")
-    ap.add_argument("--model-config", type=Path, default=DEFAULT_MODEL_CONFIG)
-    ap.add_argument("--model-path", default="/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct")
+    ap.add_argument("--model", help="a model of files/catalog.toml, by artifact name or Hugging Face repo "
+                                    "(e.g. Qwen/Qwen2.5-1.5B-Instruct; default: Qwen2.5-0.5B-Instruct)")
+    ap.add_argument("--model-config", type=Path, default=DEFAULT_MODEL_CONFIG,
+                    help="the shape of a model outside the catalog (its config.json)")
+    ap.add_argument("--model-path", help="default: /opt/verl-lab/models/<owner>--<name> of the model")
     ap.add_argument("--data-dir", default="/opt/verl-lab/data/gsm8k")
     ap.add_argument("--checkpoint-dir", default="/opt/verl-lab/train/checkpoints")
     ap.add_argument("--steps", type=int, help="a step cap (default: --epochs over GSM8K's train split)")
@@ -930,12 +1010,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         gpu.cc
     except ValueError:
         ap.error(f"--compute-capability {args.compute_capability!r} is not like 8.6")
+    from tasks.catalog import default_catalog
+
+    catalog = default_catalog()
+    models = {k: a.name for a in catalog_models(catalog) for k in (a.name.lower(), (a.repo or "").lower())}
+    model = models.get((args.model or "qwen_model").lower())
+    if model is None:
+        ap.error(f"--model {args.model!r} is not a model of files/catalog.toml: use one of "
+                 + ", ".join(a.repo for a in catalog_models(catalog)))
+    artifact = catalog.artifact(model)
+    workload = doc_workload(args)
+    if args.model or args.model_config == DEFAULT_MODEL_CONFIG:
+        workload = with_model(workload, artifact, args.model_path or f"/opt/verl-lab/models/{artifact.repo.replace('/', '--')}")
     try:
         if args.nodes > 1:          # a uniform Ray cluster of this GPU
             from tasks.cluster import cluster_plan
-            plan = cluster_plan({f"node{i + 1}": gpu for i in range(args.nodes)}, doc_workload(args))
+            plan = plan_naming_models_that_fit(
+                lambda w: cluster_plan({f"node{i + 1}": gpu for i in range(args.nodes)}, w), workload, catalog, model)
         else:
-            plan = make_plan(gpu, doc_workload(args))
+            plan = plan_naming_models_that_fit(lambda w: make_plan(gpu, w), workload, catalog, model)
     except PlanError as exc:
         print(f"no plan: {exc}", file=sys.stderr)
         return 2

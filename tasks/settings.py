@@ -61,8 +61,10 @@ DEFAULTS: dict[str, Any] = {
 
 KNOWN_KEYS = set(DEFAULTS)
 # workload keys and their defaults: verl's GSM8K quick start, one epoch, the plan's fallback ladder
-WORKLOAD_DEFAULTS: dict[str, Any] = {"algorithm": "auto", "train_batch_size": 256, "ppo_mini_batch_size": 64,
-                                     "max_prompt_length": 256, "max_response_length": 256, "epochs": 1}
+WORKLOAD_DEFAULTS: dict[str, Any] = {"algorithm": "auto", "model": None, "train_batch_size": 256,
+                                     "ppo_mini_batch_size": 64, "max_prompt_length": 256, "max_response_length": 256,
+                                     "epochs": 1}
+WORKLOAD_WORDS = ("algorithm", "model")          # the keys that are not positive integers
 WORKLOAD_ALGORITHMS = ("auto", "ppo", "grpo")   # auto: PPO, else GRPO, else GRPO with shorter responses
 
 # Host data that belongs to pyinfra (its connectors' ``ssh_*``/``docker_*``... keys, its global
@@ -212,13 +214,25 @@ def _workload(host: str, value: Any) -> dict[str, Any]:
         raise SettingsError(host, "workload.algorithm", f"{w['algorithm']!r} is not one of auto, ppo, grpo",
                             "set it to auto (PPO, else GRPO, else shorter responses: what fits), ppo or grpo")
     for key, default in WORKLOAD_DEFAULTS.items():
-        if key != "algorithm" and (not isinstance(w[key], int) or isinstance(w[key], bool) or w[key] < 1):
+        if key not in WORKLOAD_WORDS and (not isinstance(w[key], int) or isinstance(w[key], bool) or w[key] < 1):
             raise SettingsError(host, f"workload.{key}", f"{w[key]!r} is not a positive integer",
                                 f"set it to a positive integer (default {default})")
     if w["ppo_mini_batch_size"] > w["train_batch_size"]:
         raise SettingsError(host, "workload.ppo_mini_batch_size", f"{w['ppo_mini_batch_size']} is more than "
                             f"train_batch_size {w['train_batch_size']}", "make it at most workload.train_batch_size")
     return w
+
+
+def _workload_model(host: str, cat, value: Any) -> str:
+    """workload.model: a model artifact of the catalog, by its name or its Hugging Face repo."""
+    models = {name: a for name, a in cat.artifacts.items() if a.kind == "hf-model"}
+    for name, a in models.items():
+        if isinstance(value, str) and value.lower() in (name.lower(), (a.repo or "").lower()):
+            return name
+    listed = ", ".join(f"{a.repo} ({name})" for name, a in sorted(models.items()))
+    raise SettingsError(host, "workload.model", f"{value!r} is not a model of files/catalog.toml",
+                        f"use one of {listed}; another model needs a catalog entry (repo, revision, sha256) "
+                        "and its config.json under files/models/")
 
 
 CLUSTER_EXAMPLE = "cluster = {'name': 'lab1', 'head': 'box1'} on every box of the cluster (e.g. in its group_data)"
@@ -308,6 +322,13 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
             cat.artifact(merged[key])
         except CatalogError as exc:
             raise SettingsError(host, key, str(exc), "name an artifact of files/catalog.toml") from None
+    workload = _workload(host, merged["workload"])
+    model_artifact = merged["model_artifact"]
+    if workload["model"] is not None:
+        model_artifact = _workload_model(host, cat, workload["model"])
+        if "model_artifact" in data and data["model_artifact"] != model_artifact:
+            raise SettingsError(host, "workload.model", f"{workload['model']!r} and model_artifact "
+                                f"{data['model_artifact']!r} name two models", "set only workload.model")
 
     # pyinfra's own SSH key setting: a missing key file would fail later, per connection.
     key_file = data.get("ssh_key")
@@ -356,13 +377,13 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         train_user=user,
         train_unit_state=unit_state,
         hf_token_file=token_file,
-        model_artifact=merged["model_artifact"],
+        model_artifact=model_artifact,
         dataset_artifact=merged["dataset_artifact"],
         train_steps=steps,
         raw=dict(data),
         gpu_override=_gpu_override(host, merged["gpu_override"]),
         launcher_python=_abs_path(host, "launcher_python", merged["launcher_python"]),
-        workload=_workload(host, merged["workload"]),
+        workload=workload,
         cluster=_cluster(host, merged["cluster"]),
         cluster_address=_ip_address(host, "cluster_address", merged["cluster_address"]),
     )

@@ -42,7 +42,7 @@ from tasks.facts.bundle import ask
 from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.facts.logs import TrainingRun
 from tasks.placed import marker_command, place, rendered, wanted_dir, wanted_file
-from tasks.plan import PlanError, TrainingPlan, Workload, make_plan, workload_for
+from tasks.plan import PlanError, TrainingPlan, Workload, make_plan, plan_naming_models_that_fit, workload_for
 from tasks.target import HostTarget
 from tasks.settings import TRAIN_UNIT, LabSettings
 from tasks.status import unit_summary
@@ -213,7 +213,9 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
     target, source = gpu.target, gpu.source
     try:
         workload = training_workload(settings, _flash_attn(env_marker))
-        plan = cluster_plan(cluster_targets, workload) if cluster_targets else make_plan(target, workload)
+        plan = plan_naming_models_that_fit(
+            (lambda w: cluster_plan(cluster_targets, w)) if cluster_targets else (lambda w: make_plan(target, w)),
+            workload, settings.catalog, settings.model_artifact)
     except PlanError as exc:
         fail_host(name=f"Training plan for {target.count} x {target.name}", message=str(exc), stage="train")
         return

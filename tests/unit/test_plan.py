@@ -20,6 +20,7 @@ from tasks.plan import (
     choose_precision,
     load_model_config,
     make_plan,
+    rollout_tp_choices,
 )
 from tasks.verl_config import ADDED_KEYS, DEAD_KEYS, Override, format_value
 
@@ -339,6 +340,31 @@ def test_mixed_box_is_planned_for_its_weakest_gpu():
     t = GpuTarget.from_inventory(GpuInventory(gpus=small))
     assert (t.name, t.compute_capability, t.memory_mib, t.count) == ("Tesla P40", "6.1", 12288, 2)
     assert not any(r.setting == "gpu" for r in make_plan(GpuTarget("Tesla P40", "6.1", 24576), workload()).reasons)
+
+
+# Qwen2.5-3B-Instruct's shape (its config.json): 5.9 GiB of bf16 weights for vLLM
+QWEN_3B = {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True, "model_type": "qwen2"}
+
+
+def test_vllm_tensor_parallel_only_where_one_gpu_cannot_hold_the_rollout():
+    """A 3B model on 8 GB RTX 4060s: one card cannot hold vLLM's weights and KV cache beside the
+    training (no plan), two can with each engine over both (TP 2); on 12 GB one GPU holds it (TP 1)."""
+    rtx4060 = ("NVIDIA GeForce RTX 4060", "8.9", 8188)
+    w = workload(model_config=QWEN_3B, total_training_steps=None)
+    with pytest.raises(PlanError):
+        make_plan(GpuTarget(*rtx4060, 1), w)
+    plan = make_plan(GpuTarget(*rtx4060, 2), w)
+    ov = overrides_of(plan)
+    assert ov["actor_rollout_ref.rollout.tensor_model_parallel_size"] == 2 and plan.memory.rollout_tp == 2
+    assert ov["actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs"] == 2 * plan.memory.rollout_micro_batch
+    why = next(o.why for o in plan.overrides if o.key.endswith("tensor_model_parallel_size"))
+    assert "do not fit one GPU" in why
+    one = make_plan(GpuTarget("NVIDIA GeForce RTX 3060", "8.6", 12288, 2), w)
+    assert overrides_of(one)["actor_rollout_ref.rollout.tensor_model_parallel_size"] == 1
+    # TP splits heads: 2 KV heads allow at most 2; 3 GPUs allow none
+    assert rollout_tp_choices(GpuTarget(*rtx4060, 4), w) == [1, 2]
+    assert rollout_tp_choices(GpuTarget(*rtx4060, 3), w) == [1]
 
 
 def test_override_formatting():

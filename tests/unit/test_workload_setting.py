@@ -16,8 +16,9 @@ def overrides(settings, gpu=GpuTarget("NVIDIA H200", "9.0", 143771)) -> dict:
 def test_default_is_one_epoch_of_the_ladder_with_no_step_cap():
     s = load_settings("box1", {})
     assert s.train_steps is None and s.workload == WORKLOAD_DEFAULTS
-    assert WORKLOAD_DEFAULTS == {"algorithm": "auto", "train_batch_size": 256, "ppo_mini_batch_size": 64,
+    assert WORKLOAD_DEFAULTS == {"algorithm": "auto", "model": None, "train_batch_size": 256, "ppo_mini_batch_size": 64,
                                  "max_prompt_length": 256, "max_response_length": 256, "epochs": 1}
+    assert s.model_artifact == "qwen_model" and workload_for(s).experiment_name == "qwen2.5-0.5b-gsm8k"
     ov = overrides(s)
     assert ov["trainer.total_epochs"] == 1 and "trainer.total_training_steps" not in ov
     assert ov["algorithm.adv_estimator"] == "gae"          # the ladder's first rung fits an H200
@@ -39,11 +40,13 @@ def test_workload_values_reach_the_plan():
     ({"algorithm": "dpo"}, "workload.algorithm", "set it to auto"),
     ({"algoritm": "grpo"}, "workload.algoritm", "did you mean workload.algorithm?"),
     ({"epoch": 2}, "workload.epoch", "did you mean workload.epochs?"),
-    ({"colour": "red"}, "workload.colour", "use one of algorithm, train_batch_size"),
+    ({"colour": "red"}, "workload.colour", "use one of algorithm, model, train_batch_size"),
     ({"epochs": 0}, "workload.epochs", "positive integer (default 1)"),
     ({"max_response_length": "256"}, "workload.max_response_length", "positive integer (default 256)"),
     ({"train_batch_size": True}, "workload.train_batch_size", "positive integer"),
     ({"train_batch_size": 32}, "workload.ppo_mini_batch_size", "at most workload.train_batch_size"),
+    ({"model": "Qwen/Qwen2.5-7B-Instruct"}, "workload.model", "use one of Qwen/Qwen2.5-0.5B-Instruct (qwen_model)"),
+    ({"model": 3}, "workload.model", "needs a catalog entry (repo, revision, sha256)"),
 ])
 def test_bad_workload_values_name_host_key_and_fix(workload, key, fix):
     with pytest.raises(SettingsError) as err:
