@@ -450,6 +450,11 @@ def _no_fit(gpu: GpuTarget, workload: Workload, best_failure: MemoryEstimate) ->
     phases = {k: v for k, v in best_failure.breakdown.items() if k.startswith("phase_")}
     worst = max(phases, key=phases.get) if phases else None
     where = f" The largest phase is {worst[len('phase_'):]} ({phases[worst]} MiB before process overhead)." if worst else ""
+    bd = best_failure.breakdown
+    if bd.get("vllm_kv_granted", 0) < bd.get("vllm_kv_wanted", 0):
+        where += (f" vLLM cannot hold the rollout: at most {VLLM_SHARE_MAX} of the GPU leaves its KV cache "
+                  f"{max(0, bd['vllm_kv_granted'])} MiB of the {bd['vllm_kv_wanted']} MiB one sequence-wave needs "
+                  "beside its weights (more GPUs let an engine span several).")
     err = PlanError(
         f"{workload.experiment_name} ({workload.algorithm.upper()}) does not fit {gpu.count} x {gpu.name} "
         f"({gpu.memory_mib} MiB): even with gradient "

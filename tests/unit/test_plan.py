@@ -352,7 +352,7 @@ def test_vllm_tensor_parallel_only_where_one_gpu_cannot_hold_the_rollout():
     training (no plan), two can with each engine over both (TP 2); on 12 GB one GPU holds it (TP 1)."""
     rtx4060 = ("NVIDIA GeForce RTX 4060", "8.9", 8188)
     w = workload(model_config=QWEN_3B, total_training_steps=None)
-    with pytest.raises(PlanError):
+    with pytest.raises(PlanError, match="vLLM cannot hold the rollout: at most 0.9 of the GPU"):
         make_plan(GpuTarget(*rtx4060, 1), w)
     plan = make_plan(GpuTarget(*rtx4060, 2), w)
     ov = overrides_of(plan)
