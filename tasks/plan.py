@@ -685,7 +685,7 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
                             reasons=reasons + [rung_reason, *_batch_reasons(workload, w)] + mem_reasons + env_reasons)
     tried = ", ".join(f"{r} short by {e.short_mib} MiB" for r, e in failed)
     err = PlanError(f"{failed[-1][1]} Rungs tried: {tried} (no LoRA rung: not proven on a GPU yet).")
-    err.short_mib = min(e.short_mib for _, e in failed)
+    err.short_mib = failed[-1][1].short_mib     # the last rung tried: the one the message describes
     raise err
 
 
@@ -940,17 +940,28 @@ DOC_GPUS: tuple[tuple[str, str, int, int], ...] = (
 )
 
 
+# a box mixing models: planned for its weakest GPU
+DOC_MIXED = GpuTarget("Tesla P40", "6.1", 24576, 2, mixed=((1, "Tesla P40", "6.1", 24576),
+                                                            (1, "NVIDIA GeForce RTX 3090", "8.6", 24576)))
+
+
+def doc_targets() -> list[tuple[str, GpuTarget]]:
+    """docs/plan.md's GPUs: (label, target)."""
+    rows = [(f"{count} x {name}" if count > 1 else name, GpuTarget(name, cc, mem, count))
+            for name, cc, mem, count in DOC_GPUS]
+    return rows + [(" + ".join(f"{n} x {name}" for n, name, _, _ in DOC_MIXED.mixed) + " (mixed)", DOC_MIXED)]
+
+
 def gpu_table(workload: Workload) -> str:
     """docs/plan.md's table of plans, made from the code (``--doc-table``)."""
     rows = ["| GPU | CC | MiB | rung | train | rollout | checkpointing | offload | micro (actor/critic, log-prob, "
             "rollout seqs) | vLLM share | peak / budget MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, cc, mem, count in DOC_GPUS:
-        gpu = f"{count} x {name}" if count > 1 else name
+    for gpu, target in doc_targets():
+        cc, mem = target.compute_capability, target.memory_mib
         try:
-            p = make_plan(GpuTarget(name, cc, mem, count), workload)
+            p = make_plan(target, workload)
         except PlanError as exc:
-            short = str(exc).split("short by ", 1)[-1].split(".", 1)[0]
-            rows.append(f"| {gpu} | {cc} | {mem} | no plan: short by {short} | | | | | | | |")
+            rows.append(f"| {gpu} | {cc} | {mem} | no plan: short by {exc.short_mib} MiB | | | | | | | |")
             continue
         d = p.to_dict()
         off = "actor + ref: FSDP2 offload_policy" if p.workload.actor_offload_policy else \
@@ -962,6 +973,26 @@ def gpu_table(workload: Workload) -> str:
                     f"({d['rollout_dtype']}) | {'yes' if d['gradient_checkpointing'] else 'no'} | {off} | "
                     f"{mb['actor']}/{critic}, {mb['log_prob']}, {mb['rollout']} | {d['vllm_gpu_memory_utilization'] or '-'} | "
                     f"{d['predicted_peak_mib']} / {d['budget_mib']} |")
+    return "\n".join(rows)
+
+
+def model_table(workload: Workload, catalog=None) -> str:
+    """docs/plan.md's table of the catalog's models on each GPU: the rung each lands on (TP where
+    vLLM spans GPUs), or the shortfall (``--model-table``)."""
+    if catalog is None:
+        from tasks.catalog import default_catalog
+        catalog = default_catalog()
+    models = catalog_models(catalog)[::-1]
+    rows = ["| GPU | " + " | ".join(a.repo for a in models) + " |", "|---" * (len(models) + 1) + "|"]
+    for label, target in doc_targets():
+        cells = []
+        for a in models:
+            try:
+                p = make_plan(target, with_model(workload, a))
+                cells.append(p.rung + (f", vLLM TP {p.memory.rollout_tp}" if p.memory.rollout_tp > 1 else ""))
+            except PlanError as exc:
+                cells.append(f"no: short by {getattr(exc, 'short_mib', '?')} MiB")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -985,6 +1016,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tasks.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--doc-table", action="store_true",
                     help="print docs/plan.md's table of plans for its GPU list (no other option needed)")
+    ap.add_argument("--model-table", action="store_true",
+                    help="print docs/plan.md's table of the catalog's models on its GPU list")
     ap.add_argument("--gpu-name")
     ap.add_argument("--compute-capability", help="e.g. 8.6")
     ap.add_argument("--gpu-memory-mib", type=int)
@@ -1003,8 +1036,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--flash-attn", action="store_true", help="flash-attn is installed in the env")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if args.doc_table:
-        print(gpu_table(doc_workload()))
+    if args.doc_table or args.model_table:
+        print(gpu_table(doc_workload()) if args.doc_table else model_table(doc_workload()))
         return 0
     missing = [f"--{k.replace('_', '-')}" for k in ("gpu_name", "compute_capability", "gpu_memory_mib")
                if getattr(args, k) is None]

@@ -21,10 +21,10 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.errors import ConfigCompositionException  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from tasks.plan import DOC_GPUS, GpuTarget, PlanError, make_plan  # noqa: E402
+from tasks.plan import DOC_GPUS, DOC_MIXED, GpuTarget, PlanError, make_plan  # noqa: E402
 from tasks.verl_config import ADDED_KEYS, CONFIG_NAME, VERL_VERSION  # noqa: E402
 
-from tests.unit.test_plan import workload  # noqa: E402
+from tests.unit.test_plan import QWEN_3B, workload  # noqa: E402
 
 CACHE = Path(os.environ.get("VERL_LAB_TEST_CACHE", Path.home() / ".cache" / "verl-lab-test")) / f"verl-{VERL_VERSION}"
 
@@ -81,6 +81,9 @@ def _plans():
         ("4xP40 GRPO", GpuTarget("Tesla P40", "6.1", 24576, 4), {"algorithm": "grpo"}),
         ("T4 GRPO", t4, {"algorithm": "grpo"}),
         ("T4 GRPO 128-token responses", t4, {"algorithm": "grpo", "max_response_length": 128}),
+        ("P40 + RTX 3090 box (mixed)", DOC_MIXED, {}),
+        ("2 x RTX 4060, a 3B model (vLLM TP 2)", GpuTarget("NVIDIA GeForce RTX 4060", "8.9", 8188, 2),
+         {"model_config": QWEN_3B}),
     ]
     return [case for case in cases if _plan(case) is not None]
 
