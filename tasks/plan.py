@@ -281,6 +281,7 @@ class TrainingPlan:
             },
             "vllm_gpu_memory_utilization": self.memory.vllm_gpu_memory_utilization,
             "predicted_peak_mib": self.estimate.peak_mib,
+            "predicted_host_ram_mib": int(self.estimate.breakdown.get("host_ram", 0)),
             "budget_mib": self.estimate.budget_mib,
             "breakdown": dict(self.estimate.breakdown),
             "overrides": self.override_lines,
@@ -792,6 +793,7 @@ def default_estimator(gpu: GpuTarget, workload: Workload, precision: Precision, 
     est = verl_gpu_budget(shape, _verl_workload(gpu, workload, precision, choice,
                                                 vllm.rollout_mib if vllm else None))
     breakdown = {k: int(round(v)) for k, v in est.breakdown.items()}
+    breakdown["host_ram"] = int(round(est.host_ram_mib))   # offloaded states (and vLLM's weights asleep)
     peak = int(round(est.peak_mib))
     if vllm is not None:
         breakdown.update({"vllm_kv_wanted": int(round(vllm.kv_wanted_mib)),

@@ -115,6 +115,7 @@ class TrainingLayout:
             "plan_source": self.plan_source,
             "gpu": {"name": gpu.name, "count": gpu.count, "memory_mib": gpu.memory_mib, "names": gpu.names},
             "predicted_peak_mib": int(self.plan.to_dict()["predicted_peak_mib"]),
+            "predicted_host_ram_mib": int(self.plan.to_dict()["predicted_host_ram_mib"]),
             "paths": {
                 "train_dir": self.train_dir,
                 "work_dir": self.work_dir,

@@ -55,6 +55,8 @@ class Launch:
             # the models nvidia-smi should list (a mixed box is planned for its weakest)
             self.gpu_names = sorted(str(n) for n in launch["gpu"].get("names") or [self.gpu_name])
             self.predicted_peak_mib = int(launch["predicted_peak_mib"])
+            # model states the plan keeps in host RAM (offload); 0 in plans written before it was recorded
+            self.predicted_host_ram_mib = int(launch.get("predicted_host_ram_mib") or 0)
             self.train_dir = paths["train_dir"]
             self.work_dir = paths["work_dir"]
             self.checkpoint_dir = paths["checkpoint_dir"]
@@ -266,6 +268,22 @@ def check_dirs(rep, launch):
         rep.ok("train dirs", f"{launch.work_dir}, {launch.checkpoint_dir} writable")
 
 
+def check_host_ram(rep, launch, meminfo="/proc/meminfo"):
+    """The box's RAM holds what the plan offloads to it (params, gradients, AdamW states, the ref)."""
+    need = launch.predicted_host_ram_mib
+    try:
+        with open(meminfo) as fh:
+            total = next(int(line.split()[1]) // 1024 for line in fh if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        rep.skip("host ram", f"cannot read MemTotal from {meminfo}")
+        return
+    if total < need:
+        rep.fail("host ram", f"the plan keeps {need} MiB of model states in host RAM (CPU offload), the box has "
+                             f"{total} MiB in all: train a smaller model (workload.model) or add RAM")
+    else:
+        rep.ok("host ram", f"{total} MiB >= {need} MiB of offloaded model states, before the processes' own")
+
+
 def check_cluster(rep, launch):
     """A plan for a Ray cluster (trainer.nnodes > 1): every node joined, with the head's env, model
     and data (``cluster-check`` beside the plan, in the env's Python, with ``ray.env`` beside it)."""
@@ -306,7 +324,7 @@ def preflight(launch, extra=()):
     print(f"verl-lab preflight on {host}: {launch.gpu_count} x {launch.gpu_name} planned (plan from "
           f"{launch.plan_source})", flush=True)
     rep = Report()
-    for check in (check_gpu, check_driver, check_env, check_data, check_dirs, check_cluster):
+    for check in (check_gpu, check_driver, check_host_ram, check_env, check_data, check_dirs, check_cluster):
         try:
             check(rep, launch)
         except Exception as exc:  # a check that breaks is a failed check, not a traceback

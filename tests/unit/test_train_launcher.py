@@ -283,6 +283,58 @@ def test_mixed_box_plan_accepts_its_own_gpus_only(box):
     assert "FAIL  gpu: the plan is for Tesla P40, Tesla T4, nvidia-smi lists Tesla T4" in out.stdout
 
 
+def test_host_ram_check_fails_a_box_too_small_for_the_offloaded_states(tmp_path):
+    """The CPU-offload rung keeps the model's states in host RAM: the preflight compares the plan's
+    figure with /proc/meminfo's MemTotal (here a written copy)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "launcher_mod", Path(__file__).resolve().parents[2] / "verl_lab_box" / "train_launcher.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Rep:
+        def __init__(self):
+            self.lines = []
+
+        def ok(self, name, text):
+            self.lines.append(("ok", name, text))
+
+        def fail(self, name, text):
+            self.lines.append(("fail", name, text))
+
+        def skip(self, name, text):
+            self.lines.append(("skip", name, text))
+
+    class Launch:
+        predicted_host_ram_mib = 49_000
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32768000 kB\nMemFree:        1000 kB\n")
+    rep = Rep()
+    mod.check_host_ram(rep, Launch(), str(meminfo))
+    assert rep.lines == [("fail", "host ram", "the plan keeps 49000 MiB of model states in host RAM (CPU offload), "
+                          "the box has 32000 MiB in all: train a smaller model (workload.model) or add RAM")]
+    meminfo.write_text("MemTotal:       65536000 kB\n")
+    rep = Rep()
+    mod.check_host_ram(rep, Launch(), str(meminfo))
+    assert rep.lines[0][0] == "ok"
+    rep = Rep()
+    mod.check_host_ram(rep, Launch(), str(tmp_path / "missing"))
+    assert rep.lines[0][0] == "skip"
+
+
+def test_plan_records_the_host_ram_its_offload_needs():
+    from tasks.plan import GpuTarget, make_plan
+    from tests.unit.test_plan import workload
+
+    offload = make_plan(GpuTarget("NVIDIA GeForce GTX 1080", "6.1", 8192), workload()).to_dict()
+    assert offload["rung"] == "grpo-cpu-offload"
+    # 0.5B: fp32 params + gradients + AdamW m, v (16 bytes a parameter) and the fp32 ref (4)
+    assert 9000 < offload["predicted_host_ram_mib"] < 10000
+    assert make_plan(GpuTarget("Tesla P40", "6.1", 24576), workload()).to_dict()["predicted_host_ram_mib"] == 0
+
+
 def test_plain_run_refuses_after_failed_preflight(box):
     out = run_launcher(box)
     assert out.returncode == 1 and "preflight FAILED" in out.stderr

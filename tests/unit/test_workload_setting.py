@@ -45,7 +45,7 @@ def test_workload_values_reach_the_plan():
     ({"max_response_length": "256"}, "workload.max_response_length", "positive integer (default 256)"),
     ({"train_batch_size": True}, "workload.train_batch_size", "positive integer"),
     ({"train_batch_size": 32}, "workload.ppo_mini_batch_size", "at most workload.train_batch_size"),
-    ({"model": "Qwen/Qwen2.5-7B-Instruct"}, "workload.model", "use one of Qwen/Qwen2.5-0.5B-Instruct (qwen_model)"),
+    ({"model": "Qwen/Qwen2.5-7B-Instruct"}, "workload.model", "Qwen/Qwen2.5-3B-Instruct (qwen_3b_model), Qwen/Qwen2.5-0.5B-Instruct (qwen_model)"),
     ({"model": 3}, "workload.model", "needs a catalog entry (repo, revision, sha256)"),
 ])
 def test_bad_workload_values_name_host_key_and_fix(workload, key, fix):
@@ -63,3 +63,58 @@ def test_a_workload_that_is_no_mapping_or_a_near_miss_of_its_name():
         load_settings("b", {"workloads": {}})
     with pytest.raises(SettingsError, match="leave it unset to train workload.epochs"):
         load_settings("b", {"train_steps": 0})
+
+
+def test_workload_model_names_a_catalog_model_by_repo_or_artifact_name():
+    for value in ("Qwen/Qwen2.5-1.5B-Instruct", "qwen/qwen2.5-1.5b-instruct", "qwen_1_5b_model"):
+        s = load_settings("b", {"workload": {"model": value}})
+        assert s.model_artifact == "qwen_1_5b_model"
+        assert s.model_dir.endswith("/models/Qwen--Qwen2.5-1.5B-Instruct")
+        w = workload_for(s)
+        assert w.model_config["hidden_size"] == 1536 and w.experiment_name == "qwen2.5-1.5b-gsm8k"
+        assert w.model_path == s.model_dir
+    with pytest.raises(SettingsError, match="name two models. Fix: set only workload.model"):
+        load_settings("b", {"workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}, "model_artifact": "qwen_model"})
+
+
+def test_every_catalog_model_has_its_shape_and_pinned_weights():
+    """The plan reads each model's config.json from files/models before anything is downloaded;
+    every weight file is pinned by sha256 and size."""
+    from tasks.catalog import default_catalog
+    from tasks.memory import ModelShape
+    from tasks.plan import catalog_model_config, catalog_models
+
+    models = catalog_models(default_catalog())
+    assert [a.repo for a in models] == ["microsoft/Phi-3-mini-4k-instruct", "Qwen/Qwen2.5-3B-Instruct",
+                                        "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"]
+    billions = {a.repo: ModelShape.from_config(catalog_model_config(a)).params("actor") / 1e9 for a in models}
+    assert 3.7 < billions["microsoft/Phi-3-mini-4k-instruct"] < 3.9 and 3.0 < billions["Qwen/Qwen2.5-3B-Instruct"] < 3.2
+    assert 1.5 < billions["Qwen/Qwen2.5-1.5B-Instruct"] < 1.6 and 0.45 < billions["Qwen/Qwen2.5-0.5B-Instruct"] < 0.5
+    for a in models:
+        weights = {n: f for n, f in a.extra["files"].items() if n.endswith(".safetensors")}
+        assert weights, a.name
+        for name, f in weights.items():
+            assert len(f["sha256"]) == 64 and f["size"] > 10**8, (a.name, name)
+        # bf16 weights: 2 bytes a parameter, the embedding stored once where tied
+        assert abs(sum(f["size"] for f in weights.values()) / 2e9 - billions[a.repo]) < 0.05 * billions[a.repo], a.name
+
+
+def test_a_model_the_gpu_cannot_train_is_refused_naming_those_that_fit():
+    from tasks.plan import PlanError, make_plan, plan_naming_models_that_fit
+
+    s = load_settings("b", {"workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}})
+    rtx4060 = GpuTarget("NVIDIA GeForce RTX 4060", "8.9", 8188)
+    with pytest.raises(PlanError) as err:
+        plan_naming_models_that_fit(lambda w: make_plan(rtx4060, w), workload_for(s), s.catalog, s.model_artifact)
+    text = str(err.value)
+    assert "does not fit 1 x NVIDIA GeForce RTX 4060" in text
+    assert ("Models of the catalog that fit, largest first: Qwen/Qwen2.5-1.5B-Instruct (rung grpo-cpu-offload); "
+            "Qwen/Qwen2.5-0.5B-Instruct (rung grpo-cpu-offload): set workload.model") in text
+    tiny = GpuTarget("NVIDIA GeForce GT 1030", "6.1", 2048)
+    with pytest.raises(PlanError, match=r"No model of the catalog fits: the smallest, Qwen/Qwen2.5-0.5B-Instruct, "
+                                        r"is short by \d+ MiB too"):
+        plan_naming_models_that_fit(lambda w: make_plan(tiny, w), workload_for(s), s.catalog, s.model_artifact)
+    # a model that fits is planned as it is
+    plan = plan_naming_models_that_fit(lambda w: make_plan(GpuTarget("NVIDIA H200", "9.0", 143771), w),
+                                       workload_for(s), s.catalog, s.model_artifact)
+    assert plan.workload.model_config["num_hidden_layers"] == 36
