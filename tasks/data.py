@@ -41,6 +41,7 @@ from pyinfra.operations import files, server
 
 from tasks.catalog import CatalogError
 from tasks.facts.data import FilesPresent, PythonModules, SnapshotStamp, StagedFiles
+from tasks.facts.disk import FreeDisk
 from tasks.facts.bundle import ask
 from tasks.facts.files import Marker
 from tasks.placed import marker_command
@@ -49,6 +50,8 @@ from tasks.settings import LabSettings, SettingsError
 from verl_lab_box import gsm8k
 from verl_lab_box import hf_snapshot as hfsnapshot      # hf_snapshot is this stage's operation below
 from verl_lab_box.hf_snapshot import RepoSpec, SnapshotError
+
+MIB = 1024 * 1024
 
 # box-side programs, by their names in <lab_root>/libexec/data
 SCRIPTS = {"hfsnapshot.py": Path(hfsnapshot.__file__), "gsm8k.py": Path(gsm8k.__file__)}
@@ -183,6 +186,21 @@ def data_plan(settings: LabSettings) -> DataPlan:
     )
 
 
+def disk_shortfall(specs, disk, path: str) -> str | None:
+    """What is wrong with the free disk at ``path`` for fetching ``specs`` (None: enough): the
+    catalog's file sizes, 10% more for files it gives no size (tokenizers, configs), and 512 MiB."""
+    if not specs:
+        return None
+    need = sum(int(f.get("size") or 0) for spec in specs for f in spec.files.values()) * 1.1 / MIB + 512
+    if not disk:
+        return f"could not measure free disk for {path} (df printed nothing usable)"
+    if disk["free_mib"] < need:
+        names = " and ".join(f"{s.repo}@{s.revision[:12]}" for s in specs)
+        return (f"not enough free disk on {disk['mount']} for {names}: {disk['free_mib']} MiB free, {int(need)} MiB "
+                f"needed; free space there or set lab_root to a larger filesystem")
+    return None
+
+
 # ---------------------------------------------------------------- controller side
 
 def hf_token(settings: LabSettings) -> str | None:
@@ -288,6 +306,14 @@ def install_data(settings: LabSettings):
         )
 
     snapshots = ((plan.model, plan.model_dir, "Model"), (plan.dataset, plan.source_dir, "Dataset"))
+    # free disk for what is still to come, before anything is fetched (a 3B model is 6 GB)
+    stamps = {spec.artifact: host.get_fact(SnapshotStamp, dest=dest) for spec, dest, _ in snapshots}
+    todo = [spec for spec, _, _ in snapshots
+            if not (stamps[spec.artifact] and stamps[spec.artifact].get("digest") == spec.digest)]
+    short = disk_shortfall(todo, host.get_fact(FreeDisk, path=plan.model_dir) if todo else None, plan.model_dir)
+    if short:
+        fail_host(name="Free disk for the model and data", message=short, stage="data")
+        return
     local: dict[str, Path] = {}
     if plan.mode == "relay":
         # Controller downloads happen here, while preparing: a bad endpoint, repo or revision

@@ -249,3 +249,19 @@ def test_legacy_repo_info_api(endpoint):
     info = HfApi(endpoint=endpoint.url).dataset_info(DATASET_REPO, revision="main")
     assert info.sha == endpoint.repos[("dataset", DATASET_REPO)].commit
     assert "main/train-00000-of-00001.parquet" in [s.rfilename for s in info.siblings]
+
+
+def test_too_little_disk_for_the_model_fails_before_any_fetch():
+    """A 3B model's weights are 6 GB: the data stage measures the free disk where the model goes
+    before it fetches anything, and says how much is needed."""
+    from tasks.data import disk_shortfall
+
+    plan = data_stage.data_plan(load_settings("box1", {"workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}}))
+    disk = {"path": "/opt", "filesystem": "/dev/vda1", "mount": "/", "size_mib": 20000, "free_mib": 4000}
+    text = disk_shortfall([plan.model, plan.dataset], disk, plan.model_dir)
+    assert text.startswith("not enough free disk on / for Qwen/Qwen2.5-3B-Instruct@aa8e72537993 and openai/gsm8k@")
+    need = int(text.split("MiB free, ")[1].split(" MiB")[0])
+    assert 6500 < need < 7500 and "set lab_root to a larger filesystem" in text
+    assert disk_shortfall([plan.model], {**disk, "free_mib": 8000}, plan.model_dir) is None
+    assert disk_shortfall([], None, plan.model_dir) is None        # both proven: nothing to fetch, nothing measured
+    assert "could not measure free disk" in disk_shortfall([plan.model], None, plan.model_dir)
