@@ -9,15 +9,17 @@ Default: no cluster, every box trains alone, and this stage does nothing at all.
 Pure parts: the cross-host check of the setting (``check_clusters``, run with every host's
 settings before any host changes), the network interface NCCL and Gloo use (``choose_interface``,
 from ``ip -o route get <head>``), and the cluster plan (``cluster_plan``: precision and memory by
-the weakest GPU, ``trainer.nnodes`` and ``trainer.n_gpus_per_node``). The stage
-``install_cluster`` places a Ray head or worker unit (files/templates/verl-lab-ray.service.j2)
-running the env's Ray as the train user, its environment file, and a drop-in that gives the
-training unit RAY_ADDRESS and the interface.
+the weakest GPU, ``trainer.nnodes`` and ``trainer.n_gpus_per_node``), and ``/etc/hosts`` such that
+the box's hostname resolves to its node address (``hosts_file``). The stage ``install_cluster``
+places a Ray head or worker unit (files/templates/verl-lab-ray.service.j2) running the env's Ray
+as the train user, its environment file, and a drop-in that gives the training unit RAY_ADDRESS
+and the interface.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -27,7 +29,7 @@ from pyinfra.api import deploy
 from pyinfra.operations import server, systemd
 
 from tasks.facts.bundle import ask
-from tasks.facts.cluster import RouteToHead
+from tasks.facts.cluster import HostnameLookup, RouteToHead
 from tasks.facts.files import PathStates, UnitState
 from tasks.failure import fail_host
 from tasks.placed import place, rendered, wanted_dir, wanted_file
@@ -45,6 +47,8 @@ RAY_UNIT_PATH = f"/etc/systemd/system/{RAY_UNIT}"
 TRAIN_DROPIN = f"/etc/systemd/system/{TRAIN_UNIT}.d/cluster.conf"
 HEAD_WAIT_TRIES = 30             # a worker asks for the head 30 times, 2 s apart, then fails (and restarts)
 GCS_RECONNECT_S = 20             # a worker's raylet gives up on a vanished head after this (Ray's default: 60)
+HOSTS_MARK = "# verl-lab cluster"        # ends the one /etc/hosts line this stage manages
+HOSTS_OFF = HOSTS_MARK + ", was: "      # starts a line of /etc/hosts that mapped the hostname elsewhere
 
 
 class ClusterError(ValueError):
@@ -195,6 +199,46 @@ def cluster_plan(targets: Mapping[str, GpuTarget], workload: Workload, estimator
                    reasons=[Reason("cluster", f"{nodes} x {per_node.count} x {per_node.name}", why), *plan.reasons])
 
 
+def hosts_file(lookup: Mapping[str, Any], address: str) -> tuple[str | None, str]:
+    """``/etc/hosts`` such that the box's hostname resolves to ``address`` (its node address, which
+    NCCL, Gloo and Ray look the hostname up for), from the HostnameLookup fact; None, and why, where
+    nothing is to change: the hostname resolves to it already, or ``address`` is a loopback one
+    (every node on one machine, whose /etc/hosts they may share: left as it is).
+
+    One managed line (ending with HOSTS_MARK) comes first and names the hostname (and the names
+    that mapped it elsewhere, e.g. its FQDN); it replaces a previous one. An IPv4 line that mapped
+    the hostname elsewhere (Debian's ``127.0.1.1 box1.lab box1``) stays, as a comment (HOSTS_OFF),
+    followed by its other names if it has any: with ``multi on`` in /etc/host.conf (Debian's and
+    Ubuntu's default) glibc answers every matching line and getaddrinfo sorts 127/8 first (RFC 6724:
+    the smaller scope), so a first line alone would not win. No other line changes."""
+    name, resolves = lookup.get("hostname", ""), list(lookup.get("resolves") or [])
+    if ipaddress.IPv4Address(address).is_loopback:
+        return None, (f"/etc/hosts left as it is: the node's address {address} is a loopback one (every node "
+                      "on one machine, which may share one /etc/hosts)")
+    if not name:
+        return None, "/etc/hosts left as it is: the box's hostname could not be read"
+    if resolves[:1] == [address]:
+        return None, f"{name} resolves to {address}"
+    short, mine, kept = name.split(".")[0], [], []
+    for line in lookup.get("hosts", "").splitlines():
+        cells = line.split("#", 1)[0].split()
+        ours = [n for n in cells[1:] if n == short or n.startswith(short + ".")]
+        managed = line.rstrip().endswith(HOSTS_MARK)    # the managed line of an earlier run: replaced
+        if not managed and (not ours or cells[0] == address or not _ipv4(cells[0])):
+            kept.append(line)
+            continue
+        mine += [n for n in ours if n not in mine]
+        rest = [n for n in cells[1:] if n not in ours]
+        kept += [] if managed else [HOSTS_OFF + line] + ([f"{cells[0]}\t{' '.join(rest)}"] if rest else [])
+    names = mine + [name] * (name not in mine)
+    text = "\n".join([f"{address}\t{' '.join(names)}  {HOSTS_MARK}", *kept]) + "\n"
+    if text == lookup.get("hosts"):
+        raise ClusterError(f"{name} resolves to {', '.join(resolves) or 'nothing'} though /etc/hosts maps it to "
+                           f"{address}: the hosts line of /etc/nsswitch.conf asks another source first; "
+                           "put files first")
+    return text, f"{name} resolved to {', '.join(resolves) or 'nothing'}, not the node's address {address}"
+
+
 # ------------------------------------------------------------------ the stage
 
 
@@ -292,19 +336,31 @@ def install_cluster(settings: LabSettings, gpu, cluster: Cluster, targets: Mappi
     unit (re)started when they changed or it is not running."""
     from tasks.train import training_workload
 
-    route, states, unit = ask((RouteToHead, {"address": cluster.head_address}),
-                              (PathStates, {"paths": cluster_paths(settings)}), (UnitState, {"unit": RAY_UNIT}))
+    route, states, unit, lookup = ask((RouteToHead, {"address": cluster.head_address}),
+                                      (PathStates, {"paths": cluster_paths(settings)}), (UnitState, {"unit": RAY_UNIT}),
+                                      (HostnameLookup, {}))
     missing = sorted(n for n, t in targets.items() if t is None)
     try:
         if missing:
             raise ClusterError(f"no GPU target on {', '.join(missing)} (see its training stage)")
         interface = choose_interface(route["route"], route["addrs"], cluster.head_address)
-        plan_env = cluster_plan(targets, training_workload(settings)).env
+        node = RayNode(settings, cluster, interface, gpu.target.count,
+                       cluster_plan(targets, training_workload(settings)).env)
+        hosts, hosts_why = hosts_file(lookup or HostnameLookup.default(), node.node_address)
     except (ClusterError, PlanError) as exc:
         fail_host(name=f"Ray {cluster.role(settings.host)} of cluster {cluster.name}", message=str(exc),
                   stage="cluster")
         return
-    node = RayNode(settings, cluster, interface, gpu.target.count, plan_env)
+    if hosts is None:
+        host.noop(hosts_why)
+    else:       # written in place (a bind-mounted or linked /etc/hosts stays one), then looked up again
+        address = node.node_address
+        server.shell(name=f"/etc/hosts: the hostname resolves to {address} ({hosts_why})", commands=[
+            f"printf '%s' {shlex.quote(hosts)} > /etc/hosts.verl-lab && cat /etc/hosts.verl-lab > /etc/hosts"
+            " && rm -f /etc/hosts.verl-lab",
+            f"got=$(getent ahostsv4 \"$(hostname)\" | awk '{{ print $1; exit }}'); [ \"$got\" = {address} ] || "
+            f"{{ echo \"verl-lab: $(hostname) still resolves to ${{got:-nothing}}, not {address}: see the hosts "
+            "line of /etc/nsswitch.conf\" >&2; exit 1; }"])
     changed = [p for p, why in place(cluster_wanted(node), states).items() if why]
     if RAY_UNIT_PATH in changed or TRAIN_DROPIN in changed:
         systemd.daemon_reload(name="systemd reads the changed units")

@@ -1,7 +1,9 @@
 """Boxes that train together (tasks/cluster.py): the cluster setting, checked per host and across
 hosts before any host changes; the network interface NCCL and Gloo use, from real
-``ip -o route get`` outputs (tests/fixtures/facts/cluster.RouteToHead/); the cluster plan by the
-weakest GPU; the Ray units rendered for a head and a worker."""
+``ip -o route get`` outputs (tests/fixtures/facts/cluster.RouteToHead/); /etc/hosts such that the
+hostname resolves to the node's address, from recorded lookups (cluster.HostnameLookup/) and checked
+with glibc's own getent; the cluster plan by the weakest GPU; the Ray units rendered for a head and
+a worker."""
 
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from tasks import hostdata
-from tasks.cluster import (Cluster, ClusterError, Interface, RayNode, check_clusters, choose_interface,
-                           cluster_plan, cluster_wanted, weakest_gpu)
+from tasks.cluster import (HOSTS_MARK, Cluster, ClusterError, Interface, RayNode, check_clusters,
+                           choose_interface, cluster_plan, cluster_wanted, hosts_file, weakest_gpu)
 from tasks.plan import GpuTarget, doc_workload, make_plan
 from tasks.settings import SettingsError, load_settings
 
 ROUTES = Path(__file__).resolve().parents[1] / "fixtures" / "facts" / "cluster.RouteToHead"
+LOOKUPS = ROUTES.parent / "cluster.HostnameLookup"
 P40 = GpuTarget("Tesla P40", "6.1", 24576, 1)
 RTX3090 = GpuTarget("NVIDIA GeForce RTX 3090", "8.6", 24576, 1)
 T4 = GpuTarget("Tesla T4", "7.5", 15360, 1)
@@ -60,6 +63,90 @@ def test_loopback_is_never_chosen_for_a_head_other_boxes_must_reach():
         choose_interface("10.1.1.1 dev lo src 127.0.0.1 uid 0", fact["addrs"], "10.1.1.1")
     with pytest.raises(ClusterError, match="no route"):
         choose_interface("unreachable 10.1.1.1 dev eth0", "", "10.1.1.1")
+
+
+# ------------------------------------------------------------------ the hostname resolving to the node's address
+
+
+def lookup_case(name: str) -> dict:
+    return json.loads((LOOKUPS / f"{name}.json").read_text())["fact"]
+
+
+def test_a_hostname_that_resolves_to_the_node_address_leaves_etc_hosts_alone():
+    assert hosts_file(lookup_case("managed_line"), "10.0.0.5") == (None, "box1 resolves to 10.0.0.5")
+
+
+def test_debians_127_0_1_1_gets_a_managed_line_first_and_its_own_line_kept_as_a_comment():
+    debian = lookup_case("debian_127_0_1_1")
+    text, why = hosts_file(debian, "10.0.0.5")
+    assert why == "box1 resolved to 127.0.1.1, not the node's address 10.0.0.5"
+    lines = text.splitlines()
+    assert lines[0] == f"10.0.0.5\tbox1.lab.example box1  {HOSTS_MARK}"        # the FQDN stays the canonical name
+    assert f"{HOSTS_MARK}, was: 127.0.1.1\tbox1.lab.example\tbox1" in lines
+    others = [line for line in debian["hosts"].splitlines() if "box1" not in line]
+    assert [line for line in lines if "box1" not in line] == others              # every other line, as it was
+    assert text == lookup_case("managed_line")["hosts"]                         # what the box then had
+
+
+def test_a_managed_line_with_an_old_address_is_replaced():
+    before = lookup_case("managed_line")
+    text, _ = hosts_file({**before, "resolves": ["10.0.0.5"]}, "10.0.0.6")
+    assert text == before["hosts"].replace("10.0.0.5\t", "10.0.0.6\t")
+    assert text.count(HOSTS_MARK) == 2 and text.count("box1.lab.example box1") == 1   # one managed line, one old
+
+
+def test_only_the_hostnames_names_leave_a_shared_line():
+    text, _ = hosts_file({"hostname": "box1", "resolves": ["127.0.0.1"], "hosts": "127.0.0.1 localhost box1\n"},
+                         "10.0.0.5")
+    assert text == f"10.0.0.5\tbox1  {HOSTS_MARK}\n{HOSTS_MARK}, was: 127.0.0.1 localhost box1\n127.0.0.1\tlocalhost\n"
+    # resolved by DNS elsewhere, no line for it: the managed line only
+    assert hosts_file({"hostname": "box1", "resolves": ["192.0.2.9"], "hosts": ""}, "10.0.0.5")[0] == \
+        f"10.0.0.5\tbox1  {HOSTS_MARK}\n"
+
+
+def test_a_loopback_node_address_never_touches_etc_hosts():
+    text, why = hosts_file(lookup_case("debian_127_0_1_1"), "127.0.0.3")
+    assert text is None and "loopback" in why and "one /etc/hosts" in why
+    assert hosts_file(lookup_case("nothing"), "10.0.0.5") == (None, "/etc/hosts left as it is: the box's "
+                                                                   "hostname could not be read")
+
+
+def test_a_file_that_maps_the_name_right_but_resolves_wrong_is_refused():
+    done = lookup_case("managed_line")
+    with pytest.raises(ClusterError, match="hosts line of /etc/nsswitch.conf"):
+        hosts_file({**done, "resolves": ["192.0.2.9"]}, "10.0.0.5")
+
+
+def _getent(hosts: str, name: str) -> list[str]:
+    """``getent ahostsv4 name`` with ``hosts`` as /etc/hosts, in a mount namespace of its own
+    (this machine's /etc/hosts is never touched)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if not shutil.which("unshare") or not shutil.which("getent"):
+        pytest.skip("no unshare or getent here")
+    with tempfile.NamedTemporaryFile("w", suffix=".hosts") as fh:
+        fh.write(hosts)
+        fh.flush()
+        res = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind {fh.name} /etc/hosts && "
+                              f"getent ahostsv4 {name} | awk '!seen[$1]++ {{ print $1 }}'"],
+                             capture_output=True, text=True)
+    if res.returncode != 0:           # not root, or no mount namespaces here (the lookup's own rc is awk's)
+        pytest.skip(f"no mount namespace here: {res.stderr.strip()}")
+    return res.stdout.split()
+
+
+@pytest.mark.parametrize("name", ["box1", "box1.lab.example"])
+def test_glibc_answers_the_node_address_first_only_once_the_127_0_1_1_line_is_off(name):
+    """Why the 127.0.1.1 line becomes a comment: with ``multi on`` (Debian's /etc/host.conf) glibc
+    answers every matching line and sorts 127/8 first, even below a first line with the node's address."""
+    debian = lookup_case("debian_127_0_1_1")["hosts"]
+    assert _getent(debian, name) == ["127.0.1.1"]
+    first_only = f"10.0.0.5\tbox1.lab.example box1\n{debian}"
+    if Path("/etc/host.conf").exists() and "multi on" in Path("/etc/host.conf").read_text():
+        assert _getent(first_only, name)[0] == "127.0.1.1"
+    assert _getent(hosts_file(lookup_case("debian_127_0_1_1"), "10.0.0.5")[0], name) == ["10.0.0.5"]
 
 
 # ------------------------------------------------------------------ the cluster plan
