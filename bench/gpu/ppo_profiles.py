@@ -54,6 +54,7 @@ class Profile:
     seed_recipe: bool = False
     plan_memory_mib: int | None = None   # plan for this much memory (else memory_mib), then ...
     overrides: tuple[str, ...] = ()      # ... run it with these Hydra overrides after the plan's
+    model: str | None = None             # workload.model (a catalog model); None: the default 0.5B
 
     @property
     def cap_mib(self) -> int | None:
@@ -101,6 +102,12 @@ PROFILES = [
     Profile("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=1, validate=False,
             stands_for="GTX 1080 (8 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
                        "CPUOffloadPolicy, fp32, HF rollout)"),
+    # another catalog model's shape (random weights from its config.json): the plan an 80 GB A100 gets
+    # for Qwen2.5-1.5B-Instruct (PPO with the critic, bf16), vLLM -> HF rollout for this run only
+    Profile("a100-1.5b", "NVIDIA A100-SXM4-80GB", "8.0", 81920, rollout_engine="hf", steps=2, validate=False,
+            model="Qwen/Qwen2.5-1.5B-Instruct",
+            stands_for="A100 80 GB with Qwen2.5-1.5B-Instruct (workload.model), the product's plan; HF rollout "
+                       "instead of the plan's vLLM, for this run only"),
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
             stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),
 ]
@@ -155,7 +162,8 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
 
     root = lab_root(profile)
     settings = load_settings(profile.name, {"lab_root": root, "env_prefix": f"{root}/env",
-                                            "train_steps": profile.steps})
+                                            "train_steps": profile.steps,
+                                            **({"workload": {"model": profile.model}} if profile.model else {})})
     target = GpuTarget(profile.gpu_name, profile.compute_capability, profile.plan_memory_mib or profile.memory_mib, 1)
     workload = training_workload(settings)
     if profile.rollout_engine != "auto":
@@ -173,7 +181,10 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
         target_path.write_bytes(want.content)
         target_path.chmod(0o755 if want.path == layout.launcher else 0o644)
     d = plan.to_dict()
-    return {"predicted_peak_mib": d["predicted_peak_mib"], "breakdown": d["breakdown"],
+    model_dir = Path(settings.model_dir).name
+    return {"model_dir": model_dir, "model_config": str(Path("files") / "models" / model_dir.split("--", 1)[1].lower()
+                                                        / "config.json"),
+            "predicted_peak_mib": d["predicted_peak_mib"], "breakdown": d["breakdown"],
             "budget_mib": d["budget_mib"], "micro_batches": d["micro_batches"], "offload": d["offload"],
             "gradient_checkpointing": d.get("gradient_checkpointing", True), "rollout": d["rollout"],
             "train_batch_size": next(int(o.split("=", 1)[1]) for o in d["overrides"]

@@ -54,7 +54,7 @@ def lay_out(profile: dict, src: Path, model: Path) -> Path:
     wrapper = root / "env" / "bin" / "python"
     wrapper.write_text(f"#!/bin/sh\nexec {python} \"$@\"\n")   # a venv's python is found only by its path
     wrapper.chmod(0o755)
-    (root / "models" / "Qwen--Qwen2.5-0.5B-Instruct").symlink_to(model)
+    (root / "models" / ((profile.get("plan") or {}).get("model_dir") or "Qwen--Qwen2.5-0.5B-Instruct")).symlink_to(model)
     (root / "data" / "gsm8k").symlink_to(PAYLOAD / "data")
     return root
 
@@ -91,7 +91,19 @@ def main(argv=None) -> int:
     out = args.out / args.name
     shutil.rmtree(out, ignore_errors=True)
     (out / "probe").mkdir(parents=True)
-    root = lay_out(profile, src, args.model)
+    config = (profile.get("plan") or {}).get("model_config")
+    model = args.model
+    if config and not config.endswith("qwen2.5-0.5b-instruct/config.json"):
+        # another catalog model: random weights of its shape, made once per model on this machine
+        model = Path(f"/tmp/model-{Path(config).parent.name}")
+        made = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "make_model.py"), "--out", str(model),
+                               "--tokenizer", str(PAYLOAD / "tokenizer"), "--config", str(REPO / config), "--no-check"],
+                              env={**os.environ, "PYTHONPATH": args.site}, capture_output=True, text=True)
+        (out / "model.log").write_text(made.stdout + made.stderr)
+        if made.returncode:
+            print(made.stdout[-2000:] + made.stderr[-2000:], file=sys.stderr)
+            return 1
+    root = lay_out(profile, src, model)
     shutil.copy2(src / "profile.json", out / "profile.json")      # the record of what ran
     if (src / "train" / "plan.json").is_file():
         shutil.copy2(src / "train" / "plan.json", out / "plan.json")
