@@ -73,9 +73,24 @@ WORKSPACE_MIB = 65.0
 # Small tensors a training step keeps between steps (rotary tables, inputs, allocator
 # rounding): measured, median over the fit split.
 STEP_MISC_MIB = 23.0
-# For the verl budget: the CUDA context of a process that also runs NCCL, vLLM's allocator and
-# Ray: inferred (not measured), a margin above the plain torch context.
-VERL_PROCESS_OVERHEAD_MIB = 1024.0
+# For the verl budget: what a verl 0.5.0 worker process holds outside PyTorch beyond the plain
+# torch context (NCCL, Ray, cuBLAS handles, more loaded kernels). Measured on the H200 (torch 2.11,
+# CUDA 13): NVML's per-process memory minus torch's reserved, the probe's `outside_torch_mib`
+# (bench/gpu/probe/sitecustomize.py), read over every recorded run (bench/gpu/results/ppo-*/call*/
+# */probe/*.jsonl, GPU calls 1-8): 1236-1368 MiB, the largest 1368 in the rollout of call 2's h200
+# and rtx3090 profiles (ppo-20261203/call2/{h200,rtx3090}); 1304 on every GRPO/CPU-offload run of
+# calls 7-8. So CUDA_CONTEXT_MIB + this = 1368 MiB, the largest measured. (Was 1024, inferred:
+# 1908 in all, 0.90-0.94 of the measured peaks on the 8-11 GB rung; that margin now sits in the
+# plan's budget, OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB.)
+VERL_PROCESS_OVERHEAD_MIB = 1368.0 - CUDA_CONTEXT_MIB
+# What a real old card's process may hold outside PyTorch beyond what the H200 measured: the product
+# runs torch 2.6 with CUDA 11.8/12.x on Pascal..Ada cards, whose context, loaded kernels and NCCL
+# were never measured (only the H200 with torch 2.11 / CUDA 13 was). Not a prediction: a safety
+# margin, the difference between the old inferred allowance (884 + 1024 = 1908 MiB) and the
+# largest measured (1368), so that which plans fit is what it was. tasks/plan.py's gpu_budget_mib
+# takes it off every GPU's budget; held_at_vllm_start_mib counts it (vLLM V1 measures the real
+# process at its start).
+OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB = 1908.0 - 1368.0
 # verl's update phases beyond the single-process step, measured on the H200 with real verl 0.5.0
 # under the P40 plan (bench/gpu/results/, fp32, no offload, micro-batch 4): the critic update
 # peaked 516 MiB and the actor update 166 MiB above the model; with the optimizer offloaded
@@ -710,7 +725,8 @@ def held_at_vllm_start_mib(shape: ModelShape, workload: VerlWorkload) -> float:
     if wl.use_ref and not (wl.ref_param_offload or wl.actor_offload_policy):
         held += (4 if wl.train_dtype == "fp32" else 2) * shape.params("actor") / MIB
     held /= wl.n_gpus
-    return held + CUDA_CONTEXT_MIB + VERL_PROCESS_OVERHEAD_MIB
+    # vLLM V1 counts what the real process holds at its start: the old card's unmeasured margin too
+    return held + CUDA_CONTEXT_MIB + VERL_PROCESS_OVERHEAD_MIB + OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB
 
 
 # ---- CLI -------------------------------------------------------------------------------------

@@ -727,8 +727,13 @@ _MEM_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": 
 
 def gpu_budget_mib(gpu: GpuTarget) -> int:
     """What a plan may use of one GPU: total minus what the driver keeps (an idle H200 shows
-    615 MiB in use of 143771) and allocator fragmentation: 5%, at least 512 MiB."""
-    return gpu.memory_mib - max(512, gpu.memory_mib // 20)
+    615 MiB in use of 143771) and allocator fragmentation: 5%, at least 512 MiB; and minus the
+    margin for what a real old card's process may hold outside PyTorch beyond what the H200
+    measured (tasks/memory.py: OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB, never measured; the predicted
+    peak counts only the measured 1368 MiB)."""
+    from tasks.memory import OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB
+
+    return gpu.memory_mib - max(512, gpu.memory_mib // 20) - int(OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB)
 
 
 def max_num_batched_tokens(workload: Workload) -> int:

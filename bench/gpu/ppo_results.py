@@ -11,9 +11,11 @@ when the run folder has none.
   process plus what that process holds outside torch (NVML): the GPU memory it needed. The
   reserved peak (+ outside torch) is reported beside it as "held": the caching allocator keeps
   freed blocks up to the cap, so it reads the cap on capped runs. Predicted = the plan's
-  ``predicted_peak_mib`` (its allocated peak + 1908 MiB allowed outside torch), re-estimated
-  with the memory model as it is now for exactly the configuration that ran
-  (``estimate_as_ran``); the prediction when the profile was rendered is kept beside it.
+  ``predicted_peak_mib`` (its allocated peak + the 1368 MiB outside torch measured on the H200;
+  1908 MiB before GPU call 9's calibration), re-estimated with the memory model as it is now for
+  exactly the workload that ran (``estimate_as_ran``: algorithm, rollout.n, offload policy,
+  checkpointing, micro-batches, from the run's plan.json and the harness's extra overrides); the
+  prediction when the profile was rendered is kept beside it.
 * s/step = the mean of verl's ``timing_s/step`` over steps 2.. (step 1 warms up) less the
   step's validation (``timing_s/testing``, which verl counts inside the step that validates); prompts/s = train batch / s/step;
   tokens/s = generated tokens per step / s/step.
@@ -30,8 +32,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PHASE_ORDER = ("generate_sequences", "compute_log_prob", "compute_values", "update_critic", "update_actor")
+PHASE_ORDER = ("generate_sequences", "compute_log_prob", "compute_ref_log_prob", "compute_values", "update_critic",
+               "update_actor")
 PLAN_PHASE = {"generate_sequences": "phase_rollout", "compute_log_prob": "phase_actor_logprob",
+              "compute_ref_log_prob": "phase_ref_logprob",
               "compute_values": "phase_critic_values", "update_critic": "phase_critic_update",
               "update_actor": "phase_actor_update"}
 
@@ -88,8 +92,9 @@ def summarise(run: Path) -> dict:
     # what the process needed: torch's allocated peak plus what it held outside torch (the
     # reserved peak is bigger: the caching allocator keeps freed blocks, up to the cap)
     measured = (peak_alloc + (outside_mib or 0.0)) if peak_alloc is not None else None
-    as_ran = estimate_as_ran(profile)
+    as_ran = estimate_as_ran(profile, run)
     predicted = as_ran["peak_mib"] if as_ran else plan.get("predicted_peak_mib")
+    predicted = round(predicted) if predicted is not None else None
     breakdown = as_ran["breakdown"] if as_ran else (plan.get("breakdown") or {})
     later = [s for n, s in steps.items() if n >= 2 and "timing_s/step" in s] or list(steps.values())
     # verl's timing_s/step of a step that validated includes the validation (timing_s/testing)
@@ -129,14 +134,41 @@ def summarise(run: Path) -> dict:
                                             if "training/rollout_probs_diff_max" in s), default=None),
         "validation": val, "testing_s": _mean(list(steps.values()), "timing_s/testing"),
         "plan": {k: plan.get(k) for k in ("micro_batches", "offload", "gradient_checkpointing", "rollout")},
+        "as_ran": as_ran.get("workload") if as_ran else None,
     }
     return out
 
 
-def estimate_as_ran(profile: dict) -> dict | None:
-    """The current memory model's estimate of exactly the configuration a profile ran (its
-    plan's micro-batches, offloads, checkpointing and rollout), so runs made before a
-    calibration are compared with the model as it is now."""
+def ran_overrides(profile: dict, run: Path | None = None) -> dict[str, str] | None:
+    """The Hydra overrides the run's verl got, key -> value (later ones win, ``+``/``++`` dropped):
+    the plan's (``plan.json`` in the run folder, the launcher's ``overrides``) then the extra ones
+    the harness passed after ``--`` (``command.json``; else the profile's ``overrides`` and
+    ``extra_overrides``). None where the run folder has no plan.json (runs of calls 1-3: their
+    profile's plan says what ran)."""
+    if run is None or not (run / "plan.json").is_file():
+        return None
+    lines = list(json.loads((run / "plan.json").read_text()).get("overrides") or [])
+    command = run / "command.json"
+    if command.is_file():
+        cmd = json.loads(command.read_text())
+        lines += cmd[cmd.index("--") + 1:] if "--" in cmd else []
+    else:
+        lines += list(profile.get("overrides") or []) + list(profile.get("extra_overrides") or [])
+    out = {}
+    for line in lines:
+        key, _, value = line.lstrip("+").partition("=")
+        out[key] = value
+    return out
+
+
+def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
+    """The current memory model's estimate of exactly the configuration a profile ran, so runs
+    made before a calibration are compared with the model as it is now. Where the run folder
+    holds the plan (``plan.json``), the workload is rebuilt from the overrides verl got
+    (``ran_overrides``): the algorithm (GRPO: no critic), rollout.n, the KL loss (the ref),
+    FSDP2 with CPUOffloadPolicy, the batch and mini-batch, lengths, the rollout engine, the
+    micro-batches and HF chunk, gradient checkpointing and each FSDP1 offload; otherwise from the
+    profile's plan (micro-batches, offloads, checkpointing, rollout) on the default PPO workload."""
     plan = profile.get("plan")
     if not plan:
         return None
@@ -148,17 +180,53 @@ def estimate_as_ran(profile: dict) -> dict | None:
 
     root = profile["lab_root"]
     settings = load_settings(profile["name"], {"lab_root": root, "env_prefix": f"{root}/env",
-                                               "train_steps": profile.get("steps", 5)})
+                                               "train_steps": profile.get("steps", 5),
+                                               **({"workload": {"model": profile["model"]}} if profile.get("model") else {})})
     gpu = GpuTarget(profile["gpu_name"], profile["compute_capability"], profile["memory_mib"], 1)
     workload = replace(workload_for(settings), rollout_engine=profile.get("rollout_engine", "auto"),
                        train_batch_size=plan["train_batch_size"])
-    precision, _ = choose_precision(gpu, False, workload.rollout_engine)
     mb = plan["micro_batches"]
-    choice = MemoryChoice(offload=plan["offload"], actor_micro_batch=mb["actor"], log_prob_micro_batch=mb["log_prob"],
-                          critic_micro_batch=mb["critic"], rollout_micro_batch=mb["rollout"],
-                          grad_ckpt=bool(plan.get("gradient_checkpointing", True)))
+    offload = dict(plan["offload"])
+    grad_ckpt = bool(plan.get("gradient_checkpointing", True))
+    actor_mb, lp_mb, critic_mb, rollout_mb = mb["actor"], mb["log_prob"], mb["critic"], mb["rollout"]
+    ran = ran_overrides(profile, run)
+    if ran is not None:
+        a, r = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
+        true = lambda key, default=False: ran.get(key, str(default)).lower() == "true"   # noqa: E731
+        grpo = ran.get("algorithm.adv_estimator", "gae") == "grpo"
+        workload = replace(
+            workload, algorithm="grpo" if grpo else "ppo", rollout_n=int(ran.get(r + "n", 1)),
+            use_kl_loss=true(a + "use_kl_loss"),
+            actor_offload_policy=ran.get(a + "strategy") == "fsdp2" and true(a + "fsdp_config.offload_policy"),
+            train_batch_size=int(ran.get("data.train_batch_size", workload.train_batch_size)),
+            ppo_mini_batch_size=int(ran.get(a + "ppo_mini_batch_size", workload.ppo_mini_batch_size)),
+            max_prompt_length=int(ran.get("data.max_prompt_length", workload.max_prompt_length)),
+            max_response_length=int(ran.get("data.max_response_length", workload.max_response_length)),
+            rollout_engine=ran.get(r + "name", workload.rollout_engine))
+        actor_mb = int(ran.get(a + "ppo_micro_batch_size_per_gpu", actor_mb))
+        critic_mb = int(ran.get("critic.ppo_micro_batch_size_per_gpu", critic_mb)) if not grpo else actor_mb
+        lp_mb = int(ran.get(r + "log_prob_micro_batch_size_per_gpu", lp_mb))
+        rollout_mb = int(ran.get(r + "micro_batch_size", rollout_mb))
+        grad_ckpt = true("actor_rollout_ref.model.enable_gradient_checkpointing", grad_ckpt)
+        offload = {"actor_param_offload": true(a + "fsdp_config.param_offload"),
+                   "actor_optimizer_offload": true(a + "fsdp_config.optimizer_offload"),
+                   "ref_param_offload": true("actor_rollout_ref.ref.fsdp_config.param_offload"),
+                   "critic_param_offload": not grpo and true("critic.model.fsdp_config.param_offload"),
+                   "critic_optimizer_offload": not grpo and true("critic.model.fsdp_config.optimizer_offload")}
+    if workload.actor_offload_policy and workload.uses_critic:
+        # PPO with the critic on FSDP2 CPU offload (GPU call 6): verl 0.5.0 could not build it; no estimate
+        return {"peak_mib": None, "breakdown": {}, "workload": None}
+    precision, _ = choose_precision(gpu, False, workload.rollout_engine)
+    choice = MemoryChoice(offload=offload, actor_micro_batch=actor_mb, log_prob_micro_batch=lp_mb,
+                          critic_micro_batch=critic_mb, rollout_micro_batch=rollout_mb, grad_ckpt=grad_ckpt)
     est = default_estimator(gpu, workload, precision, choice)
-    return {"peak_mib": est.peak_mib, "breakdown": dict(est.breakdown)}
+    return {"peak_mib": est.peak_mib, "breakdown": dict(est.breakdown),
+            "workload": {"algorithm": workload.algorithm, "rollout_n": workload.rollout_n,
+                         "use_kl_loss": workload.use_kl_loss, "actor_offload_policy": workload.actor_offload_policy,
+                         "train_batch_size": workload.train_batch_size, "rollout": precision.rollout,
+                         "micro_batches": {"actor": actor_mb, "critic": critic_mb if workload.uses_critic else None,
+                                           "log_prob": lp_mb, "rollout": rollout_mb},
+                         "gradient_checkpointing": grad_ckpt, "offload": offload}}
 
 
 def _mean(steps: list[dict], key: str):
