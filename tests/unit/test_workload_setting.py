@@ -95,6 +95,15 @@ def test_every_catalog_model_has_its_shape_and_pinned_weights():
         assert weights, a.name
         for name, f in weights.items():
             assert len(f["sha256"]) == 64 and f["size"] > 10**8, (a.name, name)
+        # the shape the plan reads is the revision's own config.json, byte for byte
+        import hashlib
+        from tasks.plan import model_config_path
+        pinned = a.extra["files"].get("config.json")
+        if a.name != "qwen_model":
+            assert pinned, f"{a.name}: config.json is not pinned"
+        if pinned:
+            data = model_config_path(a.repo).read_bytes()
+            assert (len(data), hashlib.sha256(data).hexdigest()) == (pinned["size"], pinned["sha256"]), a.name
         # bf16 weights: 2 bytes a parameter, the embedding stored once where tied
         assert abs(sum(f["size"] for f in weights.values()) / 2e9 - billions[a.repo]) < 0.05 * billions[a.repo], a.name
 
