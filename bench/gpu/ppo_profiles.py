@@ -55,6 +55,7 @@ class Profile:
     plan_memory_mib: int | None = None   # plan for this much memory (else memory_mib), then ...
     overrides: tuple[str, ...] = ()      # ... run it with these Hydra overrides after the plan's
     model: str | None = None             # workload.model (a catalog model); None: the default 0.5B
+    resume_after: int | None = None      # run to this step saving a checkpoint, then again: it resumes
 
     @property
     def cap_mib(self) -> int | None:
@@ -102,6 +103,12 @@ PROFILES = [
     Profile("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=1, validate=False,
             stands_for="GTX 1080 (8 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
                        "CPUOffloadPolicy, fp32, HF rollout)"),
+    # checkpoint save and resume on the CPU-offload rung (FSDP2 + CPUOffloadPolicy): the GTX 1080 Ti's
+    # plan on a small batch (16 prompts x 4, mini-batch 4 x 4: the save and load are what is tested)
+    Profile("gtx1080ti-resume", "NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, steps=2, validate=False, resume_after=1,
+            overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
+            stands_for="GTX 1080 Ti plan (grpo-cpu-offload) on 16 prompts a step: step 1 saves a checkpoint, a "
+                       "second run resumes from it and trains step 2"),
     # another catalog model's shape (random weights from its config.json): the plan an 80 GB A100 gets
     # for Qwen2.5-1.5B-Instruct (PPO with the critic, bf16), vLLM -> HF rollout for this run only
     Profile("a100-1.5b", "NVIDIA A100-SXM4-80GB", "8.0", 81920, rollout_engine="hf", steps=2, validate=False,

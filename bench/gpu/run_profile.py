@@ -124,23 +124,35 @@ def main(argv=None) -> int:
     if profile.get("cap_mib"):
         env["VERL_LAB_GPU_CAP_MIB"] = str(profile["cap_mib"])
     cmd = [c for c in command(profile, root, env) if c]
-    (out / "command.json").write_text(json.dumps(cmd, indent=1) + "\n")
+    # a resume profile runs twice in the same lab_root: to step N saving a checkpoint there, then
+    # the whole run again, which resumes from it (the plan's resume_mode=auto)
+    n = profile.get("resume_after")
+    runs = [cmd + [f"trainer.total_training_steps={n}", f"trainer.save_freq={n}"], cmd] if n else [cmd]
+    (out / "command.json").write_text(json.dumps(runs if n else cmd, indent=1) + "\n")
     start = time.time()
+    rcs, timed_out = [], False
     with open(out / "console.log", "w") as log:
         log.write(f"# {profile['name']}: {profile['stands_for']}\n# cap {profile.get('cap_mib')} MiB\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, cwd=root / "train" / "work", env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            rc, timed_out = proc.wait(), True
+        for i, run in enumerate(runs):
+            if n:
+                log.write(f"# verl-lab harness: run {i + 1} of 2\n")
+            log.flush()
+            proc = subprocess.Popen(run, cwd=root / "train" / "work", env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                rcs.append(proc.wait(timeout=max(1, args.timeout - int(time.time() - start))))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                rcs.append(proc.wait())
+                timed_out = True
+            if rcs[-1] or timed_out:
+                break
+    rc = next((r for r in rcs if r), 0)
     if args.ray_stop:   # a run killed at its timeout leaves its local Ray cluster holding the GPU
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=env,
                        capture_output=True)
-    result = {"name": args.name, "rc": rc, "timed_out": timed_out, "seconds": round(time.time() - start, 1)}
+    result = {"name": args.name, "rc": rc, "timed_out": timed_out, "seconds": round(time.time() - start, 1),
+              **({"rcs": rcs} if n else {})}
     (out / "run.json").write_text(json.dumps(result) + "\n")
     print(json.dumps(result), flush=True)
     return 0 if rc == 0 else 1
