@@ -1,11 +1,13 @@
 """Diagnose failed training runs and broken boxes: `pyinfra -y inventory/lab.py deploy/doctor.py`.
 
-Reads each box's training-unit journal, the stage logs and plan.json (changes nothing), matches
-them against files/doctor/rules.toml and prints, per host, what failed, why and what to run.
-A unit that never ran is said to be so, with what the launcher's preflight (run as the train
-user) says would stop it. `--data doctor_json=PATH` also writes every host's report as one JSON
-file (`--data doctor_json=True`: the controller cache's doctor/lab.json); each host's report is
-saved as doctor/<host>.json under the controller cache either way.
+Reads each box's training-unit journal (its current run), the stage logs, the Ray unit's journal
+on a cluster member (since the unit last became active) and plan.json (changes nothing), matches
+them against files/doctor/rules.toml and prints, per host, what failed, why and what to run; each
+finding names the log or unit it was seen in. A unit that never ran is said to be so, with what
+the launcher's preflight (run as the train user) says would stop it. `--data doctor_json=PATH`
+also writes every host's report as one JSON file (`--data doctor_json=True`: the controller
+cache's doctor/lab.json); each host's report is saved as doctor/<host>.json under the controller
+cache either way.
 """
 
 import json
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from pyinfra import host
 
+from tasks.cluster import RAY_UNIT
 from tasks.doctor import diagnose, never_ran, render
 from tasks.facts.bundle import ask
 from tasks.facts.logs import BoxLogs, TrainingRun
@@ -23,23 +26,23 @@ from tasks.status import unit_summary
 check_inventory()
 settings = settings_for()
 logs, run = ask(
-    (BoxLogs, {"unit": TRAIN_UNIT, "log_glob": f"{settings.lab_root}/logs/*.log",
-               "plan_path": f"{settings.train_dir}/plan.json"}),
+    (BoxLogs, {"log_glob": f"{settings.lab_root}/logs/*.log", "units": [RAY_UNIT]}),
     (TrainingRun, {"unit": TRAIN_UNIT, "markers": {}, "plan_path": f"{settings.train_dir}/plan.json",
                    "launcher": f"{settings.train_dir}/train-launcher", "user": settings.train_user,
-                   "python": settings.launcher_python, "lines": 1}),
+                   "python": settings.launcher_python, "steps": False}),
 )
 unit_state, unit_words = unit_summary(run["unit"])
 if unit_state == "never-ran":
     # nothing failed yet: what would stop it is what the preflight says now
-    preflight, words = never_ran(host.name, run["preflight"], logs["plan"])
-    diag = diagnose(host.name, {k: v for k, v in logs["sources"].items() if k != "journal"}, logs["plan"])
+    preflight, words = never_ran(host.name, run["preflight"], run["plan"],
+                                 lead="never ran (installed, never started)")
+    diag = diagnose(host.name, logs, run["plan"])
     report = diag.to_json() | {"unit": unit_state, "unit_state": unit_words,
                                "preflight": {"output": run["preflight"], "findings": preflight.to_json()["findings"]}}
-    text = render(diag) + "\n  unit: " + words.replace("the unit never ran", "never ran (installed, never started)", 1)
+    text = render(diag) + "\n  unit: " + words
 else:
     failed = True if unit_state in ("failed", "crash-looping") else None
-    diag = diagnose(host.name, logs["sources"], logs["plan"], failed=failed)
+    diag = diagnose(host.name, {TRAIN_UNIT: run["journal"], **logs}, run["plan"], failed=failed)
     report = diag.to_json() | {"unit": unit_state, "unit_state": unit_words}
     text = render(diag) + (f"\n  unit: {unit_state}: {unit_words}" if run["unit"] else "")
 out_dir = settings.controller_cache / "doctor"

@@ -346,7 +346,7 @@ def install_cluster(settings: LabSettings, gpu, cluster: Cluster, targets: Mappi
         interface = choose_interface(route["route"], route["addrs"], cluster.head_address)
         node = RayNode(settings, cluster, interface, gpu.target.count,
                        cluster_plan(targets, training_workload(settings)).env)
-        hosts, hosts_why = hosts_file(lookup or HostnameLookup.default(), node.node_address)
+        hosts, hosts_why = hosts_file(lookup, node.node_address)
     except (ClusterError, PlanError) as exc:
         fail_host(name=f"Ray {cluster.role(settings.host)} of cluster {cluster.name}", message=str(exc),
                   stage="cluster")

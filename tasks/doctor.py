@@ -204,15 +204,15 @@ def render(diag: Diagnosis) -> str:
     return "\n".join(out)
 
 
-def never_ran(host: str, preflight: str, plan: Mapping[str, Any] | None = None) -> tuple[Diagnosis, str]:
+def never_ran(host: str, preflight: str, plan: Mapping[str, Any] | None = None,
+              lead: str = "the unit never ran") -> tuple[Diagnosis, str]:
     """What stops a training unit that never ran: the launcher's ``--check`` output (run as the
-    train user) read by the rules, and the words for it."""
+    train user) read by the rules, and the words for it, beginning with ``lead``."""
     diag = diagnose(host, {"preflight": preflight}, plan)
     if not preflight.strip():
-        return diag, ("the unit never ran (train_unit_state is installed or enabled: "
-                      "--data train_unit_state=started starts it)")
+        return diag, f"{lead} (train_unit_state is installed or enabled: --data train_unit_state=started starts it)"
     body = render(diag).splitlines()[1:] or [f"    {line}" for line in preflight.strip().splitlines()[-5:]]
-    return diag, "the unit never ran; the launcher's preflight says:\n" + "\n".join(body)
+    return diag, f"{lead}; the launcher's preflight says:\n" + "\n".join(body)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,8 @@ data paths), runs one task on every alive node of the cluster (pinned there) tha
 node's fingerprint: Python, the versions of torch, Ray, verl (and vLLM where the plan's rollout
 is vLLM), a hash of verl's installed sources (the patches), and the sha256 of the model's and
 the data's files. Every node must match the head's; the nodes and the GPUs per node must be
-what the plan says. Otherwise it prints ``verl-lab cluster check FAILED`` with a line per node
+what the plan says; a node's hostname must resolve to its address (NCCL, Gloo and Ray look it up;
+not checked where the address is a loopback one: every node on one machine). Otherwise it prints ``verl-lab cluster check FAILED`` with a line per node
 that differs, naming the node and what differs, and exits 1.
 
 Standard library only at module level (``ray`` is imported in ``main``).
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import ipaddress
 import json
 import os
 import sys
 from pathlib import Path
 
 PACKAGES = ("torch", "ray", "verl")
+RESOLVES = "hostname resolves to"        # per node: not compared with the head's
 FAILED = "verl-lab cluster check FAILED"
 PASSED = "verl-lab cluster check passed"
 
@@ -53,6 +56,10 @@ def fingerprint(packages, model_dir: str, data_files) -> dict:
     import socket
 
     found = {"host": socket.gethostname(), "python": platform.python_version()}
+    try:
+        found[RESOLVES] = socket.getaddrinfo(found["host"], None, socket.AF_INET)[0][4][0]
+    except OSError:
+        found[RESOLVES] = "nothing"
     for name in packages:
         try:
             found[name] = md.version(name)
@@ -80,9 +87,12 @@ def compare(nodes: list[dict], head_ip: str, nnodes: int, gpus_per_node: int) ->
         who = f"node {n['ip']} ({n['fingerprint'].get('host', '?')})"
         if n["gpus"] < gpus_per_node:
             problems.append(f"{who}: {n['gpus']:g} GPU(s), the plan uses {gpus_per_node} per node")
+        resolves = n["fingerprint"].get(RESOLVES, n["ip"])
+        if resolves != n["ip"] and not ipaddress.ip_address(n["ip"]).is_loopback:
+            problems.append(f"{who}: its {RESOLVES} {resolves}, not {n['ip']}: re-run deploy/cluster.py on it")
         for key, want in head["fingerprint"].items():
             have = n["fingerprint"].get(key)
-            if key != "host" and have != want:
+            if key not in ("host", RESOLVES) and have != want:
                 problems.append(f"{who}: {key} {have} differs from the head's {want}")
     return problems
 

@@ -1,5 +1,5 @@
 """Facts: the logs a failed run leaves on a box, for the doctor; how a training run is doing,
-for deploy/status.py."""
+for deploy/status.py and the doctor."""
 
 from __future__ import annotations
 
@@ -11,35 +11,31 @@ from pyinfra.api import FactBase
 SECTION = "=====verl-lab-section:"
 
 
-class BoxLogs(FactBase[dict]):
-    """The training unit's journal and state, the stage logs, and the box's plan.json.
-
-    Returns ``{"sources": {name: text}, "unit_state": str, "plan": dict | None}``; the default,
-    nothing read: no sources, no state, no plan.
+class BoxLogs(FactBase[dict[str, str]]):
+    """The logs a failed run leaves on a box, for the doctor (the training unit's journal is
+    TrainingRun's): the stage logs (``log_glob``) and the CUDA installer's, and the journal of each
+    of ``units`` that is installed, since the unit last became active (its current run, or every
+    failed start since then: a Ray worker that lost its head fails and starts again, and why is in
+    the runs before the current one), this boot, its last ``lines`` lines. Returns ``{name: text}``,
+    named by the log's path or the unit; {} (the default) for none.
     """
 
-    @staticmethod
-    def default() -> dict:
-        return {"sources": {}, "unit_state": "", "plan": None}
+    default = dict
 
-    def command(self, unit: str, log_glob: str, plan_path: str, lines: int = 400) -> str:
-        u, p = shlex.quote(unit), shlex.quote(plan_path)
-        return "; ".join([
-            f"echo '{SECTION}unit_state'",
-            f"(systemctl show -p ActiveState -p Result --value {u} 2>/dev/null | tr '\\n' ' '; echo)",
-            f"echo '{SECTION}journal'",
-            f"(journalctl -u {u} --no-pager -o cat -n {int(lines)} 2>/dev/null || true)",
-            f"for f in {log_glob} /var/log/cuda-installer.log; do [ -f \"$f\" ] || continue; "
-            f"echo \"{SECTION}$f\"; tail -n {int(lines)} \"$f\"; done",
-            f"echo '{SECTION}plan'",
-            f"(cat {p} 2>/dev/null || true)",
-        ])
+    def command(self, log_glob: str, units: list[str] | tuple = (), lines: int = 400) -> str:
+        parts = [f"for f in {log_glob} /var/log/cuda-installer.log; do [ -f \"$f\" ] || continue; "
+                 f"echo \"{SECTION}$f\"; tail -n {int(lines)} \"$f\"; done"]
+        for unit in units:
+            u = shlex.quote(unit)
+            parts.append(f"if [ \"$(systemctl show -p LoadState --value {u} 2>/dev/null)\" = loaded ]; then "
+                         f"echo '{SECTION}{unit}'; since=$(TZ=UTC systemctl show -p ActiveEnterTimestamp --value {u}"
+                         " 2>/dev/null | grep '[0-9]'); "
+                         f"journalctl -u {u} -b --no-pager -o cat -n {int(lines)} ${{since:+--since \"$since\"}}"
+                         " 2>/dev/null; fi")
+        return "; ".join(parts)
 
-    def process(self, output) -> dict:
-        sections = _sections(output)
-        plan = _plan(sections.pop("plan", []))
-        state = " ".join(sections.pop("unit_state", [])).strip()
-        return {"sources": {k: "\n".join(v) for k, v in sections.items()}, "unit_state": state, "plan": plan}
+    def process(self, output) -> dict[str, str]:
+        return {name: "\n".join(lines) for name, lines in _sections(output).items()}
 
 
 class TrainingRun(FactBase[dict]):
@@ -55,11 +51,13 @@ class TrainingRun(FactBase[dict]):
         return {"unit": {}, "markers": {}, "journal": "", "plan": None, "preflight": ""}
 
     def command(self, unit: str, markers: dict, plan_path: str, launcher: str, user: str, python: str,
-                lines: int = 400, poll: int = 0) -> str:
-        """``poll``: a new number asks again (facts are cached per arguments within a run)."""
+                lines: int = 400, poll: int = 0, steps: bool = True) -> str:
+        """``poll``: a new number asks again (facts are cached per arguments within a run);
+        ``steps=False``: the journal's last ``lines`` lines only (the doctor), not every step line."""
         from tasks.status import UNIT_PROPERTIES
 
         u, q = shlex.quote(unit), shlex.quote
+        keep = "/step:[0-9]+ - |Training Progress/ { print; next } " if steps else ""
         props = " ".join(f"-p {p}" for p in UNIT_PROPERTIES)
         parts = [f"echo '{SECTION}unit'", f"systemctl show {props} {u} 2>/dev/null"]
         for stage, path in markers.items():
@@ -68,7 +66,7 @@ class TrainingRun(FactBase[dict]):
             f"echo '{SECTION}journal'",
             f"inv=$(systemctl show -p InvocationID --value {u} 2>/dev/null)",
             f"if [ -n \"$inv\" ]; then journalctl _SYSTEMD_INVOCATION_ID=\"$inv\" --no-pager -o cat 2>/dev/null"
-            f" | awk -v n={int(lines)} '/step:[0-9]+ - |Training Progress/ {{ print; next }} {{ tail[NR % n] = $0 }}"
+            f" | awk -v n={int(lines)} '{keep}{{ tail[NR % n] = $0 }}"
             f" END {{ for (i = NR - n + 1; i <= NR; i++) if (i > 0 && (i in tail)) print tail[i] }}'; fi",
             f"echo '{SECTION}plan'", f"(cat {q(plan_path)} 2>/dev/null || true)",
             f"echo '{SECTION}preflight'",

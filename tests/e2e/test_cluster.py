@@ -11,7 +11,8 @@ nvidia-smi's count (1, 1 and 2), given to Ray as ``--num-gpus`` from the GPU fac
 Proven here: the cluster forms with 3 nodes and the declared GPUs; the environment NCCL/Gloo
 and the launcher read (interface from the route to the head, RAY_ADDRESS); a second deploy
 changes nothing; the head's unit restarted -> both workers rejoin; a stopped unit leaves no Ray
-process. Not proven here: training across nodes (NCCL needs GPUs; the CPU torch stand-in is not
+process; the boxes' /etc/hosts is left as it is (loopback node addresses); with the head stopped,
+deploy/doctor.py on a worker names cluster-not-joined from its Ray unit's journal. Not proven here: training across nodes (NCCL needs GPUs; the CPU torch stand-in is not
 in these venvs), the launcher's cross-node checks (not built yet), a real multi-host network.
 """
 
@@ -119,6 +120,8 @@ def test_units_run_as_the_train_user_with_the_route_to_the_head(lab, converged):
         owners = box.ssh("ps -o user= -C raylet", check=False).stdout.split()
         assert owners == ["verl"], owners
         assert box.exists("/etc/systemd/system/verl-lab-train.service.d/cluster.conf")
+        hosts = box.read_text("/etc/hosts")     # a loopback node: /etc/hosts as the box had it
+        assert "verl-lab cluster" not in hosts and f"127.0.1.1\t{box.hostname} {name}" in hosts, hosts
 
 
 def test_a_second_deploy_changes_nothing(lab, converged):
@@ -192,3 +195,31 @@ def test_the_cluster_check_passes_then_refuses_a_node_with_another_env(lab, conv
     assert lines and all(line.startswith(f"  node {ADDRESS[WK1]} ({lab.box(WK1).hostname})") for line in lines), lines
     assert any("verl sources" in line for line in lines), lines
     assert refused.returncode == 1 and f"  FAIL  cluster: node {ADDRESS[WK1]} (" in refused.stdout, refused.stdout
+
+
+def test_the_doctor_names_a_worker_that_lost_its_head_from_its_ray_journal(lab, converged, tmp_path):
+    """The head's unit stopped: wk1's raylet gives up (20 s), its unit starts again and says it has
+    no head at its first try; deploy/doctor.py on wk1 reads that unit's journal (since it was last
+    active) and names cluster-not-joined, seen in that unit."""
+    wait_for_nodes(lab)
+    from tasks.facts.logs import BoxLogs
+
+    head, worker = lab.box(HEAD), lab.box(WK1)
+    logs = BoxLogs().command("/opt/verl-lab/logs/*.log", [UNIT])         # what the doctor reads
+    head.ssh(f"systemctl stop {UNIT}")
+    try:
+        started, deadline, journal = time.monotonic(), time.monotonic() + 180, ""
+        while "verl-lab: no Ray head at" not in journal and time.monotonic() < deadline:
+            time.sleep(3)
+            journal = worker.ssh(logs, check=False).stdout
+        print(f"wk1 said it has no head {time.monotonic() - started:.1f}s after the head stopped:\n{journal}")
+        path = tmp_path / "lab.json"
+        res = lab.deploy("deploy/doctor.py", data={"doctor_json": str(path)}, hosts=[WK1], mode="text")
+    finally:
+        head.ssh(f"systemctl start {UNIT}")
+    assert res.rc == 0 and res.changed == 0, res.tail()
+    (report,) = json.loads(path.read_text())["hosts"]
+    found = {f["rule"]: f for f in report["findings"]}
+    assert report["failed"] and "cluster-not-joined" in found, report
+    assert found["cluster-not-joined"]["source"] == UNIT
+    assert f"seen ({UNIT}): verl-lab: no Ray head at 127.0.0.2:{lab.cluster_port} " in res.output, res.output

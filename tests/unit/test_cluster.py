@@ -308,6 +308,17 @@ def test_cluster_check_names_the_node_and_what_differs():
     assert missing[0].startswith("2 node(s) joined (10.0.0.5, 10.0.0.6), the plan trains on 3")
 
 
+def test_cluster_check_names_a_node_whose_hostname_resolves_elsewhere():
+    from verl_lab_box.cluster_check import RESOLVES, compare
+
+    nodes = [{"ip": "10.0.0.5", "gpus": 1, "fingerprint": {"host": "head", "python": "3.10.12", RESOLVES: "10.0.0.5"}},
+             {"ip": "10.0.0.6", "gpus": 1, "fingerprint": {"host": "wk1", "python": "3.10.12", RESOLVES: "127.0.1.1"}}]
+    assert compare(nodes, "10.0.0.5", 2, 1) == ["node 10.0.0.6 (wk1): its hostname resolves to 127.0.1.1, not "
+                                                "10.0.0.6: re-run deploy/cluster.py on it"]
+    lab = [{**n, "ip": ip} for n, ip in zip(nodes, ("127.0.0.2", "127.0.0.3"))]     # every node on one machine
+    assert compare(lab, "127.0.0.2", 2, 1) == []
+
+
 def test_cluster_check_fingerprints_files_and_packages(tmp_path):
     from verl_lab_box.cluster_check import fingerprint
 
@@ -315,6 +326,7 @@ def test_cluster_check_fingerprints_files_and_packages(tmp_path):
     (tmp_path / "model" / "config.json").write_text("{}")
     a = fingerprint(["pip"], str(tmp_path / "model"), [str(tmp_path / "nothing.parquet")])
     assert a["pip"] != "not installed" and a["data"] == "missing" and a["model"] != "missing"
+    assert a["hostname resolves to"].count(".") == 3 or a["hostname resolves to"] == "nothing"
     (tmp_path / "model" / "config.json").write_text("{ }")
     assert fingerprint(["pip"], str(tmp_path / "model"), [])["model"] != a["model"]
 

@@ -58,6 +58,8 @@ EXCERPTS = {
     # the cluster check's lines (tests/e2e/test_cluster.py), a worker unit's ExecStartPre, NCCL/Gloo/Ray's own
     "cluster-node-differs": "  FAIL  cluster: node 127.0.0.3 (wk1-3f2a1b): verl sources 9c1e differs from the head's missing",
     "cluster-not-joined": "verl-lab: no Ray head at 10.0.0.5:6379 after 30 tries",
+    "cluster-hostname": "  FAIL  cluster: node 10.0.0.6 (wk1): its hostname resolves to 127.0.1.1, not 10.0.0.6: "
+                        "re-run deploy/cluster.py on it",
     "cluster-interface": "RuntimeError: [enforce fail at ../third_party/gloo/gloo/transport/tcp/device.cc:83] "
                          "ifa != nullptr. Unable to find address for: eth1",
     "cluster-collective-timeout": "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
@@ -76,7 +78,8 @@ NOT_MATCHES = {
     "gpu-memory-short": "  ok    gpu memory: 23000 MiB free >= predicted peak 19018 MiB",
     "plan-gpu-mismatch": "  ok    gpu: 1 x Tesla T4, 15360 MiB, driver 535.104.05",
     "stage-not-finished": "  ok    env marker: /opt/verl-lab/markers/env.done",
-    "cluster-node-differs": "  ok    cluster: verl-lab cluster check passed: 3 nodes x 1 GPU(s), the same env",
+    "cluster-node-differs": "  ok    cluster: verl-lab cluster check passed: 3 nodes x 1 GPU(s), the same env\n"
+                            "  FAIL  cluster: node 10.0.0.6 (wk1): its hostname resolves to 127.0.1.1, not 10.0.0.6",
     "cluster-not-joined": "  ok    cluster: verl-lab cluster check passed: 3 nodes x 1 GPU(s)",
 }
 
@@ -179,3 +182,43 @@ def test_never_ran_reads_the_preflight_with_the_rules():
     assert [f.rule for f in diag.findings] == ["stage-not-finished"]
     assert words.startswith("the unit never ran; the launcher's preflight says:\n  [stage-not-finished]")
     assert "never ran (train_unit_state is installed or enabled" in never_ran("box", "")[1]
+    lead = "never ran (installed, never started)"          # deploy/doctor.py's own words
+    assert never_ran("box", check, lead=lead)[1].startswith(lead + "; the launcher's preflight says:\n")
+    assert never_ran("box", "", lead=lead)[1].startswith(lead + " (train_unit_state is installed")
+
+
+# a worker's Ray unit waiting for a head that is gone (journalctl -u verl-lab-ray.service -o cat)
+RAY_JOURNAL = """\
+Started verl-lab-ray.service - verl-lab Ray worker of cluster lab1 (10.0.0.6).
+verl-lab: no Ray head at 10.0.0.1:6379 yet (try 1 of 30)
+verl-lab: no Ray head at 10.0.0.1:6379 yet (try 5 of 30)
+verl-lab: no Ray head at 10.0.0.1:6379 after 30 tries
+verl-lab-ray.service: Control process exited, code=exited, status=1/FAILURE
+verl-lab-ray.service: Failed with result 'exit-code'.
+"""
+
+
+def test_a_workers_ray_journal_is_diagnosed_naming_the_ray_unit():
+    from tasks.cluster import RAY_UNIT
+    from tasks.doctor import render
+
+    diag = diagnose("wk1", {"verl-lab-train.service": "\n", RAY_UNIT: RAY_JOURNAL})
+    assert diag.failed and [f.rule for f in diag.findings] == ["cluster-not-joined"]
+    (finding,) = diag.findings
+    assert finding.source == RAY_UNIT and finding.evidence[-1] == "verl-lab: no Ray head at 10.0.0.1:6379 after 30 tries"
+    assert f"seen ({RAY_UNIT}): verl-lab: no Ray head at 10.0.0.1:6379 after 30 tries" in render(diag)
+    assert "journalctl -u verl-lab-ray.service" in finding.fix
+
+
+def test_the_ray_unit_journal_from_the_box_logs_fact():
+    """What deploy/doctor.py passes on: BoxLogs' recorded answers on a worker of the lab's cluster,
+    joined (Ray's own warnings are no failure), then with its head gone."""
+    from tests.unit.test_facts_table import FIXTURES
+
+    def logs(case):
+        return json.loads((FIXTURES / "logs.BoxLogs" / f"{case}.json").read_text())["fact"]
+
+    joined = diagnose("wk1", logs("ray_worker_joined"))
+    assert not joined.failed and joined.findings == []
+    lost = diagnose("wk1", logs("ray_worker_without_head"))
+    assert lost.failed and [(f.rule, f.source) for f in lost.findings] == [("cluster-not-joined", "verl-lab-ray.service")]
