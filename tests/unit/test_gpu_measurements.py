@@ -54,14 +54,19 @@ def test_the_records_are_there():
     names = {p.name for p in RUNS}
     assert {"p40", "t4", "rtx3090", "h200", "p40-today", "seed", "grpo-11g", "gtx1080ti", "gtx1080"} <= names
     assert {run.split("/")[-1] for run in PLANNED} == names - {"seed"}
-    assert {"ppo-20261204/call7/grpo-11g", "ppo-20261204/call8/gtx1080ti", "ppo-20261204/call8/gtx1080"} <= set(MEASURED)
+    assert {"ppo-20261204/call7/grpo-11g", "ppo-20261204/call8/gtx1080ti", "ppo-20261204/call8/gtx1080",
+            "ppo-20261205/call9/gtx1080ti", "ppo-20261205/call9/gtx1080", "ppo-20261205/call10/gtx1080ti",
+            "ppo-20261205/call10/gtx1080"} <= set(MEASURED)
 
 
 def test_the_workload_that_ran_is_rebuilt(summaries):
     """estimate_as_ran rebuilds what verl ran from the run's plan.json and the harness's overrides:
     call 7 ran the P40 plan (PPO) turned into GRPO by overrides; call 8 the GTX plans as rendered."""
     for run, mb in (("ppo-20261204/call7/grpo-11g", (2, 8, 128, False)), ("ppo-20261204/call8/gtx1080", (4, 8, 128, True)),
-                    ("ppo-20261204/call8/gtx1080ti", (8, 8, 256, True))):
+                    ("ppo-20261204/call8/gtx1080ti", (8, 8, 256, True)),
+                    # the plans as they are now (calls 9 and 10): the GTX 1080 at micro-batch 8
+                    ("ppo-20261205/call9/gtx1080", (8, 8, 128, True)), ("ppo-20261205/call10/gtx1080", (8, 8, 128, True)),
+                    ("ppo-20261205/call10/gtx1080ti", (8, 8, 256, True))):
         w = summaries[run]["as_ran"]
         assert (w["algorithm"], w["rollout_n"], w["use_kl_loss"], w["actor_offload_policy"], w["rollout"]) == \
             ("grpo", 4, True, True, "hf"), run
