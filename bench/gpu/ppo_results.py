@@ -151,6 +151,8 @@ def ran_overrides(profile: dict, run: Path | None = None) -> dict[str, str] | No
     command = run / "command.json"
     if command.is_file():
         cmd = json.loads(command.read_text())
+        if cmd and isinstance(cmd[0], list):    # a resume profile's two runs: the second is the whole run
+            cmd = cmd[-1]
         lines += cmd[cmd.index("--") + 1:] if "--" in cmd else []
     else:
         lines += list(profile.get("overrides") or []) + list(profile.get("extra_overrides") or [])
@@ -216,6 +218,8 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
     if workload.actor_offload_policy and workload.uses_critic:
         # PPO with the critic on FSDP2 CPU offload (GPU call 6): verl 0.5.0 could not build it; no estimate
         return {"peak_mib": None, "breakdown": {}, "workload": None}
+    # HFRollout generates at most the step's sequences at once, whatever chunk it was given
+    rollout_mb = min(rollout_mb, workload.train_batch_size * workload.rollout_n)
     precision, _ = choose_precision(gpu, False, workload.rollout_engine)
     choice = MemoryChoice(offload=offload, actor_micro_batch=actor_mb, log_prob_micro_batch=lp_mb,
                           critic_micro_batch=critic_mb, rollout_micro_batch=rollout_mb, grad_ckpt=grad_ckpt)
