@@ -148,9 +148,17 @@ def analyse_oom(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dict[st
         need = used + out["tried_to_allocate_mib"]
         out["exceeded_estimate_by_mib"] = round(need - float(predicted), 1)
     offload = plan.get("offload") or {}
-    nxt = next(((k, what) for k, what in OFFLOAD_LADDER if not offload.get(k)), None)
+    workload = plan.get("workload") or {}
+    critic = workload.get("algorithm", "ppo") != "grpo"
+    nxt = next(((k, what) for k, what in OFFLOAD_LADDER if not offload.get(k) and (critic or "critic" not in k)), None)
     where = f"in the {phase} phase" if phase else "in an unknown phase"
-    if nxt:
+    if workload.get("actor_offload_policy"):
+        # FSDP2 CPUOffloadPolicy: the actor's and the ref's states are on the CPU already; no FSDP1 step is left
+        out["advice"] = (f"the run ran out of memory {where} on the CPU-offload rung ({plan.get('rung', 'grpo-cpu-offload')}"
+                         ": the actor's and the ref's states already live on the CPU): lower the update micro-batch "
+                         "or the HF generation chunk, shorten responses (workload.max_response_length), train a "
+                         "smaller model (workload.model), or use a GPU with more memory.")
+    elif nxt:
         out["plan_would_change"] = nxt[0]
         out["advice"] = (f"the run ran out of memory {where}; the next step of the plan's memory ladder is to "
                          f"{nxt[1]} ({nxt[0]}); lower micro-batches or the rollout memory share also help.")

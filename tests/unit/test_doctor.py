@@ -222,3 +222,22 @@ def test_the_ray_unit_journal_from_the_box_logs_fact():
     assert not joined.failed and joined.findings == []
     lost = diagnose("wk1", logs("ray_worker_without_head"))
     assert lost.failed and [(f.rule, f.source) for f in lost.findings] == [("cluster-not-joined", "verl-lab-ray.service")]
+
+
+def test_oom_advice_on_the_cpu_offload_rung_names_no_fsdp1_offload():
+    """On grpo-cpu-offload the FSDP1 offload ladder does not apply (the policy keeps the actor and
+    the ref on the CPU) and a GRPO plan has no critic to offload."""
+    from tasks.doctor import analyse_oom
+
+    lines = ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB.",
+             "  File \"dp_actor.py\", line 1, in update_actor"]
+    offload_rung = {"rung": "grpo-cpu-offload", "predicted_peak_mib": 6502, "offload": {"ref_param_offload": True},
+                    "workload": {"algorithm": "grpo", "actor_offload_policy": True}}
+    out = analyse_oom(lines, offload_rung)
+    assert out["phase"] == "actor" and "plan_would_change" not in out
+    assert "CPU-offload rung (grpo-cpu-offload" in out["advice"] and "workload.model" in out["advice"]
+    grpo = {"rung": "grpo", "offload": {"ref_param_offload": True, "actor_optimizer_offload": True},
+            "workload": {"algorithm": "grpo", "actor_offload_policy": False}}
+    assert analyse_oom(lines, grpo)["plan_would_change"] == "actor_param_offload"     # no critic step on GRPO
+    ppo = {"offload": {"ref_param_offload": True, "actor_optimizer_offload": True}}
+    assert analyse_oom(lines, ppo)["plan_would_change"] == "critic_optimizer_offload"
