@@ -103,6 +103,9 @@ PROFILES = [
     Profile("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=1, validate=False,
             stands_for="GTX 1080 (8 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
                        "CPUOffloadPolicy, fp32, HF rollout)"),
+    # the grpo rung (GRPO on FSDP1, no critic, the ref for the KL loss), never measured before call 12
+    Profile("rtx3060", "NVIDIA GeForce RTX 3060", "8.6", 12288, rollout_engine="hf", steps=2, validate=False,
+            stands_for="RTX 3060 (12 GiB), the product's plan with the HF rollout: grpo (GRPO n=4 on FSDP1, bf16)"),
     # checkpoint save and resume on the CPU-offload rung (FSDP2 + CPUOffloadPolicy): the GTX 1080 Ti's
     # plan on a small batch (16 prompts x 4, mini-batch 4 x 4: the save and load are what is tested)
     Profile("gtx1080ti-resume", "NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, steps=2, validate=False, resume_after=1,
