@@ -103,7 +103,6 @@ PHASES = (
 )
 # What the plan escalates to next, in order (fewer offloads = faster; see tasks/plan.py).
 OFFLOAD_LADDER = (
-    ("ref_param_offload", "offload the reference model's parameters"),
     ("actor_optimizer_offload", "offload the actor's optimizer states"),
     ("critic_optimizer_offload", "offload the critic's optimizer states"),
     ("actor_param_offload", "offload the actor's parameters"),

@@ -609,7 +609,9 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     if wl.use_critic:
         res_critic = (0.0 if wl.critic_param_offload else params_c) \
             + (0.0 if wl.critic_optimizer_offload else opt_c)
-    res_ref = 0.0 if wl.ref_param_offload else ref_params
+    # verl 0.5.0 keeps an FSDP1 ref's params on the GPU whatever ref.fsdp_config.param_offload says
+    # (GPU call 12: the 942 MiB bf16 ref was resident from init to the OOM with param_offload=True)
+    res_ref = ref_params
     offp = wl.actor_offload_policy
     # FSDP2 CPU offload with checkpointing: a unit's weights and gradients move between CPU and GPU as
     # its backward runs, so the update holds the checkpointed inputs and the logits, nothing that
@@ -623,6 +625,8 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         path = _attention_path(s, wl.train_dtype, wl.attn)
         per_token = s.layers * _layer_saved_bytes_per_token(s, True, path) + VERL_ACTOR_LOGIT_BYTES_AUTOCAST * s.vocab
         actor_act = ((0.0 if offp else 2.0 * s.layers * s.layer_params) + wl.micro_batch * seq * per_token) / MIB
+        if not offp:   # at small micro-batches the AdamW step's foreach temporary (one fp32 copy) is larger
+            actor_act = max(actor_act, 4.0 * P_a / MIB)     # (GPU call 12: micro-batch 1 OOMed in update_actor)
     else:
         step = train_step_peak(s, "actor", wl.train_dtype, wl.attn, wl.grad_ckpt, wl.micro_batch, seq)
         actor_act = _transient(step)
@@ -691,7 +695,7 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         host += params_a + (4.0 * P_a / MIB if offp else 0.0)   # offload policy: the gradients too
     if wl.actor_optimizer_offload or offp:
         host += opt_a
-    if wl.use_ref and (wl.ref_param_offload or offp):
+    if wl.use_ref and offp:
         host += ref_params
     if wl.use_critic and wl.critic_param_offload:
         host += params_c
@@ -722,7 +726,7 @@ def held_at_vllm_start_mib(shape: ModelShape, workload: VerlWorkload) -> float:
     held = 0.0 if wl.actor_param_offload or wl.actor_offload_policy else 4.0 * shape.params("actor") / MIB
     if wl.use_critic and not wl.critic_param_offload:
         held += 4.0 * shape.params("critic") / MIB
-    if wl.use_ref and not (wl.ref_param_offload or wl.actor_offload_policy):
+    if wl.use_ref and not wl.actor_offload_policy:
         held += (4 if wl.train_dtype == "fp32" else 2) * shape.params("actor") / MIB
     held /= wl.n_gpus
     # vLLM V1 counts what the real process holds at its start: the old card's unmeasured margin too

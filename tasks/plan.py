@@ -354,7 +354,7 @@ def choose_precision(gpu: GpuTarget, flash_attn_installed: bool = False,
 def offload_levels(workload: Workload, precision: Precision) -> list[dict[str, bool]]:
     """The cumulative offload states to try, fewest first."""
     steps = [k for k in OFFLOAD_LADDER
-             if not (k == "ref_param_offload" and not workload.uses_reference)
+             if k != "ref_param_offload"        # no effect in verl 0.5.0: its FSDP1 ref stays on the GPU (call 12)
              and not (k == "actor_param_offload" and precision.rollout == "hf")
              and not (k.startswith("critic") and not workload.uses_critic)]
     levels = []
@@ -607,6 +607,9 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
             why = "says what happens: verl 0.5.0 builds the ref with CPUOffloadPolicy under fsdp2 whatever this flag says"
         elif name == "ref_param_offload" and not w.uses_reference:
             why = "no reference model in this run"
+        elif name == "ref_param_offload":
+            why = ("not taken: verl 0.5.0 kept the FSDP1 ref's params on the GPU with it on (GPU call 12), so the "
+                   "plan counts them resident")
         elif name == "actor_param_offload" and precision.rollout == "hf":
             why = "never with the HF rollout: verl 0.5.0 does not reload offloaded actor params before generation"
         else:

@@ -85,8 +85,31 @@ def test_every_complete_run_recorded_its_algorithms_phases(summaries):
         assert want <= set(r["phases"]), run
 
 
+# runs that ran out of memory, and why: the model they were planned with under-counted them
+KNOWN_OOM = {
+    # the RTX 3060's grpo-rung plan (GRPO on FSDP1, bf16, update micro-batch 1): the FSDP1 ref stayed on the
+    # GPU although the plan offloaded it, and the AdamW step's temporary outgrew micro-batch 1's activations
+    "ppo-20261205/call12/rtx3060",
+}
+
+
+def test_a_run_that_ran_out_of_memory_is_one_the_model_now_refuses(summaries):
+    """The model as it is now predicts more than the card's budget for exactly what ran out of
+    memory, so no plan would choose it again."""
+    from tasks.plan import GpuTarget, gpu_budget_mib
+
+    oom = {run for run, r in summaries.items() if r["oom"]}
+    assert oom == KNOWN_OOM
+    for run in oom:
+        profile = json.loads((RESULTS / run / "profile.json").read_text())
+        budget = gpu_budget_mib(GpuTarget(profile["gpu_name"], profile["compute_capability"], profile["memory_mib"]))
+        assert summaries[run]["predicted_peak_mib"] > budget, run
+
+
 def test_no_run_ran_out_of_memory_or_over_its_cap(summaries):
     for run, r in summaries.items():
+        if run in KNOWN_OOM:
+            continue
         assert not r["oom"], f"{run} ran out of memory: {r['oom']}"
         if r["cap_mib"] and r["measured_peak_allocated_mib"] is not None:   # call 6 never reached a phase
             assert r["measured_peak_allocated_mib"] <= r["cap_mib"], run

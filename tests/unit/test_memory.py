@@ -188,8 +188,9 @@ def test_verl_offload_moves_states_to_host(shape):
                                      critic_param_offload=True, critic_optimizer_offload=True,
                                      ref_param_offload=True))
     assert off.peak_mib < plain.peak_mib
+    # the FSDP1 ref's param_offload moves nothing (GPU call 12): only actor and critic states go to the host
     assert off.host_ram_mib - plain.host_ram_mib == pytest.approx(
-        (12 * 494_032_768 + 12 * (494_032_768 + 897) + 2 * 494_032_768) / 2**20)
+        (12 * 494_032_768 + 12 * (494_032_768 + 897)) / 2**20)
 
 
 def test_verl_without_critic_or_ref(shape):
@@ -215,8 +216,8 @@ def test_verl_fsdp_shards_states_over_gpus(shape):
 def test_vllm_start_counts_the_reference_built_before_it(shape):
     with_ref = held_at_vllm_start_mib(shape, _wl(use_ref=True))
     assert with_ref - held_at_vllm_start_mib(shape, _wl(use_ref=False)) == pytest.approx(2 * 494_032_768 / 2**20)
-    assert held_at_vllm_start_mib(shape, _wl(use_ref=True, ref_param_offload=True)) == \
-        held_at_vllm_start_mib(shape, _wl(use_ref=False))
+    # verl 0.5.0 keeps the FSDP1 ref on the GPU whatever its param_offload says (GPU call 12)
+    assert held_at_vllm_start_mib(shape, _wl(use_ref=True, ref_param_offload=True)) == with_ref
 
 
 def test_verl_hf_rollout_uses_the_generation_estimate(shape):

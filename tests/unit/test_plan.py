@@ -52,7 +52,7 @@ GPU_TABLE = [
 OFFLOADED = "grpo-cpu-offload"
 RUNG = {"NVIDIA GeForce GTX 1080": OFFLOADED, "NVIDIA GeForce GTX 1080 Ti": OFFLOADED,
         "NVIDIA GeForce RTX 2080 Ti": OFFLOADED, "NVIDIA GeForce RTX 3080": OFFLOADED,
-        "NVIDIA GeForce RTX 4060": OFFLOADED, "NVIDIA GeForce RTX 3060": "grpo"}
+        "NVIDIA GeForce RTX 4060": OFFLOADED, "NVIDIA GeForce RTX 3060": OFFLOADED}
 DOES_NOT_FIT = {name for name, rung in RUNG.items() if rung is None}
 
 
