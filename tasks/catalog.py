@@ -185,6 +185,12 @@ class Catalog:
         }
         return cls(profiles=profiles, sources=sources, artifacts=artifacts)
 
+    def model(self, name_or_repo: object) -> Artifact | None:
+        """A model artifact (kind hf-model) by its artifact name or its Hugging Face repo, any case."""
+        want = str(name_or_repo).lower() if isinstance(name_or_repo, str) else None
+        return next((a for name, a in self.artifacts.items() if a.kind == "hf-model"
+                     and want in (name.lower(), (a.repo or "").lower())), None)
+
     def artifact(self, name: str) -> Artifact:
         try:
             return self.artifacts[name]

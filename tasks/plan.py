@@ -1061,12 +1061,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tasks.catalog import default_catalog
 
     catalog = default_catalog()
-    models = {k: a.name for a in catalog_models(catalog) for k in (a.name.lower(), (a.repo or "").lower())}
-    model = models.get((args.model or "qwen_model").lower())
-    if model is None:
+    artifact = catalog.model(args.model or "qwen_model")
+    if artifact is None:
         ap.error(f"--model {args.model!r} is not a model of files/catalog.toml: use one of "
                  + ", ".join(a.repo for a in catalog_models(catalog)))
-    artifact = catalog.artifact(model)
+    model = artifact.name
     workload = doc_workload(args)
     if args.model or args.model_config == DEFAULT_MODEL_CONFIG:
         workload = with_model(workload, artifact, args.model_path or f"/opt/verl-lab/models/{artifact.repo.replace('/', '--')}")

@@ -225,10 +225,10 @@ def _workload(host: str, value: Any) -> dict[str, Any]:
 
 def _workload_model(host: str, cat, value: Any) -> str:
     """workload.model: a model artifact of the catalog, by its name or its Hugging Face repo."""
+    found = cat.model(value)
+    if found is not None:
+        return found.name
     models = {name: a for name, a in cat.artifacts.items() if a.kind == "hf-model"}
-    for name, a in models.items():
-        if isinstance(value, str) and value.lower() in (name.lower(), (a.repo or "").lower()):
-            return name
     listed = ", ".join(f"{a.repo} ({name})" for name, a in sorted(models.items()))
     raise SettingsError(host, "workload.model", f"{value!r} is not a model of files/catalog.toml",
                         f"use one of {listed}; another model needs a catalog entry (repo, revision, sha256) "
