@@ -2,7 +2,7 @@
 
 Reads each box's training-unit journal (its current run), the stage logs, the Ray unit's journal
 on a cluster member (since the unit last became active) and plan.json (changes nothing), matches
-them against files/doctor/rules.toml and prints, per host, what failed, why and what to run; each
+them against the rules of files/doctor/*.toml and prints, per host, what failed, why and what to run; each
 finding names the log or unit it was seen in. A unit that never ran is said to be so, with what
 the launcher's preflight (run as the train user) says would stop it. `--data doctor_json=PATH`
 also writes every host's report as one JSON file (`--data doctor_json=True`: the controller

@@ -1,4 +1,4 @@
-"""The doctor: match failed runs' logs against files/doctor/rules.toml and say what to do.
+"""The doctor: match failed runs' logs against the rules of files/doctor/*.toml and say what to do.
 
 Pure: text in, findings out. ``deploy/doctor.py`` collects the logs from each box; this module
 also runs alone on saved logs:
@@ -22,7 +22,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from tasks.catalog import REPO_ROOT, tomllib
 
-RULES_PATH = REPO_ROOT / "files" / "doctor" / "rules.toml"
+RULES_DIR = REPO_ROOT / "files" / "doctor"
+RULES_PATH = RULES_DIR / "rules.toml"     # the general rules; each other *.toml there holds one area's
 TAIL_LINES = 15
 
 
@@ -61,12 +62,20 @@ class Diagnosis:
         return asdict(self)
 
 
-def load_rules(path: Path = RULES_PATH) -> list[Rule]:
-    with open(path, "rb") as fh:
-        data = tomllib.load(fh)
+def rule_files(folder: Path = RULES_DIR) -> list[Path]:
+    """The rule files, in the order their rules are tried: rules.toml, then the others by name."""
+    return sorted(folder.glob("*.toml"), key=lambda p: (p.name != RULES_PATH.name, p.name))
+
+
+def load_rules(path: Path | None = None, folder: Path = RULES_DIR) -> list[Rule]:
+    """The rules of one file (``path``), or of every rule file in ``folder``; ids are unique."""
+    raws: list[tuple[Path, dict]] = []
+    for each in [path] if path is not None else rule_files(folder):
+        with open(each, "rb") as fh:
+            raws += [(each, raw) for raw in tomllib.load(fh).get("rule", [])]
     rules = []
     seen = set()
-    for raw in data.get("rule", []):
+    for path, raw in raws:
         missing = [k for k in ("id", "match", "cause", "fix") if not raw.get(k)]
         if missing:
             raise ValueError(f"{path}: a rule lacks {', '.join(missing)}: {raw.get('id', raw)}")

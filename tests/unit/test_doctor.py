@@ -3,6 +3,7 @@ that only look alike do not match."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -84,8 +85,31 @@ NOT_MATCHES = {
 }
 
 
+# More excerpts, one file per rule: tests/fixtures/doctor/<rule id>.log (the message exactly as the
+# library prints it) and, where a look-alike line exists, <rule id>.not.log (must not match).
+EXCERPT_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "doctor"
+for _f in sorted(EXCERPT_DIR.glob("*.log")):
+    _id, _, _kind = _f.name.removesuffix(".log").partition(".")
+    _target = NOT_MATCHES if _kind == "not" else EXCERPTS
+    assert _id not in _target, f"{_f}: rule {_id} has an excerpt in this module already"
+    _target[_id] = _f.read_text()
+
+
 def test_every_rule_has_an_excerpt():
     assert {r.id for r in load_rules()} == set(EXCERPTS)
+
+
+def test_rule_files_load_in_order_and_ids_are_unique(tmp_path):
+    from tasks.doctor import rule_files
+
+    rule = '[[rule]]\nid = "{}"\nmatch = ["x"]\ncause = "c"\nfix = "f"\n'
+    for name, rule_id in (("rules.toml", "a"), ("b.toml", "b"), ("a.toml", "a2")):
+        (tmp_path / name).write_text(rule.format(rule_id))
+    assert [p.name for p in rule_files(tmp_path)] == ["rules.toml", "a.toml", "b.toml"]
+    assert [r.id for r in load_rules(folder=tmp_path)] == ["a", "a2", "b"]
+    (tmp_path / "b.toml").write_text(rule.format("a"))
+    with pytest.raises(ValueError, match="used twice"):
+        load_rules(folder=tmp_path)
 
 
 @pytest.mark.parametrize("rule_id", sorted(EXCERPTS))
