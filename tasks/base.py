@@ -15,7 +15,9 @@ from tasks.facts.bundle import ask
 from tasks.facts.files import PasswdEntry, PathStates
 from tasks.facts.gpu import NvidiaGpus
 from tasks.facts.nvidia import CudaHostCompiler
+from tasks.failure import fail_host
 from tasks.placed import place, wanted_dir
+from tasks.plan import rollout_refusal
 from tasks.settings import LabSettings
 from tasks.target import HOST_COMPILER_PACKAGES, HostTarget, decide_compiler, decide_gpu
 
@@ -29,6 +31,8 @@ def base_layout(settings: LabSettings) -> HostTarget:
 
     One command decides (the user's passwd entry, the folders' modes, the GPUs and driver, the
     distro and its gcc): a re-run on a box that is as it should be issues no operation at all.
+    A workload the box's GPU cannot run (``workload.rollout = 'vllm'`` below compute capability
+    7.0) fails the box before any operation.
     """
     home = f"{settings.lab_root}/home"
     dirs = [wanted_dir(settings.lab_root), wanted_dir(settings.marker_dir),
@@ -36,6 +40,14 @@ def base_layout(settings: LabSettings) -> HostTarget:
     states, entry, gpus, distro, gcc = ask((PathStates, {"paths": [home] + [d.path for d in dirs]}),
                                            (PasswdEntry, {"user": settings.train_user}), (NvidiaGpus, {}),
                                            (LinuxDistribution, {}), (CudaHostCompiler, {}))
+    compiler = decide_compiler((distro or {}).get("release_meta") or {}, gcc)
+    target = replace(decide_gpu(settings, gpus), compiler=compiler)
+    rollout = settings.workload["rollout"]
+    refusal = target.target and rollout_refusal(rollout, target.target)
+    if refusal:        # before anything on this box changes (its GPU is known only now)
+        fail_host(name="workload.rollout", stage="base",
+                  message=f"host {settings.host}: workload.rollout = {rollout!r} (GPU from {target.source}): {refusal}")
+        return target
     home_state = (states or {}).get(home)
     if (entry and entry["uid"] != 0 and entry["home"] == home and entry["shell"] == SHELL
             and home_state and home_state.get("kind") == "dir" and home_state.get("user") == settings.train_user):
@@ -50,9 +62,8 @@ def base_layout(settings: LabSettings) -> HostTarget:
             create_home=True,
         )
     place(dirs, states or {})
-    compiler = decide_compiler((distro or {}).get("release_meta") or {}, gcc)
     if compiler.install:
         apt.update(name="apt update (for gcc-11, the newest gcc nvcc 11.8 accepts)")
         apt.packages(name=f"Host compiler for nvcc 11.8 and the Apex build: {compiler.reason}",
                      packages=list(HOST_COMPILER_PACKAGES), no_recommends=True)
-    return replace(decide_gpu(settings, gpus), compiler=compiler)
+    return target
