@@ -44,7 +44,7 @@ def check_inventory(hosts=None) -> None:
         try:
             checked[each.name] = settings_for(each)
         except SettingsError as exc:
-            problems.append(str(exc))
+            problems += [str(each) for each in exc.problems]
         inv = getattr(each, "inventory", None)
         if inv is not None and "cluster" not in inv.get_host_data(each.name):   # its groups decide its cluster
             in_groups[each.name] = {g: inv.get_group_data(g)["cluster"] for g in each.groups
