@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from verl_lab_box.gsm8k import VAL_ROWS
+from tasks.gpu_support import refusal as gpu_refusal
 from tasks.verl_config import VERL_VERSION, Override, override_lines
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -95,7 +96,13 @@ GRPO_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
 
 
 class PlanError(ValueError):
-    """No plan exists for this GPU and workload; the message says by how much and what to change."""
+    """No plan exists for this GPU and workload. ``reason`` says why (and by how much), ``fix`` what
+    to change, ``key`` which setting it is about ("workload", "workload.<key>", "gpu"); ``str()`` is
+    the reason, then "Change: " and the fix."""
+
+    def __init__(self, reason: str, fix: str | None = None, key: str = "workload"):
+        self.reason, self.fix, self.key = reason, fix, key
+        super().__init__(reason + (f" Change: {fix}" if fix else ""))
 
 
 @dataclass(frozen=True)
@@ -478,10 +485,9 @@ def _no_fit(gpu: GpuTarget, workload: Workload, best_failure: MemoryEstimate) ->
         f"{workload.experiment_name} ({workload.algorithm.upper()}) does not fit {gpu.count} x {gpu.name} "
         f"({gpu.memory_mib} MiB): even with gradient "
         f"checkpointing, every allowed offload and micro-batch 1 the estimated peak is {best_failure.peak_mib} MiB "
-        f"against a budget of {best_failure.budget_mib} MiB, short by {short} MiB.{where} Change: use a GPU with "
-        f"more memory (or more GPUs), train a smaller model, or shorten the sequences (prompt "
-        f"{workload.max_prompt_length} + response {workload.max_response_length} tokens)."
-    )
+        f"against a budget of {best_failure.budget_mib} MiB, short by {short} MiB.{where}",
+        fix=f"use a GPU with more memory (or more GPUs), train a smaller model, or shorten the sequences (prompt "
+            f"{workload.max_prompt_length} + response {workload.max_response_length} tokens).")
     err.short_mib = short
     return err
 
@@ -676,6 +682,9 @@ def plan_env(precision: Precision, gpu: GpuTarget) -> tuple[dict[str, str], list
 def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = None) -> TrainingPlan:
     if gpu.count < 1:
         raise PlanError("the plan needs at least one GPU")
+    refused = gpu_refusal(gpu.arch_list.split(";"))
+    if refused:
+        raise PlanError(refused[0], fix=refused[1], key="gpu")
     for name in ("train_batch_size", "ppo_mini_batch_size", "max_prompt_length", "max_response_length",
                  "total_training_steps", "rollout_n", "total_epochs"):
         if getattr(workload, name) is not None and getattr(workload, name) < 1:
@@ -707,7 +716,8 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
                             overrides=verl_overrides(gpu, w, precision, choice), env=env,
                             reasons=reasons + [rung_reason, *_batch_reasons(workload, w)] + mem_reasons + env_reasons)
     tried = ", ".join(f"{r} short by {e.short_mib} MiB" for r, e in failed)
-    err = PlanError(f"{failed[-1][1]} Rungs tried: {tried} (no LoRA rung: not proven on a GPU yet).")
+    err = PlanError(f"{failed[-1][1].reason} Rungs tried: {tried} (no LoRA rung: not proven on a GPU yet).",
+                    fix=failed[-1][1].fix)
     err.short_mib = failed[-1][1].short_mib     # the last rung tried: the one the message describes
     raise err
 
@@ -873,7 +883,7 @@ def plan_naming_models_that_fit(plan: Callable[[Workload], TrainingPlan], worklo
                     f"{getattr(smallest[1], 'short_mib', '?')} MiB too.")
         else:
             hint = ""
-        err = PlanError(f"{exc}{hint}")
+        err = PlanError(exc.reason, fix=f"{exc.fix or ''}{hint}".strip() or None, key=exc.key)
         err.short_mib = exc.short_mib
         raise err from None
 
