@@ -63,9 +63,12 @@ KNOWN_KEYS = set(DEFAULTS)
 # workload keys and their defaults: verl's GSM8K quick start, one epoch, the plan's fallback ladder
 WORKLOAD_DEFAULTS: dict[str, Any] = {"algorithm": "auto", "model": None, "train_batch_size": 256,
                                      "ppo_mini_batch_size": 64, "max_prompt_length": 256, "max_response_length": 256,
-                                     "epochs": 1}
-WORKLOAD_WORDS = ("algorithm", "model")          # the keys that are not positive integers
+                                     "epochs": 1, "rollout": "auto"}
+WORKLOAD_WORDS = ("algorithm", "model", "rollout")   # the keys that are not positive integers
 WORKLOAD_ALGORITHMS = ("auto", "ppo", "grpo")   # auto: PPO, else GRPO, else GRPO with shorter responses
+# auto: vLLM where the GPU runs it (compute capability >= 7.0), else the HF rollout; vllm: vLLM or
+# this box fails (tasks.plan.rollout_refusal); hf: the HF-transformers rollout, and no vLLM in the env
+WORKLOAD_ROLLOUTS = ("auto", "vllm", "hf")
 
 # Host data that belongs to pyinfra (its connectors' ``ssh_*``/``docker_*``... keys, its global
 # arguments ``_sudo``...) or to the site is left alone; only a near miss of a verl-lab key is an
@@ -315,6 +318,10 @@ def _workload(host: str, value: Any) -> dict[str, Any]:
     if w["algorithm"] not in WORKLOAD_ALGORITHMS:
         found.append(SettingsError(host, "workload.algorithm", f"{w['algorithm']!r} is not one of auto, ppo, grpo",
                                    "set it to auto (PPO, else GRPO, else shorter responses: what fits), ppo or grpo"))
+    if w["rollout"] not in WORKLOAD_ROLLOUTS:
+        found.append(SettingsError(host, "workload.rollout", f"{w['rollout']!r} is not one of auto, vllm, hf",
+                                   "set it to auto (vLLM where the GPU runs it, else the HF rollout), vllm (vLLM, "
+                                   "on compute capability >= 7.0 only) or hf (the HF-transformers rollout, on any GPU)"))
     bad = set()
     for key, default in WORKLOAD_DEFAULTS.items():
         if key not in WORKLOAD_WORDS and (not isinstance(w[key], int) or isinstance(w[key], bool) or w[key] < 1):
