@@ -46,7 +46,8 @@ def base_layout(settings: LabSettings) -> HostTarget:
     refusal = target.target and rollout_refusal(rollout, target.target)
     if refusal:        # before anything on this box changes (its GPU is known only now)
         fail_host(name="workload.rollout", stage="base",
-                  message=f"host {settings.host}: workload.rollout = {rollout!r} (GPU from {target.source}): {refusal}")
+                  message=f"host {settings.host}: workload.rollout = {rollout!r} (GPU from {target.source}): "
+                          f"{refusal[0]}. Fix: {refusal[1]}")
         return target
     home_state = (states or {}).get(home)
     if (entry and entry["uid"] != 0 and entry["home"] == home and entry["shell"] == SHELL
