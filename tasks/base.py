@@ -50,7 +50,8 @@ def base_layout(settings: LabSettings, trains: bool = True) -> HostTarget:
     rollout = settings.workload["rollout"]
     refusal = target.target and rollout_refusal(rollout, target.target)
     if refusal:        # before anything on this box changes (its GPU is known only now)
-        message = f"host {settings.host}: workload.rollout = {rollout!r} (GPU from {target.source}): {refusal}"
+        message = (f"host {settings.host}: workload.rollout = {rollout!r} (GPU from {target.source}): "
+                   f"{refusal[0]}. Fix: {refusal[1]}")
         fail_host(name="workload.rollout", stage="base", message=message)
         return replace(target, refused=message)
     problem = cannot_train(settings, target) if trains else None

@@ -310,14 +310,14 @@ ROLLOUT_ENGINES = ("auto", "vllm", "hf")      # workload.rollout (tasks/settings
 VLLM_MIN_CC = (7, 0)
 
 
-def rollout_refusal(rollout_engine: str, gpu: GpuTarget) -> str | None:
-    """Why ``rollout_engine`` cannot run on ``gpu`` (None: it can): vLLM 0.8.5 needs compute
-    capability >= 7.0 (its installation requirements: no vLLM on Pascal)."""
+def rollout_refusal(rollout_engine: str, gpu: GpuTarget) -> tuple[str, str] | None:
+    """(why, fix) where ``rollout_engine`` cannot run on ``gpu``; None where it can. vLLM 0.8.5
+    needs compute capability >= 7.0 (its installation requirements: no vLLM on Pascal)."""
     if rollout_engine not in ROLLOUT_ENGINES:
-        return f"{rollout_engine!r} is not one of {', '.join(ROLLOUT_ENGINES)}"
+        return f"{rollout_engine!r} is not one of {', '.join(ROLLOUT_ENGINES)}", "set workload.rollout to one of them"
     if rollout_engine == "vllm" and gpu.cc < VLLM_MIN_CC:
-        return (f"vLLM 0.8.5 needs compute capability >= 7.0, and {gpu.name} has {gpu.compute_capability}: set "
-                "workload.rollout to 'auto' or 'hf' (the HF-transformers rollout runs on every GPU)")
+        return (f"vLLM 0.8.5 needs compute capability >= 7.0, and {gpu.name} has {gpu.compute_capability}",
+                "set workload.rollout to 'auto' or 'hf' (the HF-transformers rollout runs on every GPU)")
     return None
 
 
@@ -325,7 +325,7 @@ def choose_precision(gpu: GpuTarget, flash_attn_installed: bool = False,
                      rollout_engine: str = "auto") -> tuple[Precision, list[Reason]]:
     refusal = rollout_refusal(rollout_engine, gpu)
     if refusal:
-        raise PlanError(f"workload.rollout: {refusal}", key="workload.rollout")
+        raise PlanError(f"workload.rollout = {rollout_engine!r}: {refusal[0]}.", fix=refusal[1], key="workload.rollout")
     cc = gpu.cc
     ccs = gpu.compute_capability
     reasons: list[Reason] = []

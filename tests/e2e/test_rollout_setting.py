@@ -26,7 +26,7 @@ def test_vllm_below_7_0_fails_that_box_before_it_changes_and_only_that_box(lab):
     res = lab.deploy("deploy/train.py", data={"workload": {"rollout": "vllm"}}, timeout=900)
     assert res.failed_hosts == ["p40"], res.tail()
     assert ("host p40: workload.rollout = 'vllm' (GPU from nvidia-smi): vLLM 0.8.5 needs compute capability >= 7.0, "
-            "and Tesla P40 has 6.1: set workload.rollout to 'auto' or 'hf'") in res.output, res.tail()
+            "and Tesla P40 has 6.1. Fix: set workload.rollout to 'auto' or 'hf'") in res.output, res.tail()
     assert res.changed_by_host.get("p40", 0) == 0, res.changed_ops
     p40 = lab.box("p40")
     assert not p40.exists("/opt/verl-lab"), "the base stage changed the box before refusing it"

@@ -170,9 +170,11 @@ def test_workload_rollout_vllm_is_vllm_from_7_0_and_refused_below_with_the_reaso
     assert rollout_refusal("vllm", T4) is None and rollout_refusal("hf", P40) is None and rollout_refusal("auto", P40) is None
     with pytest.raises(PlanError) as err:
         make_plan(P40, workload_for(vllm))
-    assert str(err.value) == ("workload.rollout: vLLM 0.8.5 needs compute capability >= 7.0, and Tesla P40 has 6.1: "
-                              "set workload.rollout to 'auto' or 'hf' (the HF-transformers rollout runs on every GPU)")
-    assert rollout_refusal("sglang", T4) == "'sglang' is not one of auto, vllm, hf"
+    assert str(err.value) == ("workload.rollout = 'vllm': vLLM 0.8.5 needs compute capability >= 7.0, and Tesla P40 has "
+                              "6.1. Change: set workload.rollout to 'auto' or 'hf' (the HF-transformers rollout runs "
+                              "on every GPU)")
+    assert err.value.key == "workload.rollout"
+    assert rollout_refusal("sglang", T4)[0] == "'sglang' is not one of auto, vllm, hf"
 
 
 def test_plan_cli_takes_the_rollout(capsys):
@@ -184,4 +186,4 @@ def test_plan_cli_takes_the_rollout(capsys):
     assert main(args) == 0 and json.loads(capsys.readouterr().out)["rollout"] == "vllm"
     assert main(["--gpu-name", "Tesla P40", "--compute-capability", "6.1", "--gpu-memory-mib", "24576",
                  "--rollout", "vllm"]) == 2
-    assert "no plan: workload.rollout: vLLM 0.8.5 needs compute capability >= 7.0" in capsys.readouterr().err
+    assert "no plan: workload.rollout = 'vllm': vLLM 0.8.5 needs compute capability >= 7.0" in capsys.readouterr().err
