@@ -25,6 +25,7 @@ from tasks.catalog import REPO_ROOT, tomllib
 RULES_DIR = REPO_ROOT / "files" / "doctor"
 RULES_PATH = RULES_DIR / "rules.toml"     # the general rules; each other *.toml there holds one area's
 TAIL_LINES = 15
+NEAR_LINES = 80          # how far back a rule's `near` patterns are looked for (a traceback's frames)
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,11 @@ class Rule:
     cause: str
     fix: str
     setting: str = ""
+    near: tuple[re.Pattern, ...] = ()     # each must match one of the NEAR_LINES lines before (a traceback's frames)
 
-    def hit(self, line: str) -> bool:
-        return any(p.search(line) for p in self.match) and not any(p.search(line) for p in self.unless)
+    def hit(self, line: str, before: Sequence[str] = ()) -> bool:
+        return (any(p.search(line) for p in self.match) and not any(p.search(line) for p in self.unless)
+                and all(any(p.search(b) for b in before) for p in self.near))
 
 
 @dataclass
@@ -87,6 +90,7 @@ def load_rules(path: Path | None = None, folder: Path = RULES_DIR) -> list[Rule]
             match=tuple(re.compile(p) for p in raw["match"]),
             unless=tuple(re.compile(p) for p in raw.get("unless", [])),
             cause=raw["cause"], fix=raw["fix"], setting=raw.get("setting", ""),
+            near=tuple(re.compile(p) for p in raw.get("near", [])),
         ))
     return rules
 
@@ -176,6 +180,41 @@ def analyse_oom(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dict[st
     return out
 
 
+VLLM_V1_KV = re.compile(r"max seq len \((\d+)\), \(([\d.]+) GiB KV cache is needed, which is larger than the "
+                        r"available KV cache memory \((-?[\d.]+) GiB\)")
+VLLM_V0_KV = re.compile(r"The model's max seq len \((\d+)\) is larger than the maximum number of tokens that can be "
+                        r"stored in KV cache \((\d+)\)")
+
+
+def analyse_vllm_kv(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dict[str, Any]:
+    """vLLM's KV-cache numbers from its message, the plan's engine and share, and (V1) the share that
+    would have held the plan's sequences with the memory vLLM found available."""
+    text = "\n".join(lines)
+    out: dict[str, Any] = {}
+    if m := VLLM_V1_KV.search(text):
+        out.update(max_model_len=int(m[1]), kv_needed_gib=float(m[2]), kv_available_gib=float(m[3]))
+    elif m := VLLM_V0_KV.search(text):
+        out.update(max_model_len=int(m[1]), kv_cache_tokens=int(m[2]))
+    if not plan:
+        out["advice"] = "no plan.json found for this box: re-run deploy/train.py to get a plan (and a share) for its GPU."
+        return out
+    share = plan.get("vllm_gpu_memory_utilization")
+    out["plan_engine"] = {"1": "V1", "0": "V0"}.get(str((plan.get("env") or {}).get("VLLM_USE_V1")), "unknown")
+    out["plan_share"] = share
+    wanted = (plan.get("breakdown") or {}).get("vllm_kv_wanted")
+    total = (plan.get("gpu") or {}).get("memory_mib")
+    if "kv_available_gib" in out and share and wanted and total:
+        out["plan_kv_cache_mib"] = wanted
+        more = (wanted - out["kv_available_gib"] * 1024) / total
+        out["share_that_holds_the_plans_kv_cache"] = -(-round((share + more) * 10000) // 100) / 100
+    return out
+
+
+# rule id -> what else a finding reads from the lines before it (and the box's plan)
+ANALYSES = {"cuda-oom": analyse_oom, "vllm-v1-kv-cache-short": analyse_vllm_kv,
+            "vllm-v0-kv-cache-short": analyse_vllm_kv}
+
+
 def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | None = None,
              rules: Iterable[Rule] | None = None, failed: bool | None = None) -> Diagnosis:
     """Match every source's text (name -> log text) against the rules."""
@@ -188,12 +227,12 @@ def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | No
             if FAILURE_MARKERS.search(line):
                 relevant.append(f"{source}: {line}")
             for rule in rules:
-                if rule.hit(line):
+                if rule.hit(line, lines[max(0, i - NEAR_LINES): i] if rule.near else ()):
                     f = findings.get(rule.id)
                     if f is None:
                         f = findings[rule.id] = Finding(rule.id, rule.cause, rule.fix, rule.setting, [], source)
-                        if rule.id == "cuda-oom":
-                            f.details = analyse_oom(lines[max(0, i - 60): i + 5], plan)
+                        if rule.id in ANALYSES:
+                            f.details = ANALYSES[rule.id](lines[max(0, i - 60): i + 5], plan)
                     if len(f.evidence) < 3:
                         f.evidence.append(line.strip())
     is_failed = bool(findings) or bool(relevant) if failed is None else failed

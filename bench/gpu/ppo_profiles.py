@@ -58,6 +58,7 @@ class Profile:
     plan_memory_mib: int | None = None   # plan for this much memory (else memory_mib), then ...
     overrides: tuple[str, ...] = ()      # ... run it with these Hydra overrides after the plan's
     model: str | None = None             # workload.model (a catalog model); None: the default 0.5B
+    rollout: str | None = None           # workload.rollout (the product's setting, through the settings)
     resume_after: int | None = None      # run to this step saving a checkpoint, then again: it resumes
     probe_profile: str = ""              # VERL_LAB_PROFILE: the worker calls the probe profiles (phase[:N],...)
     env: tuple[tuple[str, str], ...] = ()    # more environment for the run (the launcher passes it to Ray's workers)
@@ -138,6 +139,11 @@ PROFILES = [
             model="Qwen/Qwen2.5-1.5B-Instruct",
             stands_for="A100 80 GB with Qwen2.5-1.5B-Instruct (workload.model), the product's plan; HF rollout "
                        "instead of the plan's vLLM, for this run only"),
+    # workload.rollout = 'hf' (the user's escape hatch from vLLM) as the product plans it for a vLLM-capable
+    # card: through the setting, not the harness's rollout_engine, so the run proves that path
+    Profile("rtx3090-rollout-hf", "NVIDIA GeForce RTX 3090", "8.6", 24576, rollout="hf", steps=3, validate=False,
+            stands_for="RTX 3090 (24 GiB) with workload.rollout = 'hf': the product's plan for the HF rollout on a "
+                       "card vLLM could run on"),
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
             stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),
     *SPEED_PROFILES,
@@ -158,6 +164,15 @@ BY_NAME = {p.name: p for p in PROFILES}
 
 def lab_root(profile: Profile) -> str:
     return f"/tmp/vl/{profile.name}"
+
+
+def settings_data(profile: dict) -> dict:
+    """The host data a profile (its record, or ``asdict`` of it) is planned with: its lab_root and
+    step cap, and the ``workload`` keys it sets (model, rollout)."""
+    root = profile.get("lab_root") or f"/tmp/vl/{profile['name']}"
+    workload = {k: profile[k] for k in ("model", "rollout") if profile.get(k)}
+    return {"lab_root": root, "env_prefix": f"{root}/env", "train_steps": profile.get("steps", STEPS),
+            **({"workload": workload} if workload else {})}
 
 
 def seed_overrides(profile: Profile) -> list[str]:
@@ -202,10 +217,7 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
     except ImportError:                  # trees before the stages had one name each
         from tasks.training import TrainingLayout, training_wanted, training_workload
 
-    root = lab_root(profile)
-    settings = load_settings(profile.name, {"lab_root": root, "env_prefix": f"{root}/env",
-                                            "train_steps": profile.steps,
-                                            **({"workload": {"model": profile.model}} if profile.model else {})})
+    settings = load_settings(profile.name, settings_data(asdict(profile)))
     target = GpuTarget(profile.gpu_name, profile.compute_capability, profile.plan_memory_mib or profile.memory_mib, 1)
     workload = training_workload(settings)
     if profile.rollout_engine != "auto":

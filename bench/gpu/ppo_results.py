@@ -213,15 +213,13 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
     sys.path.insert(0, str(REPO))
     from dataclasses import replace
 
+    from bench.gpu.ppo_profiles import settings_data
     from tasks.plan import GpuTarget, MemoryChoice, choose_precision, default_estimator, workload_for
     from tasks.settings import load_settings
 
-    root = profile["lab_root"]
-    settings = load_settings(profile["name"], {"lab_root": root, "env_prefix": f"{root}/env",
-                                               "train_steps": profile.get("steps", 5),
-                                               **({"workload": {"model": profile["model"]}} if profile.get("model") else {})})
+    settings = load_settings(profile["name"], settings_data(profile))
     gpu = GpuTarget(profile["gpu_name"], profile["compute_capability"], profile["memory_mib"], 1)
-    workload = replace(workload_for(settings), rollout_engine=profile.get("rollout_engine", "auto"),
+    workload = replace(workload_for(settings), rollout_engine=profile.get("rollout") or profile.get("rollout_engine", "auto"),
                        train_batch_size=plan["train_batch_size"])
     mb = plan["micro_batches"]
     offload = dict(plan["offload"])
