@@ -62,11 +62,11 @@ def profiled_run(verl_python, tmp_path_factory):
     records = [json.loads(line) for f in probe_dir.glob("probe-*.jsonl") for line in f.read_text().splitlines()]
     profiles = {p.name.split("-", 1)[1].rsplit("-", 1)[0]: (json.loads(p.read_text()), p.stat().st_size)
                 for p in probe_dir.glob("profile-*.json")}
-    return result, records, profiles
+    return result, records, profiles, probe_dir
 
 
 def test_probe_profiles_the_chosen_calls_only(profiled_run):
-    _, _, profiles = profiled_run
+    _, _, profiles, _ = profiled_run
     # phase:N picks the N-th call; a phase the worker never runs and a malformed item profile nothing
     assert sorted(profiles) == ["compute_log_prob-2", "generate_sequences-1", "update_actor-1"]
     for name, (table, size) in profiles.items():
@@ -75,7 +75,7 @@ def test_probe_profiles_the_chosen_calls_only(profiled_run):
 
 
 def test_probe_profile_counts_what_the_update_did(profiled_run):
-    result, _, profiles = profiled_run
+    result, _, profiles, _ = profiled_run
     table = profiles["update_actor-1"][0]["categories"]
     moves = result["moves"]["update_actor"]
     assert table["fsdp post_backward_reduce"]["count"] == moves["reductions"] > 0
@@ -84,7 +84,7 @@ def test_probe_profile_counts_what_the_update_did(profiled_run):
 
 
 def test_probe_splits_and_threads(profiled_run):
-    _, records, _ = profiled_run
+    _, records, _, _ = profiled_run
     threads = [r for r in records if r["event"] == "threads"]
     assert len(threads) == 1 and threads[0]["torch_threads"] >= 1 and threads[0]["cpu_count"] >= 1
     phases = {(r["phase"], r["call"]): r for r in records if r["event"] == "phase"}
@@ -95,3 +95,23 @@ def test_probe_splits_and_threads(profiled_run):
     assert update["profiled"] is True and "profiled" not in phases[("compute_log_prob", 1)]
     assert phases[("compute_log_prob", 1)]["splits"] == {**phases[("compute_log_prob", 1)]["splits"],
                                                          "forward_calls": LOG_PROB_MICRO}
+
+
+def test_results_summarise_the_probe_records(profiled_run):
+    """bench/gpu/ppo_results.py reads what the probe wrote: the phases' calls after the first with their splits,
+    the profile tables, the threads (what --speed prints)."""
+    import importlib.util
+
+    _, records, profiles, probe_dir = profiled_run
+    spec = importlib.util.spec_from_file_location("ppo_results", REPO / "bench/gpu/ppo_results.py")
+    results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results)
+    phases = results.step_phases(records)
+    second = next(r for r in records if r["event"] == "phase" and r["phase"] == "compute_log_prob" and r["call"] == 2)
+    assert phases["compute_log_prob"]["calls"] == 1 and phases["compute_log_prob"]["seconds"] == round(second["seconds"], 2)
+    assert phases["update_actor"]["optimizer_step_calls"] == MINI_BATCHES      # one call: its own splits
+    tables = results.read_profiles(probe_dir)
+    assert sorted(f"{t['phase']}-{t['call']}" for t in tables) == sorted(profiles)
+    text = results.time_markdown([{"profile": "cpu", "step_phases": phases, "profiles": tables,
+                                   "threads": next(r for r in records if r["event"] == "threads")}])
+    assert "| cpu | update_actor:1 |" in text and "fsdp post_backward_reduce" in text and "torch CPU threads" in text
