@@ -285,7 +285,7 @@ def wait_until_training(state, host, settings: LabSettings, seconds: float = STA
     while True:
         poll += 1
         run = host.get_fact(TrainingRun, poll=poll, **args)
-        unit_state, words = unit_summary(run["unit"])
+        unit_state, words = unit_summary(run["unit"], run.get("history", ""))
         if PREFLIGHT_PASSED in run["journal"]:
             host.log_styled(f"{TRAIN_UNIT}: past its preflight, training ({words})", log_func=logger.info)
             return True
