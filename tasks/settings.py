@@ -19,7 +19,7 @@ from tasks.catalog import Catalog, CatalogError, MirrorSet, default_catalog
 
 ARTIFACT_MODES = ("relay", "direct")
 ENV_BACKENDS = ("conda", "venv")
-UNIT_STATES = ("installed", "enabled", "started")
+UNIT_STATES = ("installed", "enabled", "started", "stopped")
 USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,30}$")
 
 DEFAULTS: dict[str, Any] = {
@@ -41,7 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "env_health_check": "quick",       # quick | full: how a re-run re-checks a proven env         # interpreter for the venv backend (>= 3.10)
     # training
     "train_user": "verl",
-    "train_unit_state": "enabled",     # installed | enabled | started
+    "train_unit_state": "enabled",     # installed | enabled | started | stopped (tasks/train.py)
     "hf_token_file": None,             # a file on the controller holding an HF token
     "model_artifact": "qwen_model",
     "dataset_artifact": "gsm8k",

@@ -74,6 +74,9 @@ class HostTarget:
     source: str                         # "nvidia-smi" | "gpu_override" | "none"
     problem: str | None = None
     compiler: HostCompiler = DEFAULT_COMPILER
+    # why this box cannot train (tasks/validation.py), decided at the first fact pass: the base
+    # stage queued only its failure, and no stage after it may queue anything
+    refused: str | None = None
 
     @property
     def compute_capability(self) -> str | None:

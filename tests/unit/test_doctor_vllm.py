@@ -39,7 +39,7 @@ def test_the_doctor_names_cause_and_fix_of_each_vllm_message(rule_id, tmp_path, 
     assert main(["--host", "rtx3090-box", str(log)]) == 1
     out = capsys.readouterr().out
     rule = RULES[rule_id]
-    assert out.startswith("== rtx3090-box: FAILED")
+    assert out.startswith("== rtx3090-box: failed")
     assert f"  [{rule_id}] {rule.cause}" in out and f"    fix: {rule.fix}" in out
     assert "no rule matched" not in out
 
