@@ -20,6 +20,7 @@ from tasks.catalog import Catalog, CatalogError, MirrorSet, default_catalog
 ARTIFACT_MODES = ("relay", "direct")
 ENV_BACKENDS = ("conda", "venv")
 UNIT_STATES = ("installed", "enabled", "started")
+DRIVER_MODES = ("check", "install")
 USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,30}$")
 
 DEFAULTS: dict[str, Any] = {
@@ -34,6 +35,10 @@ DEFAULTS: dict[str, Any] = {
     "cuda_prefix": "/usr/local/cuda-11.8",
     "install_tmpdir": "/var/tmp/verl-lab",
     "allow_no_driver": False,          # install the toolkit on a box without an NVIDIA driver
+    # the NVIDIA driver (tasks/driver.py): check (the CUDA stage refuses one too old for CUDA 11.8) |
+    # install (choose the branch from the GPUs, install it from the distro's archive, hold it, prove it)
+    "driver": "check",
+    "driver_reboot": False,            # driver = install: reboot a box whose new driver needs it (one at a time)
     "env_backend": "conda",            # conda | venv
     "env_prefix": "/opt/verl-lab/envs/verl",
     "conda_prefix": "/opt/verl-lab/miniforge3",
@@ -124,6 +129,8 @@ class LabSettings:
     workload: Mapping[str, Any] = field(default_factory=lambda: dict(WORKLOAD_DEFAULTS))
     cluster: Mapping[str, Any] | None = None
     cluster_address: str | None = None
+    driver: str = "check"
+    driver_reboot: bool = False
 
     @property
     def marker_dir(self) -> str:
@@ -294,6 +301,7 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
     env_backend = choice("env_backend", ENV_BACKENDS)
     env_health_check = choice("env_health_check", ("quick", "full"))
     unit_state = choice("train_unit_state", UNIT_STATES)
+    driver = choice("driver", DRIVER_MODES)
 
     base = catalog or default_catalog()
     overrides = merged["catalog_overrides"]
@@ -357,6 +365,12 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
     if not isinstance(merged["allow_no_driver"], bool):
         raise SettingsError(host, "allow_no_driver", f"{merged['allow_no_driver']!r} is not True/False",
                             "set allow_no_driver = True or False")
+    if not isinstance(merged["driver_reboot"], bool):
+        raise SettingsError(host, "driver_reboot", f"{merged['driver_reboot']!r} is not True/False",
+                            "set driver_reboot = True or False")
+    if merged["driver_reboot"] and driver != "install":
+        raise SettingsError(host, "driver_reboot", f"True does nothing with driver = {driver!r}",
+                            "set driver = 'install' as well, or leave driver_reboot out")
 
     return LabSettings(
         host=host,
@@ -386,4 +400,6 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         workload=workload,
         cluster=_cluster(host, merged["cluster"]),
         cluster_address=_ip_address(host, "cluster_address", merged["cluster_address"]),
+        driver=driver,
+        driver_reboot=merged["driver_reboot"],
     )

@@ -66,6 +66,9 @@ GPU_NAME_TABLE: tuple[tuple[str, str], ...] = (
     ("p40", "6.1"),
     ("p4", "6.1"),
     ("gtx 1080", "6.1"),
+    # Maxwell and Kepler: boxes whose old driver lacks compute_cap (the driver stage reads the architecture)
+    ("m40", "5.2"),
+    ("k80", "3.7"),
 )
 
 # What nvidia-smi prints when something is wrong, mapped to a short cause.
