@@ -9,4 +9,5 @@ from tasks.hostdata import check_inventory, settings_for
 
 check_inventory()
 settings = settings_for()
-install_driver(settings, base_layout(settings))       # the host's GPUs, read once by the base stage
+# the host's GPUs, read once by the base stage; the driver alone needs no training plan
+install_driver(settings, base_layout(settings, trains=False))

@@ -18,12 +18,14 @@ check_inventory()
 settings = settings_for()
 
 gpu = base_layout(settings)        # the host's GPU target, decided once for every stage
-gpu = install_driver(settings, gpu)    # driver = "install" only: the CUDA stage then trusts its proof
-install_cuda(settings, gpu)
-install_env(settings, gpu)
-install_data(settings)
-cluster = cluster_for()            # None: the box trains alone (and nothing below asks more)
-train_settings, targets = training_in(cluster, settings, gpu)
-install_train(train_settings, gpu, targets)
-if cluster:
-    install_cluster(settings, gpu, cluster, targets)
+if not gpu.refused:                # driver = "install" only; the CUDA stage then trusts its proof
+    gpu = install_driver(settings, gpu)
+if not gpu.refused:                # a box that cannot train: its failure only, nothing else queued
+    install_cuda(settings, gpu)
+    install_env(settings, gpu)
+    install_data(settings)
+    cluster = cluster_for()        # None: the box trains alone (and nothing below asks more)
+    train_settings, targets = training_in(cluster, settings, gpu)
+    install_train(train_settings, gpu, targets)
+    if cluster:
+        install_cluster(settings, gpu, cluster, targets)

@@ -36,6 +36,7 @@ from pyinfra.operations import files, server
 
 from tasks.artifacts import artifact_file, box_path
 from tasks.failure import fail_host
+from tasks.gpu_support import DRIVER_BRANCH_MAX_OLD_GPUS
 from tasks.facts.bundle import ask
 from tasks.facts.disk import FreeDisk
 from tasks.facts.files import Marker, VerifiedArtifact
@@ -57,7 +58,6 @@ TMPDIR_NEED_MIB = 10240
 PREFIX_NEED_MIB = 8192
 INSTALLER_TMP_LOG = "/tmp/cuda-installer.log"   # stale copies crash the runfile
 INSTALLER_LOG = "/var/log/cuda-installer.log"
-DRIVER_BRANCH_MAX_OLD_GPUS = 580                 # last branch for Pascal / Volta
 RUNFILE_FLAGS = ("--silent", "--toolkit", "--no-opengl-libs", "--no-man-page", "--no-drm", "--override")
 SYSTEM_DIRS = {"/", "/usr", "/usr/local", "/opt", "/var", "/home", "/root", "/etc", "/tmp", "/var/tmp"}
 

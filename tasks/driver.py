@@ -3,10 +3,11 @@ stage's check (a driver older than CUDA 11.8 needs is refused there) and asks th
 ``driver = "install"`` chooses, installs, holds and proves it.
 
 The choice (``choose_branch``, pure): the newest branch of the box's distro (files/drivers.toml)
-that supports every GPU of the box and CUDA 11.8: never past R580 for Maxwell, Pascal and Volta,
-none at all for Kepler (R470 is its last, CUDA 11.8 needs R520), none for a GPU CUDA 11.8 cannot
-run (Blackwell). The GPUs come from the host's GPU fact (nvidia-smi), else from the PCI bus
-(lspci's chip codes: a box without a working driver), else from ``gpu_override``.
+that supports every GPU of the box and CUDA 11.8: never past R580 for Maxwell, Pascal and Volta;
+a GPU the pinned stack cannot run at all (Kepler: R470 is its last; Blackwell) is refused in
+tasks/gpu_support.py's words, the architectures and their last branches being its table. The GPUs
+come from the host's GPU fact (nvidia-smi), else from the PCI bus (lspci's chip codes: a box
+without a working driver), else from ``gpu_override``.
 
 The install (``verl_lab_box/nvidia_driver.py``, run on the box): the distro's own packages
 (Debian 12: non-free ``nvidia-driver``; Ubuntu 22.04/24.04: the headless members of the
@@ -48,7 +49,8 @@ from tasks.failure import fail_host
 from tasks.facts.bundle import ask
 from tasks.facts.driver import DriverState
 from tasks.facts.files import Marker, PathStates
-from tasks.facts.gpu import GpuInventory
+from tasks.facts.gpu import GpuInventory, parse_compute_capability
+from tasks.gpu_support import ARCHITECTURES, architecture, min_driver, refusal
 from tasks.placed import OnBox, marker_command, place, wanted_dir, wanted_file
 from tasks.settings import TRAIN_UNIT, LabSettings
 from tasks.target import HostTarget
@@ -74,15 +76,6 @@ REBOOT_WAIT_S = 900
 
 
 @dataclass(frozen=True)
-class Architecture:
-    name: str
-    chip: str                               # lspci's chip code prefix: GP102GL -> GP
-    compute_capabilities: tuple[str, ...]
-    last_branch: int | None = None          # None: newer branches still support it
-    cuda118: bool = True                    # CUDA 11.8 can run there
-
-
-@dataclass(frozen=True)
 class DistroBranch:
     branch: int
     packages: tuple[str, ...]
@@ -101,7 +94,7 @@ class Distro:
 
 @dataclass(frozen=True)
 class DriverTable:
-    architectures: tuple[Architecture, ...]
+    chips: Mapping[str, str]                # lspci's chip code -> architecture (tasks/gpu_support.py's names)
     products: tuple[tuple[str, int], ...]   # (a word of the GPU's name, its first branch)
     distros: tuple[Distro, ...]
 
@@ -109,20 +102,19 @@ class DriverTable:
         return next((d for d in self.distros if (d.id, d.version) ==
                      (os_release.get("ID"), os_release.get("VERSION_ID"))), None)
 
-    def by_cc(self, cc: str) -> Architecture | None:
-        return next((a for a in self.architectures if cc in a.compute_capabilities), None)
-
-    def by_chip(self, pci_name: str) -> Architecture | None:
+    def chip_cc(self, pci_name: str) -> str | None:
+        """The lowest compute capability of the architecture lspci's chip code names ("GP102GL" ->
+        Pascal -> "6.0"), or None where the code is not known."""
         m = re.match(r"^([A-Z]{2})\d", pci_name or "")
-        return next((a for a in self.architectures if m and a.chip == m.group(1)), None)
+        arch = self.chips.get(m.group(1)) if m else None
+        return next((f"{cc[0]}.{cc[1]}" for cc, name, _ in ARCHITECTURES if name == arch), None)
 
 
 def load_table(path: Path = DRIVERS_PATH) -> DriverTable:
     with open(path, "rb") as fh:
         raw = tomllib.load(fh)
     return DriverTable(
-        architectures=tuple(Architecture(a["name"], a["chip"], tuple(a["compute_capabilities"]), a.get("last_branch"),
-                                         a.get("cuda118", True)) for a in raw["architecture"]),
+        chips=dict(raw["chips"]),
         products=tuple((p["match"], p["first_branch"]) for p in raw.get("product", [])),
         distros=tuple(Distro(d["id"], d["version"], d["name"], tuple(d["components"]),
                              tuple(DistroBranch(b["branch"], tuple(b["packages"]), b["module_package"], b["source"])
@@ -167,37 +159,36 @@ class BranchChoice:
     problems: tuple[str, ...] = ()
 
 
-def _window(gpu: GpuSeen, table: DriverTable, min_branch: int) -> tuple[int, int | None, str] | str:
+def _window(gpu: GpuSeen, table: DriverTable, min_branch: int, catalog=None) -> tuple[int, int | None, str] | str:
     """(lowest, highest or None, why) of the branches that run this GPU and CUDA 11.8, or a problem."""
-    arch = table.by_cc(gpu.compute_capability) if gpu.compute_capability else table.by_chip(gpu.pci_name or "")
-    if arch is None:
-        seen = (f"compute capability {gpu.compute_capability}" if gpu.compute_capability
-                else f"lspci calls it {gpu.pci_name or 'an unknown device'!r}")
-        return (f"{gpu.name}: its architecture is not known to files/drivers.toml ({seen}). Set gpu_override "
-                "(its compute_capability decides), or install the driver yourself and keep driver = 'check'")
-    if not arch.cuda118:
-        return (f"{gpu.label}: {arch.name}; CUDA 11.8 cannot run there (nvcc 11.8 targets sm_35..sm_90, torch "
-                "cu118 has no code for it), whatever the driver")
-    low, why = min_branch, f"{arch.name}"
+    cc = gpu.compute_capability or table.chip_cc(gpu.pci_name or "")
+    if cc is None:
+        return (f"{gpu.name}: its architecture cannot be told (lspci calls it {gpu.pci_name or 'nothing'!r}, and no "
+                "driver answers nvidia-smi). Set gpu_override (its compute_capability decides), or install the "
+                "driver yourself and keep driver = 'check'")
+    refused = refusal([cc], catalog)        # the words every plan refuses this GPU with
+    if refused:
+        return f"{gpu.label}: {refused[0]} {refused[1]}"
+    arch, last = architecture(parse_compute_capability(cc))
+    low, why = min_branch, arch
     for word, first in table.products:
         if re.search(rf"\b{re.escape(word)}\b", f"{gpu.name} {gpu.pci_name or ''}", re.I) and first > low:
-            low, why = first, f"{arch.name}, the {word} needs R{first} or newer"
-    if arch.last_branch is not None and arch.last_branch < low:
-        return (f"{gpu.label}: {arch.name}, whose last driver branch is R{arch.last_branch}; CUDA 11.8 needs "
-                f"R{min_branch} or newer: no driver runs both. verl-lab's CUDA 11.8 stack cannot use this GPU")
-    if arch.last_branch is not None:
-        why += f", supported up to R{arch.last_branch}"
-    return low, arch.last_branch, why
+            low, why = first, f"{arch}, the {word} needs R{first} or newer"
+    if last is not None:
+        why += f", supported up to R{last}"
+    return low, last, why
 
 
-def choose_branch(gpus: Sequence[GpuSeen], distro: Distro, table: DriverTable, min_branch: int) -> BranchChoice:
-    """The newest branch ``distro`` ships that runs every GPU and CUDA 11.8 (>= ``min_branch``)."""
+def choose_branch(gpus: Sequence[GpuSeen], distro: Distro, table: DriverTable, min_branch: int,
+                  catalog=None) -> BranchChoice:
+    """The newest branch ``distro`` ships that runs every GPU and CUDA 11.8 (>= ``min_branch``); a GPU
+    the pinned stack cannot run at all (tasks/gpu_support.py: Kepler, Blackwell) is refused."""
     if not gpus:
         return BranchChoice(None, "", ("no GPU to choose a driver for: nvidia-smi lists none and lspci shows no "
                                        "NVIDIA display controller. Set gpu_override to name the GPU",))
     windows, problems = [], []
     for gpu in gpus:
-        w = _window(gpu, table, min_branch)
+        w = _window(gpu, table, min_branch, catalog)
         (problems.append(w) if isinstance(w, str) else windows.append((gpu, w)))
     if problems:
         return BranchChoice(None, "", tuple(dict.fromkeys(problems)))
@@ -303,6 +294,7 @@ class DriverWant:
     min_branch: int
     table: DriverTable
     unit: str = TRAIN_UNIT
+    catalog: object = None                  # the host's catalog (torch's archs, CUDA's minimum driver)
 
     @property
     def libexec(self) -> str:
@@ -322,9 +314,9 @@ class DriverWant:
 
 
 def driver_want(settings: LabSettings) -> DriverWant:
-    min_driver = str(settings.catalog.artifact("cuda_runfile").get("min_driver"))
     return DriverWant(reboot=settings.driver_reboot, lab_root=settings.lab_root, marker=settings.marker("driver"),
-                      python=settings.launcher_python, min_branch=int(min_driver.split(".")[0]), table=load_table())
+                      python=settings.launcher_python, min_branch=int(min_driver(settings.catalog).split(".")[0]),
+                      table=load_table(), catalog=settings.catalog)
 
 
 @dataclass(frozen=True)
@@ -380,7 +372,7 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
     problems = refusals(want, facts, distro)
     choice = None
     if distro is not None:
-        choice = choose_branch(facts.gpus, distro, want.table, want.min_branch)
+        choice = choose_branch(facts.gpus, distro, want.table, want.min_branch, want.catalog)
         problems += choice.problems
     if problems:
         return DriverPlan("refuse", "pre-checks failed", tuple(problems), choice, distro)
@@ -563,9 +555,9 @@ def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
     facts = gather_facts(settings, want, gpu)
     plan = plan_driver(want, facts)
     if plan.action == "refuse":
-        fail_host(name="NVIDIA driver pre-checks failed (nothing changed)",
-                  message=refusal_text(settings.host, plan.problems))
-        return gpu
+        text = refusal_text(settings.host, plan.problems)
+        fail_host(name="NVIDIA driver pre-checks failed (nothing changed)", message=text)
+        return replace(gpu, refused=text)          # deploy/full.py queues nothing after it
     managed = replace(gpu, driver_stage=f"R{plan.choice.branch.branch}, installed and proven by the driver stage "
                                         "before this stage runs")
     if plan.action == "done":
@@ -589,8 +581,9 @@ def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
     server.shell(name="NVIDIA driver: prove (/proc/driver/nvidia/version, nvidia-smi) and mark",
                  commands=[f"v=$({run.format('prove')}) && {marker}"])
     if gpu.target is None:
-        fail_host(name="GPUs are read before the stages",
-                  message=(f"verl-lab driver: {settings.host}: the NVIDIA driver is installed and proven; the GPU "
-                           "list every later stage plans for is read once, before the stages, when this box had no "
-                           "working driver: re-run the deploy to provision the rest for its GPUs"))
+        text = (f"verl-lab driver: {settings.host}: the NVIDIA driver is installed and proven; the GPU list every "
+                "later stage plans for is read once, before the stages, when this box had no working driver: re-run "
+                "the deploy to provision the rest for its GPUs")
+        fail_host(name="GPUs are read before the stages", message=text)
+        return replace(managed, refused=text)
     return managed

@@ -13,8 +13,9 @@ e.g. for a build box without a GPU), makes the plan (``tasks.plan.make_plan``) a
 * ``train.env``: the unit's EnvironmentFile (0640 root:train_user, no secrets);
 * ``/etc/systemd/system/verl-lab-train.service``: runs the launcher as ``settings.train_user``.
 
-``settings.train_unit_state``: ``installed`` (not enabled), ``enabled`` (default; starts on
-boot), ``started`` (enabled and running now).
+``settings.train_unit_state``: ``installed`` (not enabled; left running if it runs), ``enabled``
+(default; starts on boot), ``started`` (enabled and running now), ``stopped`` (not enabled, and
+stopped now: a running or crash-looping unit is stopped; a re-run keeps it so).
 
 A box without a usable GPU (and no ``gpu_override``), or one whose plan cannot fit, fails this
 stage on that host only, with the reason. Proofs: ``systemd-analyze verify`` of the unit, and
@@ -35,17 +36,17 @@ from pyinfra import host, logger
 from pyinfra.api import deploy
 from pyinfra.operations import files, python, server, systemd
 
-from tasks.cluster import cluster_plan
 from tasks.doctor import diagnose, render
 from tasks.failure import fail_host
 from tasks.facts.bundle import ask
 from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.facts.logs import TrainingRun
 from tasks.placed import marker_command, place, rendered, wanted_dir, wanted_file
-from tasks.plan import PlanError, TrainingPlan, Workload, make_plan, plan_naming_models_that_fit, workload_for
+from tasks.plan import PlanError, TrainingPlan, Workload, workload_for
 from tasks.target import HostTarget
 from tasks.settings import TRAIN_UNIT, LabSettings
 from tasks.status import unit_summary
+from tasks.validation import training_plan
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
 BOX_PACKAGE = Path(__file__).resolve().parent.parent / "verl_lab_box"
@@ -212,11 +213,8 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
         fail_host(name="Training plan needs a GPU", message=gpu.problem or "no GPU target", stage="train")
         return
     target, source = gpu.target, gpu.source
-    try:
-        workload = training_workload(settings, _flash_attn(env_marker))
-        plan = plan_naming_models_that_fit(
-            (lambda w: cluster_plan(cluster_targets, w)) if cluster_targets else (lambda w: make_plan(target, w)),
-            workload, settings.catalog, settings.model_artifact)
+    try:      # the plan the checks before any change made (tasks/validation.py), with what the env has now
+        plan = training_plan(settings, target, cluster_targets, _flash_attn(env_marker))
     except PlanError as exc:
         fail_host(name=f"Training plan for {target.count} x {target.name}", message=str(exc), stage="train")
         return
@@ -235,12 +233,19 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
         systemd.daemon_reload(name="systemd reads the changed unit")
 
     state = settings.train_unit_state
-    want_enabled, want_running = state != "installed", state == "started"
+    want_enabled, want_running = state in ("enabled", "started"), state == "started"
     unit = unit or UnitState.default()
     starts = want_running and (unit_changed or not unit["active"])
+    stops = state == "stopped" and (unit["active"] or unit["crash_looping"])
     if unit_changed or unit["enabled"] != want_enabled:
         systemd.service(name=f"Unit {TRAIN_UNIT}: {'enabled' if want_enabled else 'disabled'}", service=TRAIN_UNIT,
-                        enabled=want_enabled, running=None)     # starting is below
+                        enabled=want_enabled, running=None)     # starting and stopping are below
+    if stops:
+        # a running or crash-looping unit (activating (auto-restart)): `stop` ends both; a re-run finds
+        # it inactive and disabled and queues nothing
+        server.shell(name=f"Unit {TRAIN_UNIT}: stopped (train_unit_state=stopped; it was "
+                          f"{'crash-looping' if unit['crash_looping'] else 'running'})",
+                     commands=[f"systemctl stop {shlex.quote(TRAIN_UNIT)}"])
     if starts:
         # (re)start, whatever state the last run left: a unit that crash-looped into its start limit
         # is reset first. Whether it then trains is the wait's to say, below.
@@ -280,7 +285,7 @@ def wait_until_training(state, host, settings: LabSettings, seconds: float = STA
     while True:
         poll += 1
         run = host.get_fact(TrainingRun, poll=poll, **args)
-        unit_state, words = unit_summary(run["unit"])
+        unit_state, words = unit_summary(run["unit"], run.get("history", ""))
         if PREFLIGHT_PASSED in run["journal"]:
             host.log_styled(f"{TRAIN_UNIT}: past its preflight, training ({words})", log_func=logger.info)
             return True

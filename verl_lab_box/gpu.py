@@ -66,9 +66,16 @@ GPU_NAME_TABLE: tuple[tuple[str, str], ...] = (
     ("p40", "6.1"),
     ("p4", "6.1"),
     ("gtx 1080", "6.1"),
-    # Maxwell and Kepler: boxes whose old driver lacks compute_cap (the driver stage reads the architecture)
+    # GPUs the pinned stack refuses (tasks/gpu_support.py); their old drivers' nvidia-smi lacks compute_cap
     ("m40", "5.2"),
+    ("m60", "5.2"),
     ("k80", "3.7"),
+    ("k40m", "3.5"),
+    ("k40c", "3.5"),
+    ("k20m", "3.5"),
+    ("k20x", "3.5"),
+    ("b200", "10.0"),
+    ("rtx 5090", "12.0"),
 )
 
 # What nvidia-smi prints when something is wrong, mapped to a short cause.

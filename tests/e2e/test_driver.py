@@ -88,7 +88,8 @@ def installed_version(box, package: str) -> str:
     ("runfile", ["NVIDIA's .run installer", "/usr/bin/nvidia-uninstall exists",
                  "installer version 550.107.02", "libcuda.so.550.107.02 belongs to no package"]),
     ("rocky", ["does not know 'Rocky Linux 9.4 (Blue Onyx)'", "ID=rocky"]),
-    ("k80", ["Tesla K80 (3.7): Kepler, whose last driver branch is R470", "CUDA 11.8 needs R520"]),
+    ("k80", ["Tesla K80 (3.7): the pinned stack (torch 2.6.0+cu118, CUDA 11.8) cannot run this GPU",
+             "NVIDIA's last driver branch for Kepler GPUs is R470"]),
     ("h200", ["Debian 12 (bookworm) ships R535; this box needs R550 or newer", "the H200 needs R550"]),
 ])
 def test_refusals_fire_before_any_change(lab, converged, name, said):
