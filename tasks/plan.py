@@ -255,6 +255,9 @@ class MemoryEstimate:
     budget_mib: int                      # what may be used on this GPU
     breakdown: Mapping[str, int] = field(default_factory=dict)
     vllm_gpu_memory_utilization: float | None = None
+    # what the launcher sizes vLLM's share again from at start (verl_lab_box/vllm_share.py): the
+    # engine, the share, vLLM's own MiB, what the process holds when vLLM starts, the KV cache wanted
+    vllm: Mapping[str, Any] | None = None
 
     @property
     def fits(self) -> bool:
@@ -313,6 +316,7 @@ class TrainingPlan:
                 "rollout_tp": self.memory.rollout_tp,
             },
             "vllm_gpu_memory_utilization": self.memory.vllm_gpu_memory_utilization,
+            "vllm": dict(self.estimate.vllm) if self.estimate.vllm else None,
             "predicted_peak_mib": self.estimate.peak_mib,
             "predicted_host_ram_mib": int(self.estimate.breakdown.get("host_ram", 0)),
             "budget_mib": self.estimate.budget_mib,
@@ -961,7 +965,11 @@ def default_estimator(gpu: GpuTarget, workload: Workload, precision: Precision, 
         if vllm.kv_granted_mib < vllm.kv_wanted_mib:
             peak = max(peak, gpu.memory_mib)      # vLLM's share cannot hold one step's sequences
     return MemoryEstimate(peak_mib=peak, budget_mib=gpu_budget_mib(gpu), breakdown=breakdown,
-                          vllm_gpu_memory_utilization=vllm.share if vllm else None)
+                          vllm_gpu_memory_utilization=vllm.share if vllm else None,
+                          vllm={"engine": vllm.engine, "share": vllm.share, "own_mib": round(vllm.own_mib, 1),
+                                "held_at_start_mib": round(vllm.held_at_start_mib, 1),
+                                "kv_wanted_mib": round(vllm.kv_wanted_mib, 1), "gpu_memory_mib": gpu.memory_mib}
+                          if vllm else None)
 
 
 # ---------------------------------------------------------------- host entry and CLI
