@@ -381,8 +381,12 @@ DECODE_PREV_LOGITS = 8.0
 
 
 def generate_peak(shape: ModelShape, batch: int = 1, prompt_len: int = 128, new_tokens: int = 128,
-                  dtype: str = "bf16", attn: str = "sdpa") -> Estimate:
+                  dtype: str = "bf16", attn: str = "sdpa", residual_dtype: str | None = None) -> Estimate:
     """Peak allocated memory of HF ``model.generate`` (greedy), weights included.
+
+    ``residual_dtype``: the dtype of the residual stream (the embedding's output, the norms, the residual adds)
+    when it differs from the matmuls' (``dtype``): generating under half-precision autocast over fp32 weights
+    keeps it fp32 (verl's HF rollout on fp32 plans with an fp16 rollout: GPU call 13, and the T4 profile).
 
     Two moments: the prefill (the prompt's KV cache of every layer, plus the MLP of the last
     layer over all prompt tokens, or eager's score matrix), and the last decode step (the whole
@@ -404,7 +408,8 @@ def generate_peak(shape: ModelShape, batch: int = 1, prompt_len: int = 128, new_
     Tp = batch * prompt_len
     # prefill MLP: silu(gate), up and their product alive together, with the residual stream,
     # the norm output and their neighbours (measured: 4 hidden-sized tensors)
-    prefill_tmp = (3 * w * s.ffn + 4 * w * s.hidden) * Tp
+    r = _bytes(residual_dtype or dtype)
+    prefill_tmp = (3 * w * s.ffn + 4 * r * s.hidden) * Tp
     if attn == "eager":
         E = batch * s.heads * prompt_len * prompt_len
         # masked scores (w), softmax(dtype=fp32) output (4) and, for bf16 input, the fp32 copy
@@ -678,8 +683,9 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         rollout = wl.vllm_rollout_mib if wl.vllm_rollout_mib is not None \
             else wl.vllm_gpu_memory_utilization * wl.gpu_memory_mib
     else:
+        # autocast over fp32 weights (an fp32 plan generating in half precision) keeps the residual stream fp32
         gen = generate_peak(s, wl.rollout_batch, wl.prompt_len, wl.response_len, wl.rollout_dtype,
-                            wl.attn)
+                            wl.attn, residual_dtype=wl.train_dtype if wl.train_dtype == "fp32" else None)
         # the actor's FSDP module generates: its params are already resident; generating in
         # half precision holds one half copy of every weight (FSDP's mixed-precision compute
         # copy, or autocast's casts over fp32 params: measured +1237 MiB on the T4 profile)

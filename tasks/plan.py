@@ -512,7 +512,7 @@ def offload_seconds(gpu: GpuTarget, workload: Workload, precision: Precision, ch
         log_prob_micro_batch=choice.log_prob_micro_batch,
         rollout_chunk=choice.rollout_micro_batch if precision.rollout == "hf" else 0,
         prompt_len=workload.max_prompt_length, response_len=workload.max_response_length, grad_ckpt=choice.grad_ckpt,
-        **{k: getattr(choice, k) for k in OFFLOAD_KNOBS}))
+        rollout_dtype=_MEM_DTYPE[precision.rollout_dtype], **{k: getattr(choice, k) for k in OFFLOAD_KNOBS}))
 
 
 def search_offload(gpu: GpuTarget, workload: Workload, precision: Precision,

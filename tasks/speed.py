@@ -18,7 +18,7 @@ Pure Python, plain values. What it rests on (docs/plan.md, "Speed on the CPU-off
 
 The constants are seconds on the device's H200 (PCIe to its host, its 16 CPUs, torch 2.11): a real
 card's box differs in all of them, so the seconds are a ranking, not a forecast. Where each was
-measured is written beside it.
+measured (or, until the speed runs measure it, inferred) is written beside it.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from dataclasses import dataclass
 GIB = 1024.0 ** 3
 
 # One gather of fp32 parameters from pinned host memory to the GPU, FSDP2's copy-out included, seconds
-# per GiB. inferred from GPU calls 9-10 (GTX 1080 Ti plan, step 2): the ref's log-prob pass, 32 forwards at
-# micro-batch 8 (each gathering the whole 1.84 GiB model), took 4.8 s, about 0.06 s of it compute each.
-GATHER_S_PER_GIB = 0.05
+# per GiB. measured, GPU call 13 (RTX 2080 Ti plan, the model gathered once per pass against once per
+# forward): the ref's log-prob pass saved 1.84 s for 31 gathers of the 1.84 GiB model (0.032 s/GiB; its
+# profile: 1.44 s of host-to-device copies in 32), generation 8.6 s for 255 (0.018 s/GiB)
+GATHER_S_PER_GIB = 0.025
 # One reduction of gradients to the host: the device-to-host copy, seconds per GiB; and the host-side sum
 # when a mini-batch's earlier micro-batches left gradients there (the copy is then blocking, into pageable
 # memory, and torch adds on the host). inferred from the same runs: the update took 68 s for 32
@@ -43,11 +44,16 @@ HOST_SUM_S_PER_GIB = 0.6
 # torch's fused AdamW (patch 0009) took 0.77 s per 10^9 on the same machine and thread, 16x less.
 ADAM_S_PER_GPARAM = 8.0
 FUSED_ADAM_S_PER_GPARAM = ADAM_S_PER_GPARAM * 0.77 / 12.3
-# GPU compute, seconds per 10^12 FLOPs (fp32 on the H200, ~50 TFLOPS achieved; bf16 twice as fast).
-COMPUTE_S_PER_TFLOP = {"fp32": 1 / 50.0, "bf16": 1 / 100.0, "fp16": 1 / 100.0}
-# HF generate(): per decoding step of a chunk, seconds beside the gathers (Python, sampling, kernel
-# launches: a step of 256 sequences took ~0.12 s with its gathers, GPU calls 9-10)
-DECODE_STEP_S = 0.02
+# GPU compute, seconds per 10^12 FLOPs. fp32 measured, GPU call 13: the gathered ref pass, 256 x 512 tokens
+# (129.5 TFLOP at 2 per parameter per token), took 3.87 s (33 TFLOPS: fp32 GEMMs without TF32); half
+# precision inferred at twice that.
+COMPUTE_S_PER_TFLOP = {"fp32": 0.030, "bf16": 0.015, "fp16": 0.015}
+# HF generate(): one decoding step of a chunk, seconds beside its gathers and FLOPs, whatever the chunk's
+# size (calls 9-10: a chunk of 128 took as long as one of 256), in the weights' own dtype and under
+# half-precision autocast over fp32 weights. measured: GPU call 10 (GTX 1080 Ti plan, fp32: 256 steps in
+# 29.8 s with their gathers), call 13 (RTX 2080 Ti plan, fp16 autocast: 39.1 s gathered once); what a step
+# spends it on is to be profiled
+DECODE_STEP_S = {"same": 0.07, "autocast": 0.14}
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class OffloadStep:
     prompt_len: int
     response_len: int
     grad_ckpt: bool = True
+    rollout_dtype: str | None = None     # HF generation's dtype (None: train_dtype); fp16/bf16 over fp32: autocast
     rollout_gather_once: bool = False
     actor_gather_once: bool = False
     ref_gather_once: bool = False
@@ -84,8 +91,11 @@ def offload_step_seconds(step: OffloadStep) -> dict[str, float]:
         chunks = -(-s.sequences // s.rollout_chunk)
         forwards = chunks * s.response_len
         gathers = 1 if s.rollout_gather_once else forwards
-        out["rollout"] = gathers * model_gib * GATHER_S_PER_GIB + forwards * DECODE_STEP_S \
-            + s.sequences * seq * tflop_token * compute
+        gen = s.rollout_dtype or s.train_dtype
+        autocast = gen != s.train_dtype and s.train_dtype == "fp32"
+        out["rollout"] = gathers * model_gib * GATHER_S_PER_GIB \
+            + forwards * DECODE_STEP_S["autocast" if autocast else "same"] \
+            + s.sequences * seq * tflop_token * COMPUTE_S_PER_TFLOP[gen]
     passes = -(-s.sequences // s.log_prob_micro_batch)
     for name, once in (("actor_log_prob", s.actor_gather_once), ("ref_log_prob", s.ref_gather_once)):
         out[name] = (1 if once else passes) * model_gib * GATHER_S_PER_GIB + s.sequences * seq * tflop_token * compute

@@ -76,8 +76,8 @@ GRPO_FSDP2 = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "
 
 # issue 29: the 8-12 GB cards' plans as they were before the speed work (code "speed-before": the planning code
 # and verl patches of SPEED_BEFORE_REF) and as they are now, one at a time, 2 steps each (prompts/s over step 2,
-# validation off); the probe profiles step 1's update and ref pass (step 2 runs unprofiled)
-SPEED_PROBE_PROFILE = "update_actor,compute_ref_log_prob"
+# validation off); the probe profiles windows of step 1's generation and update (step 2 runs unprofiled)
+SPEED_PROBE_PROFILE = "generate_sequences@6,update_actor@4"    # windows: 6 decoding steps, 4 update micro-batches
 SPEED_CARDS = (("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, "auto", "GTX 1080 (8 GiB)"),
                ("rtx3060", "NVIDIA GeForce RTX 3060", "8.6", 12288, "hf", "RTX 3060 (12 GiB)"),
                ("rtx2080ti", "NVIDIA GeForce RTX 2080 Ti", "7.5", 11264, "hf", "RTX 2080 Ti (11 GiB)"))

@@ -180,7 +180,8 @@ def read_profiles(folder: Path) -> list[dict]:
             table = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        out.append({"phase": table.get("phase"), "call": table.get("call"), "wall_s": table.get("wall_s"),
+        out.append({"phase": table.get("phase"), "call": table.get("call"), "forwards": table.get("forwards"),
+                    "wall_s": table.get("wall_s"),
                     "categories": table.get("categories") or {}, "top_self_cpu": (table.get("top_self_cpu") or [])[:8],
                     "top_self_device": (table.get("top_self_device") or [])[:8]})
     return out
@@ -349,20 +350,21 @@ def speed_markdown(rows: list[dict]) -> str:
 def time_markdown(rows: list[dict]) -> str:
     """Where a step's time goes: each phase's seconds over calls 2.. with the actor's splits, and the profiled
     calls' categories (ms; CPU ranges are inclusive CPU time, copies and kernels device time)."""
-    lines = ["| profile | phase | s | forward s (calls) | optimizer step s (calls) |", "|---|---|---|---|---|"]
+    splits = ("forward", "backward", "optimizer_step", "adamw_step")
+    lines = _header("| profile | phase | s | " + " | ".join(f"{k.replace('_', ' ')} s (calls)" for k in splits) + " |")
     for r in rows:
         for phase in PHASE_ORDER:
             p = (r.get("step_phases") or {}).get(phase)
             if p:
-                lines.append(f"| {r['profile']} | {phase} | {p['seconds']} | "
-                             f"{p.get('forward_s', '-')} ({p.get('forward_calls', '-')}) | "
-                             f"{p.get('optimizer_step_s', '-')} ({p.get('optimizer_step_calls', '-')}) |")
+                lines.append(f"| {r['profile']} | {phase} | {p['seconds']} | " + " | ".join(
+                    f"{p.get(k + '_s', '-')} ({p.get(k + '_calls', '-')})" for k in splits) + " |")
     lines += ["", "| profile | profiled call | wall s | category: ms (count) |", "|---|---|---|---|"]
     for r in rows:
         for prof in r.get("profiles") or []:
             cats = sorted(prof["categories"].items(), key=lambda kv: -(kv[1].get("ms") or 0))
             text = "; ".join(f"{k}: {v['ms']:.0f}" + (f" ({v['count']})" if v.get("count") else "") for k, v in cats[:9])
-            lines.append(f"| {r['profile']} | {prof['phase']}:{prof['call']} | {prof['wall_s']} | {text} |")
+            window = f" ({prof['forwards']} forwards)" if prof.get("forwards") else ""
+            lines.append(f"| {r['profile']} | {prof['phase']}:{prof['call']}{window} | {prof['wall_s']} | {text} |")
     threads = [f"{r['profile']}: {r['threads']['torch_threads']} (OMP_NUM_THREADS {r['threads']['omp_num_threads']}, "
                f"{r['threads']['cpus_allowed']} CPUs)" for r in rows if r.get("threads")]
     if threads:
