@@ -174,7 +174,7 @@ def gpus_at_launch(count):
 
 
 def holders(gpus):
-    """Who holds memory on ``gpus``, in words: "GPU 0: /usr/bin/python3 (pid 77102, 1006 MiB), ..."."""
+    """Who holds memory on ``gpus``, largest first: "GPU 0: 1008 MiB in use by /usr/bin/python3 (pid 77102, 1006 MiB)"."""
     words = []
     for g in gpus:
         procs = sorted(g.processes, key=lambda p: -(p[2] or 0))
@@ -234,7 +234,9 @@ def check_vllm_share(rep, launch):
     it by the total CUDA counts (nvidia-smi's used + free). The share that keeps the plan's KV cache
     becomes the override; above 1.0 (vLLM refuses it) the check fails."""
     if not launch.vllm:
-        rep.skip("vllm share", "the plan's rollout is not vLLM")
+        rep.skip("vllm share", "the plan's share is passed as it is: plan.json has no vllm section (written by an "
+                               "older deploy/train.py: re-run it)" if "actor_rollout_ref.rollout.name=vllm" in
+                 launch.overrides else "the plan's rollout is not vLLM")
         return
     if any(e.lstrip("+").startswith(SHARE_KEY + "=") for e in launch.extra):
         rep.skip("vllm share", f"{SHARE_KEY} is given by hand after --: not sized again")

@@ -154,7 +154,7 @@ def test_a_share_above_what_vllm_takes_fails_with_the_numbers(tmp_path):
     assert "vllm-share-at-launch" in [f.rule for f in diagnose("box", {"preflight": out.stdout}).findings]
 
 
-def test_a_share_given_by_hand_or_an_hf_plan_is_left_alone(tmp_path):
+def test_a_share_given_by_hand_an_hf_plan_or_an_older_plan_is_left_alone(tmp_path):
     box = gpu_box(tmp_path, *RTX3090, "rtx3090-display.txt")
     out, would_run = check(box, "--", f"{SHARE}=0.5")
     assert f"skip  vllm share: {SHARE} is given by hand after --: not sized again" in out.stdout
@@ -162,6 +162,13 @@ def test_a_share_given_by_hand_or_an_hf_plan_is_left_alone(tmp_path):
     hf = gpu_box(tmp_path / "hf", *RTX3090, "rtx3090-display.txt", workload={"rollout": "hf"})
     out, would_run = check(hf)
     assert "skip  vllm share: the plan's rollout is not vLLM" in out.stdout and SHARE not in would_run
+    plan_file = Path(box["layout"].plan_file)
+    plan = json.loads(plan_file.read_text())
+    del plan["launch"]["vllm"]                                # a plan.json from before the share was recorded
+    plan_file.write_text(json.dumps(plan))
+    out, would_run = check(box)
+    assert "skip  vllm share: the plan's share is passed as it is: plan.json has no vllm section" in out.stdout
+    assert f"{SHARE}=0.42" in would_run
 
 
 def test_the_sized_share_is_what_the_launcher_execs(tmp_path, monkeypatch):
