@@ -239,6 +239,7 @@ class Pipeline:
         """For the nonenv stages: the venv (pyarrow, huggingface_hub) the data stage runs in."""
         if self.stages != "nonenv":
             return
+        from tests.fixtures.standins.fleet import data_wheelhouse
         house = data_wheelhouse()
         box = self.lab.box(name)
         dest = box.root / "var/tmp/wheels"
@@ -249,18 +250,6 @@ class Pipeline:
 
     def deploy(self, hosts=None, **kw):
         return self.lab.deploy(self.deploy_file, data=self.data, hosts=hosts, timeout=kw.pop("timeout", 1800), **kw)
-
-
-def data_wheelhouse() -> Path:
-    from tests.lab.lab import work_base
-    dest = work_base() / "wheelhouse-data"
-    stamp = dest / ".complete"
-    if not stamp.exists():
-        dest.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--dest", str(dest), "pyarrow",
-                        "huggingface_hub"], check=True)
-        stamp.write_text("ok\n")
-    return dest
 
 
 # ------------------------------------------------------------------ running pyinfra

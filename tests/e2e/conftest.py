@@ -1,19 +1,31 @@
-"""End-to-end fixtures: ``lab_factory`` boots lab-in-a-box hosts (tests/lab).
+"""End-to-end fixtures: labs of lab-in-a-box hosts (tests/lab), torn down even when a test fails.
 
     def test_x(lab_factory):
         lab = lab_factory(["p40", "t4"])          # a started Lab with these boxes booted
         lab.deploy("deploy/full.py").assert_ok()
 
-Labs made by one factory live until the end of the test module (boxes are cheap to boot but
-a module's tests usually build on one converge), and are torn down even when a test fails.
-Every test here is skipped, with the reason, only when the machine cannot run boxes at all
-(not root, or systemd-nspawn / debootstrap / ssh missing); CI installs them (see .ci/run).
+    def test_y(fleet_lab):                        # the converged fleet, shared (below)
+        fleet_lab.box("t4").ssh("id verl")
+
+Labs made by one ``lab_factory`` live until the end of the test module (boxes are cheap to boot
+but a module's tests usually build on one converge). A converge of deploy/full.py is not cheap
+(each box builds a Python env), so the modules that only read a converged box, or change it and
+put it back, share one: ``fleet_lab``, booted and converged once per test run (``SHARED_LABS``;
+tests/conftest.py sends every test that uses it to one pytest-xdist worker). A module whose test
+needs a box nobody converged, or breaks one on purpose, boots its own.
+
+Every lab is torn down at the end of its scope, on a failure, and on SIGTERM (made an interrupt,
+after which pytest runs the fixture finalizers). Every test here is skipped, with the reason, only
+when the machine cannot run boxes at all (not root, or systemd-nspawn / debootstrap / ssh missing);
+CI installs them (see .ci/run).
 """
 
 from __future__ import annotations
 
+import secrets
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,6 +34,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from tests.e2e.shared_labs import FLEET_BOXES, FLEET_FRESH, SHARED_LABS, Fleet, converge_sampling_argv  # noqa: E402
+from tests.fixtures.standins import fleet as standins  # noqa: E402
 from tests.lab import BoxSpec, Lab, requirements_missing  # noqa: E402
 
 
@@ -30,37 +44,75 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
+        module = item.nodeid.split("::", 1)[0]
+        for lab, modules in SHARED_LABS.items():
+            if lab in getattr(item, "fixturenames", ()) and module not in modules:
+                raise pytest.UsageError(f"{item.nodeid} uses the shared lab {lab}: add {module} to its modules in "
+                                        "tests/e2e/shared_labs.py SHARED_LABS (one pytest-xdist work unit per lab)")
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-@pytest.fixture(scope="module")
-def lab_factory(request):
+@contextmanager
+def labs():
+    """``make(boxes, **lab_kwargs)`` starts a Lab and boots ``boxes``; every lab it made is closed
+    on the way out, whatever happened."""
     why = requirements_missing()
     if why:
         pytest.skip(f"lab in a box unavailable: {why}")
-    labs: list[Lab] = []
+    made: list[Lab] = []
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        # a SIGTERM (CI timeout, `kill`) must still tear the boxes down: make it an interrupt,
-        # after which pytest runs the fixture finalizers
+        # a SIGTERM (CI timeout, `kill`, the xdist controller passing one on) must still tear
+        # the boxes down: make it an interrupt, after which pytest runs the fixture finalizers
         signal.signal(signal.SIGTERM, _interrupt)
 
     def make(boxes=(), **lab_kwargs) -> Lab:
         lab = Lab(**lab_kwargs)
-        labs.append(lab)
+        made.append(lab)
         lab.start()
         if boxes:
             lab.boot([BoxSpec.of(b) for b in boxes])
         return lab
 
-    yield make
-    errors = []
-    for lab in reversed(labs):
-        try:
-            lab.close()
-        except Exception as exc:   # noqa: BLE001 - report every lab's teardown problem
-            errors.append(str(exc))
-    if errors:
-        raise RuntimeError("; ".join(errors))
+    try:
+        yield make
+    finally:
+        errors = []
+        for lab in reversed(made):
+            try:
+                lab.close()
+            except Exception as exc:   # noqa: BLE001 - report every lab's teardown problem
+                errors.append(str(exc))
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+
+@pytest.fixture(scope="module")
+def lab_factory():
+    with labs() as make:
+        yield make
+
+
+# ------------------------------------------------------------------ shared labs (tests/e2e/shared_labs.py)
+
+@pytest.fixture(scope="session")
+def fleet_lab(tmp_path_factory):
+    """Three boxes (a P40 and a T4 in relay mode, an RTX 3090 in direct mode) converged once by
+    deploy/full.py with every stage's stand-ins and an HF token the endpoint stand-in requires
+    (``hf_token_file``), and a fresh V100 box nothing converges. Users: tests/e2e/test_foundation.py
+    (the converge, verify, idempotence, drift put back, a bad inventory), test_security.py (the
+    unit's user, file modes, the token nowhere). A test that changes a box puts it back and proves
+    the fleet converged again (a re-run changes nothing)."""
+    token = "hf_" + secrets.token_urlsafe(24)
+    token_file = tmp_path_factory.mktemp("secret") / "hf_token"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    with labs() as make:
+        lab = make([*FLEET_BOXES, BoxSpec(FLEET_FRESH, gpu="v100")])
+        with standins.published(lab, token=token) as data:
+            fleet = Fleet(lab, {**data, "hf_token_file": str(token_file)},
+                          {name: {"artifact_mode": mode} for name, mode in FLEET_BOXES.items()}, token, token_file)
+            converge_sampling_argv(fleet)
+            yield fleet

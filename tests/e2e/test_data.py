@@ -15,15 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures.standins import fleet
 from tests.fixtures.standins.hf_endpoint import DATASET_REPO, MODEL_REPO, catalog_overrides, standard_endpoint
 from tests.lab import BoxSpec
-from tests.lab.lab import work_base
 
 ENV_PREFIX = "/opt/verl-lab/envs/verl"
 LAB_ROOT = "/opt/verl-lab"
@@ -43,11 +41,7 @@ def endpoint():
 
 @pytest.fixture(scope="module")
 def wheelhouse():
-    dest = work_base() / "wheelhouse-data"
-    dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--dest", str(dest), "pyarrow",
-                    "huggingface_hub"], check=True)
-    return dest
+    return fleet.data_wheelhouse()
 
 
 @pytest.fixture(scope="module")

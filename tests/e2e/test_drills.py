@@ -661,65 +661,68 @@ def env_python(lab, code: str) -> str:
     return test_env.ssh(lab, f"cd / && {test_env.PY} -c {json.dumps(code)}").stdout.strip()
 
 
-def test_env_broken_three_ways_is_named_and_rebuilt(env_lab):
-    lab = env_lab
-    assert health(lab)["healthy"]
-    before = test_env.link(lab, ENV)
-    # 1. an Apex extension deleted
-    ext = env_python(lab, "import amp_C; print(amp_C.__file__)")
-    test_env.ssh(lab, f"rm -f {ext}")
-    h = health(lab)
-    # the proof names it, and so does the RECORD check of the installed files
-    assert h["broken"] == ["apex", "files"], h
-    assert "amp_C" in h["checks"]["apex"]["detail"]
-    assert "amp_C" in h["checks"]["files"]["detail"], h["checks"]["files"]
-    # 2. a project patch reverted in the verl checkout
-    test_env.ssh(lab, f"git -C {test_env.VERL_SRC} apply -R {PATCH_0001}")
-    h = health(lab)
-    assert "verl" in h["broken"] and "apex" in h["broken"], h
-    assert "autocast_dtype_of" in h["checks"]["verl"]["detail"], h["checks"]["verl"]
-    # 3. verl's install removed from the env
-    test_env.ssh(lab, f"{test_env.PY} -m pip uninstall -y -q verl")
-    h = health(lab)
-    assert {"apex", "verl", "compose"} <= set(h["broken"]), h
-    assert "No module named 'verl'" in h["checks"]["verl"]["detail"], h["checks"]["verl"]
-    # the marker still names the old generation: the stage decides from the fact, not the marker
-    assert test_env.marker(lab)["generation"] == before
+class TestEnvDrill:
+    """Drill 5, on a lab of its own (``env_lab``): a pytest-xdist work unit of its own, beside drills
+    1-4 (tests/conftest.py)."""
 
-    test_env.deploy(lab, "deploy/rebuild.py").assert_ok()
-    after = test_env.link(lab, ENV)
-    assert after != before and test_env.link(lab, f"{ENV}.prev") == before
-    h = health(lab)
-    assert h["healthy"], h
-    assert test_env.marker(lab)["generation"] == after
-    test_env.ssh(lab, f"git -C {test_env.VERL_SRC} apply -R --check {PATCH_0001}")    # applied again
-    test_env.deploy(lab).assert_idempotent()
+    def test_env_broken_three_ways_is_named_and_rebuilt(self, env_lab):
+        lab = env_lab
+        assert health(lab)["healthy"]
+        before = test_env.link(lab, ENV)
+        # 1. an Apex extension deleted
+        ext = env_python(lab, "import amp_C; print(amp_C.__file__)")
+        test_env.ssh(lab, f"rm -f {ext}")
+        h = health(lab)
+        # the proof names it, and so does the RECORD check of the installed files
+        assert h["broken"] == ["apex", "files"], h
+        assert "amp_C" in h["checks"]["apex"]["detail"]
+        assert "amp_C" in h["checks"]["files"]["detail"], h["checks"]["files"]
+        # 2. a project patch reverted in the verl checkout
+        test_env.ssh(lab, f"git -C {test_env.VERL_SRC} apply -R {PATCH_0001}")
+        h = health(lab)
+        assert "verl" in h["broken"] and "apex" in h["broken"], h
+        assert "autocast_dtype_of" in h["checks"]["verl"]["detail"], h["checks"]["verl"]
+        # 3. verl's install removed from the env
+        test_env.ssh(lab, f"{test_env.PY} -m pip uninstall -y -q verl")
+        h = health(lab)
+        assert {"apex", "verl", "compose"} <= set(h["broken"]), h
+        assert "No module named 'verl'" in h["checks"]["verl"]["detail"], h["checks"]["verl"]
+        # the marker still names the old generation: the stage decides from the fact, not the marker
+        assert test_env.marker(lab)["generation"] == before
 
+        test_env.deploy(lab, "deploy/rebuild.py").assert_ok()
+        after = test_env.link(lab, ENV)
+        assert after != before and test_env.link(lab, f"{ENV}.prev") == before
+        h = health(lab)
+        assert h["healthy"], h
+        assert test_env.marker(lab)["generation"] == after
+        test_env.ssh(lab, f"git -C {test_env.VERL_SRC} apply -R --check {PATCH_0001}")    # applied again
+        test_env.deploy(lab).assert_idempotent()
 
-def test_killed_rebuild_leaves_the_old_env_working(env_lab):
-    """deploy/rebuild.py killed while pip fills the new generation: the env link, the marker
-    and the env itself are as they were; the next run of the stage has nothing to do."""
-    lab = env_lab
-    current = test_env.link(lab, ENV)
-    marker = test_env.marker(lab)
-    nxt = f"{ENV}.gen{int(current.rsplit('gen', 1)[1]) + 1}"
-    state = {"last": 0.0, "since": None}
+    def test_killed_rebuild_leaves_the_old_env_working(self, env_lab):
+        """deploy/rebuild.py killed while pip fills the new generation: the env link, the marker
+        and the env itself are as they were; the next run of the stage has nothing to do."""
+        lab = env_lab
+        current = test_env.link(lab, ENV)
+        marker = test_env.marker(lab)
+        nxt = f"{ENV}.gen{int(current.rsplit('gen', 1)[1]) + 1}"
+        state = {"last": 0.0, "since": None}
 
-    def filling(line):
-        now = time.monotonic()
-        if state["since"] is None and now - state["last"] > 1.0:
-            state["last"] = now
-            probe_cmd = f"ls -d {nxt}/lib/python3*/site-packages/torch 2>/dev/null"
-            if test_env.ssh(lab, probe_cmd, check=False).stdout.strip():
-                state["since"] = now
-        return state["since"] is not None and now - state["since"] > 2.0
+        def filling(line):
+            now = time.monotonic()
+            if state["since"] is None and now - state["last"] > 1.0:
+                state["last"] = now
+                probe_cmd = f"ls -d {nxt}/lib/python3*/site-packages/torch 2>/dev/null"
+                if test_env.ssh(lab, probe_cmd, check=False).stdout.strip():
+                    state["since"] = now
+            return state["since"] is not None and now - state["since"] > 2.0
 
-    data = {"mirror_urls": {**lab.mirror_urls, "pypi": env_standin.pypi_base(lab.mirror_url)},
-            "catalog_overrides": lab.pyenv_overrides, "env_backend": "venv", "venv_python": "python3"}
-    killed = run(lab, ("deploy/rebuild.py",), [test_env.BOX], data, trigger=filling, timeout=600)
-    assert isinstance(killed, Killed) and state["since"] is not None, "the rebuild was not caught filling its env"
-    assert lab.box(test_env.BOX).exists(nxt), "no half-built generation: the kill came too late"
-    assert test_env.link(lab, ENV) == current
-    assert test_env.marker(lab) == marker
-    assert health(lab)["healthy"]
-    test_env.deploy(lab).assert_idempotent()
+        data = {"mirror_urls": {**lab.mirror_urls, "pypi": env_standin.pypi_base(lab.mirror_url)},
+                "catalog_overrides": lab.pyenv_overrides, "env_backend": "venv", "venv_python": "python3"}
+        killed = run(lab, ("deploy/rebuild.py",), [test_env.BOX], data, trigger=filling, timeout=600)
+        assert isinstance(killed, Killed) and state["since"] is not None, "the rebuild was not caught filling its env"
+        assert lab.box(test_env.BOX).exists(nxt), "no half-built generation: the kill came too late"
+        assert test_env.link(lab, ENV) == current
+        assert test_env.marker(lab) == marker
+        assert health(lab)["healthy"]
+        test_env.deploy(lab).assert_idempotent()

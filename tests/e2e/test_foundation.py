@@ -1,7 +1,12 @@
 """The Foundation issue's must-shows, on real boxes over SSH (Molecule's order):
 create -> converge (deploy/full.py, every stage, with every stage's stand-ins) -> verify on
 each box -> idempotence (zero changed operations) -> a bad inventory fails before any host
-changes -> destroy (the fixture)."""
+changes -> destroy (the fixture).
+
+The boxes are the converged fleet (tests/e2e/conftest.py ``fleet_lab``): booted and converged
+once per run, its first converge ran on never-converged boxes and is what this module verifies;
+test_security.py reads the same converge. A test here that changes a box puts it back and proves
+a re-run changes nothing again."""
 
 from __future__ import annotations
 
@@ -12,30 +17,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.standins import fleet
-from tests.lab import BoxSpec
+from tests.e2e.shared_labs import FLEET_BOXES, FLEET_FRESH
 
 REPO = Path(__file__).resolve().parents[2]
-BOXES = ["p40", "t4", "rtx3090"]
-FRESH = "fresh"          # never converged: proves a failed run touched nothing
+BOXES = list(FLEET_BOXES)
+FRESH = FLEET_FRESH      # never converged: proves a failed run touched nothing
 
 
 @pytest.fixture(scope="module")
-def lab(lab_factory):
-    return lab_factory([*BOXES, BoxSpec(FRESH, gpu="v100")])
+def lab(fleet_lab):
+    return fleet_lab.lab
 
 
 @pytest.fixture(scope="module")
-def fleet_data(lab):
-    with fleet.published(lab) as data:
-        yield data
-
-
-@pytest.fixture(scope="module")
-def converged(lab, fleet_data):
-    res = lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES)
-    res.assert_ok()
-    return res
+def converged(fleet_lab):
+    fleet_lab.converge.assert_ok()
+    return fleet_lab.converge
 
 
 # ---------------------------------------------------------------- the harness itself
@@ -128,18 +125,18 @@ def test_verify_every_stage_on_each_box(lab, converged, name):
     assert box.ssh("systemctl is-enabled verl-lab-train.service").stdout.strip() == "enabled"
 
 
-def test_second_run_changes_nothing(lab, fleet_data, converged):
-    lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES).assert_idempotent()
+def test_second_run_changes_nothing(fleet_lab, converged):
+    fleet_lab.deploy().assert_idempotent()
 
 
-def test_text_mode_sees_one_drifted_box(lab, fleet_data, converged):
+def test_text_mode_sees_one_drifted_box(lab, fleet_lab, converged):
     """The plain (no --json) output is parsed too: drift on one box = changes on that box only."""
     lab.box("t4").ssh("chmod 700 /opt/verl-lab/cache")
-    res = lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES, mode="text").assert_ok()
+    res = fleet_lab.deploy(mode="text").assert_ok()
     assert res.changed_by_host == {"p40": 0, "t4": 1, "rtx3090": 0}, res
     assert res.changed == 1
     assert lab.box("t4").stat("/opt/verl-lab/cache")[0] == "750"
-    lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES, mode="text").assert_idempotent()
+    fleet_lab.deploy(mode="text").assert_idempotent()
 
 
 DRIFTED = {   # file -> (how it is damaged, what the stage puts back: mode, owner, group)
@@ -152,7 +149,7 @@ DRIFTED = {   # file -> (how it is damaged, what the stage puts back: mode, owne
 }
 
 
-def test_files_the_stages_render_are_put_back(lab, fleet_data, converged):
+def test_files_the_stages_render_are_put_back(lab, fleet_lab, converged):
     """The stages decide from one fact per stage (tasks/placed.py) but still repair drift: an
     edited, re-moded, re-owned or replaced file on one box is rewritten there, and only there."""
     box = lab.box("p40")
@@ -163,7 +160,7 @@ def test_files_the_stages_render_are_put_back(lab, fleet_data, converged):
     for path, (damage, _) in DRIFTED.items():
         box.ssh(damage.format(p=path))
     assert box.ssh(reload).stdout.strip() == "yes", "systemd did not notice the edited unit"
-    res = lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES).assert_ok()
+    res = fleet_lab.deploy().assert_ok()
     assert res.changed_by_host["t4"] == 0 and res.changed_by_host["rtx3090"] == 0, res
     assert res.changed_by_host["p40"] >= len(DRIFTED), res
     for path, (_, want) in DRIFTED.items():
@@ -174,7 +171,7 @@ def test_files_the_stages_render_are_put_back(lab, fleet_data, converged):
     local = REPO / "files" / "patches" / "verl-0.5.0" / patch.rsplit("/", 1)[-1]
     assert box.ssh(f"sha1sum {patch} | cut -d' ' -f1").stdout.strip() == hashlib.sha1(local.read_bytes()).hexdigest()
     assert box.ssh(reload).stdout.strip() == "no", "the rewritten unit was not reloaded"
-    lab.deploy("deploy/full.py", data=fleet_data, hosts=BOXES).assert_idempotent()
+    fleet_lab.deploy().assert_idempotent()
 
 
 # ---------------------------------------------------------------- a bad inventory touches nothing
@@ -190,8 +187,8 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("key,bad,fix", BAD_VALUES,
                          ids=["mirror_profile", "mirror_urls", "ssh_key", "catalog_overrides", "near_miss"])
-def test_bad_inventory_fails_before_any_change(lab, key, bad, fix):
-    res = lab.deploy("deploy/full.py", hosts=[*BOXES, FRESH], per_host={FRESH: bad})
+def test_bad_inventory_fails_before_any_change(lab, fleet_lab, key, bad, fix):
+    res = fleet_lab.deploy(hosts=[*BOXES, FRESH], per_host={FRESH: bad})
     out = res.output
     assert res.rc != 0, out
     assert res.changed == 0 and not res.ran_operations, out

@@ -1,5 +1,7 @@
 """Security checks on a full converge (deploy/full.py, every stage, every stand-in via
-tests/fixtures/standins/fleet.py) of two boxes, one relay and one direct, with an HF token:
+tests/fixtures/standins/fleet.py) with an HF token: the converged fleet of tests/e2e/conftest.py
+(``fleet_lab``: two relay boxes and a direct one, converged once per run with ``hf_token_file``;
+test_foundation.py verifies the same converge and puts back what it changes):
 
 - the training unit runs as the unprivileged train user, never root (the unit file and what
   systemd loaded); its `systemd-analyze security` exposure is recorded (docs/drills.md) and must
@@ -7,7 +9,7 @@ tests/fixtures/standins/fleet.py) of two boxes, one relay and one direct, with a
 - no file or folder verl-lab writes is world-writable (lab_root, the env generations, the CUDA
   prefix, the install tmpdir, the unit file), symlinks aside;
 - the token (a fresh random one, given as hf_token_file; the HF endpoint stand-in refuses
-  requests without it) appears in no process argv while the deploy runs (the controller's and
+  requests without it) appears in no process argv while the converge runs (the controller's and
   the boxes' processes, sampled), in no log (each box's journal, /var/log, lab_root, /etc,
   /tmp, /var/tmp), and not in pyinfra's output or anything the controller wrote. The one place
   it may be is <lab_root>/secrets/hf_token on the direct box (root, 0600, in a 0700 folder).
@@ -16,21 +18,18 @@ tests/fixtures/standins/fleet.py) of two boxes, one relay and one direct, with a
 from __future__ import annotations
 
 import re
-import secrets
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures.standins import fleet
-from tests.lab import BoxSpec
+from tests.e2e.shared_labs import FLEET_BOXES
 
 REPO = Path(__file__).resolve().parents[2]
 LAB_ROOT = "/opt/verl-lab"
 UNIT = "verl-lab-train.service"
 UNIT_FILE = f"/etc/systemd/system/{UNIT}"
-BOXES = {"secr": "relay", "secd": "direct"}
+BOXES = FLEET_BOXES          # box -> artifact_mode
 SECRET_FILE = f"{LAB_ROOT}/secrets/hf_token"
 # systemd-analyze security's overall exposure for the unit as the template renders it today
 # (docs/drills.md); lower is better. A change that raises it fails here.
@@ -39,40 +38,15 @@ WRITTEN_BY_VERL_LAB = (LAB_ROOT, "/usr/local/cuda-11.8", "/var/tmp/verl-lab")
 
 
 @pytest.fixture(scope="module")
-def token(tmp_path_factory):
-    value = "hf_" + secrets.token_urlsafe(24)
-    path = tmp_path_factory.mktemp("secret") / "hf_token"
-    path.write_text(value + "\n")
-    path.chmod(0o600)
-    return value, path
+def token(fleet_lab):
+    return fleet_lab.token, fleet_lab.token_file
 
 
 @pytest.fixture(scope="module")
-def converged(lab_factory, token):
-    value, path = token
-    lab = lab_factory([BoxSpec("secr", gpu="t4"), BoxSpec("secd", gpu="rtx3090")])
-    with fleet.published(lab, token=value) as data:
-        seen: list[str] = []
-        done = threading.Event()
-
-        def sample():
-            # every process on this machine: the controller and, through nspawn, the boxes
-            while not done.is_set():
-                out = subprocess.run(["ps", "-eww", "-o", "args="], capture_output=True, text=True).stdout
-                seen.extend(line for line in out.splitlines() if value in line)
-                done.wait(0.25)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            res = lab.deploy("deploy/full.py", data={**data, "hf_token_file": str(path)},
-                             per_host={n: {"artifact_mode": m} for n, m in BOXES.items()}, timeout=1500)
-        finally:
-            done.set()
-            sampler.join()
-        res.assert_ok()
-        lab.security = {"result": res, "argv_hits": seen}
-        yield lab
+def converged(fleet_lab):
+    fleet_lab.converge.assert_ok()
+    assert sorted(set(BOXES.values())) == ["direct", "relay"], "the fleet has a box of each artifact mode"
+    return fleet_lab.lab
 
 
 # ---------------------------------------------------------------- the unit
@@ -97,7 +71,7 @@ def exposure(box) -> tuple[float, str]:
 
 
 def test_systemd_analyze_security_exposure(converged):
-    score, out = exposure(converged.box("secr"))
+    score, out = exposure(converged.box("t4"))
     print(f"systemd-analyze security {UNIT}: {score}")
     print("\n".join(line for line in out.splitlines() if line.startswith("✗")))
     assert score <= EXPOSURE_LIMIT, f"exposure {score} > {EXPOSURE_LIMIT} recorded in docs/drills.md:\n{out}"
@@ -119,13 +93,13 @@ def test_nothing_verl_lab_writes_is_world_writable(converged, name):
 
 # ---------------------------------------------------------------- the token
 
-def test_token_in_no_process_argv(converged):
-    assert converged.security["argv_hits"] == []
+def test_token_in_no_process_argv(fleet_lab, converged):
+    assert fleet_lab.argv_hits == []
 
 
-def test_token_in_no_pyinfra_output(converged, token):
+def test_token_in_no_pyinfra_output(fleet_lab, converged, token):
     value, _ = token
-    res = converged.security["result"]
+    res = fleet_lab.converge
     assert value not in res.stdout and value not in res.stderr
     debug_log = REPO / "pyinfra-debug.log"
     if debug_log.exists():

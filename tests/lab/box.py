@@ -310,10 +310,9 @@ def stop_box(rec: Mapping[str, Any], *, timeout: float = 20, ssh: list[str] | No
     unmount_root(root)
     box_dir = Path(rec["dir"])
     if box_dir.exists():
-        if rec.get("overlay", True):
-            remove_tree(box_dir)        # only the box's own writes: small
-        else:
-            remove_tree_later(box_dir)  # a full rootfs copy: ~30 s to delete on a discard-mounted disk
+        # a full rootfs copy takes ~30 s to delete on a discard-mounted disk, and an overlay's own
+        # writes can be GBs too (Python env generations): teardown does not wait for either
+        remove_tree_later(box_dir)
 
 
 def _wait_gone(pid, start, proc, timeout):

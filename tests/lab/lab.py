@@ -22,6 +22,7 @@ import secrets
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -113,12 +114,17 @@ class Lab:
     def close(self, keep_dir: bool = False) -> None:
         """Stop every box (poweroff, then PID), the mirror, and remove the boxes' copies."""
         errors = []
-        for box in list(self.boxes.values()):
-            try:
-                box.stop()
-            except Exception as exc:      # keep stopping the others
-                errors.append(f"{box.name}: {exc}")
-            self.boxes.pop(box.name, None)
+        boxes = list(self.boxes.values())
+        if boxes:
+            # side by side: each box's poweroff waits for its systemd to finish
+            with ThreadPoolExecutor(len(boxes)) as pool:
+                stops = [(box, pool.submit(box.stop)) for box in boxes]
+            for box, stop in stops:
+                try:
+                    stop.result()
+                except Exception as exc:      # report every box
+                    errors.append(f"{box.name}: {exc}")
+                self.boxes.pop(box.name, None)
             self._save()
         self.mirror.stop()
         if self._mirror_proc is not None:

@@ -9,15 +9,15 @@ rebuilt, never used.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import re
 import shutil
 import subprocess
 import time
-from contextlib import contextmanager
 from pathlib import Path
+
+from tests.lab.cachelock import locked
 
 SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
@@ -64,23 +64,12 @@ def is_complete(path: Path) -> bool:
     return (path / STAMP).is_file()
 
 
-@contextmanager
-def _locked(lock_path: Path):
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure_rootfs(log=print) -> Path:
     """Return the cached rootfs, building it first when it is missing or incomplete."""
     target = cached_rootfs()
     if is_complete(target):
         return target
-    with _locked(cache_dir() / "rootfs.lock"):
+    with locked(cache_dir() / "rootfs.lock"):
         if is_complete(target):           # another run built it while we waited
             return target
         if target.exists():

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from tasks.plan import DOC_GPUS, DOC_MIXED, GpuTarget, PlanError, make_plan  # noqa: E402
 from tasks.verl_config import ADDED_KEYS, CONFIG_NAME, VERL_VERSION  # noqa: E402
 
+from tests.lab.cachelock import locked  # noqa: E402
 from tests.unit.test_plan import QWEN_3B, workload  # noqa: E402
 
 CACHE = Path(os.environ.get("VERL_LAB_TEST_CACHE", Path.home() / ".cache" / "verl-lab-test")) / f"verl-{VERL_VERSION}"
@@ -32,8 +33,14 @@ CACHE = Path(os.environ.get("VERL_LAB_TEST_CACHE", Path.home() / ".cache" / "ver
 @pytest.fixture(scope="session")
 def verl_config_dir() -> Path:
     config_dir = CACHE / "verl" / "trainer" / "config"
-    if (config_dir / f"{CONFIG_NAME}.yaml").is_file():
-        return config_dir
+    with locked(CACHE.with_name(CACHE.name + ".lock")):     # other runs and xdist workers share the cache
+        if not (config_dir / f"{CONFIG_NAME}.yaml").is_file():
+            _unpack_verl_config()
+    assert (config_dir / f"{CONFIG_NAME}.yaml").is_file()
+    return config_dir
+
+
+def _unpack_verl_config() -> None:
     dl = CACHE / "download"
     dl.mkdir(parents=True, exist_ok=True)
     if not list(dl.glob("verl-*")):
@@ -46,8 +53,6 @@ def verl_config_dir() -> Path:
         for member in zf.namelist():
             if member.startswith("verl/trainer/config/"):
                 zf.extract(member, CACHE)
-    assert (config_dir / f"{CONFIG_NAME}.yaml").is_file()
-    return config_dir
 
 
 def _compose(config_dir: Path, overrides: list[str]):

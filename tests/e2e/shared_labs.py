@@ -1,0 +1,71 @@
+"""The labs that e2e modules share (tests/e2e/conftest.py makes them; tests/conftest.py sends
+every test that uses one to one pytest-xdist worker, so each is booted and converged once a run).
+
+A converge of deploy/full.py is not cheap (each box builds a Python env), so the modules that only
+read a converged box, or change it and put it back, share one: ``fleet_lab``. A module whose test
+needs a box nobody converged, or breaks one on purpose, boots its own (``lab_factory``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.lab import DeployResult, Lab
+
+# session-wide labs: fixture name (tests/e2e/conftest.py) -> the modules that use it, one
+# pytest-xdist work unit (tests/conftest.py); a test elsewhere that asks for one stops the run
+SHARED_LABS = {
+    "fleet_lab": ("tests/e2e/test_foundation.py", "tests/e2e/test_security.py"),
+}
+
+# ------------------------------------------------------------------ the converged fleet: fleet_lab
+
+FLEET_BOXES = {"p40": "relay", "t4": "relay", "rtx3090": "direct"}     # box (its GPU) -> artifact_mode
+FLEET_FRESH = "fresh"          # a V100 box in the same lab that no deploy may change
+
+
+@dataclass
+class Fleet:
+    """The shared lab and how it was converged: every later deploy of it passes the same data."""
+
+    lab: Lab
+    data: dict[str, Any]                    # host data of every deploy: stand-ins, token file
+    per_host: dict[str, dict[str, Any]]     # each box's artifact_mode
+    token: str                              # the HF token the endpoint requires
+    token_file: Path
+    converge: DeployResult | None = None    # the first deploy/full.py, on never-converged boxes
+    argv_hits: list[str] = field(default_factory=list)   # process argv lines with the token, sampled
+
+    def box(self, name: str):
+        return self.lab.box(name)
+
+    def deploy(self, deploy_file: str = "deploy/full.py", hosts=None, per_host=None, **kw) -> DeployResult:
+        """A deploy of the fleet's boxes (default: the converged ones) with the converge's data."""
+        per_host = {**{h: dict(v) for h, v in self.per_host.items()}, **(per_host or {})}
+        names = list(hosts) if hosts is not None else list(FLEET_BOXES)
+        return self.lab.deploy(deploy_file, data=self.data, hosts=names,
+                               per_host={h: v for h, v in per_host.items() if h in names}, **kw)
+
+
+def converge_sampling_argv(fleet: Fleet) -> None:
+    """deploy/full.py on the fleet while every process's argv on this machine (the controller's
+    and, through nspawn, the boxes') is sampled for the token."""
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            out = subprocess.run(["ps", "-eww", "-o", "args="], capture_output=True, text=True).stdout
+            fleet.argv_hits.extend(line for line in out.splitlines() if fleet.token in line)
+            done.wait(0.25)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        fleet.converge = fleet.deploy(timeout=1500)
+    finally:
+        done.set()
+        sampler.join()
