@@ -10,6 +10,9 @@ e.g. for a build box without a GPU), makes the plan (``tasks.plan.make_plan``) a
 * ``train-launcher``: verl_lab_box/train_launcher.py as it is; ``--check`` is the preflight, a
   plain run execs ``verl.trainer.main_ppo`` in ``train_dir/work`` with plan.json's overrides;
 * ``verl_lab_gpu.py``: verl_lab_box/gpu.py, which the preflight imports for its GPU readings;
+* ``verl_lab_export.py``, ``verl_lab_score.py``: verl_lab_box/export.py and gsm8k_score.py, which the
+  launcher runs when a run finishes (the proven Hugging Face export, the GSM8K scores; plan.json's
+  ``launch.evaluation`` from tasks/evaluation.py says how to score);
 * ``train.env``: the unit's EnvironmentFile (0640 root:train_user, no secrets);
 * ``/etc/systemd/system/verl-lab-train.service``: runs the launcher as ``settings.train_user``.
 
@@ -53,6 +56,7 @@ LAUNCHER = BOX_PACKAGE / "train_launcher.py"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-train.service.j2"
 ENV_TEMPLATE = TEMPLATES / "train.env.j2"
 GPU_MODULE = BOX_PACKAGE / "gpu.py"
+AFTER_RUN_PROGRAMS = {"verl_lab_export.py": BOX_PACKAGE / "export.py", "verl_lab_score.py": BOX_PACKAGE / "gsm8k_score.py"}
 UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
 PREFLIGHT_PASSED = "verl-lab preflight passed on "      # the launcher prints it, then execs verl
 MARKER_PLAN_KEYS = ("rollout", "train_dtype", "attn_implementation", "predicted_peak_mib")
@@ -128,7 +132,18 @@ class TrainingLayout:
                 "model_dir": s.model_dir,
             },
             "overrides": [{"override": o.text(), "why": o.why} for o in self.plan.overrides],
+            "evaluation": self.evaluation(),
         }
+
+    def evaluation(self) -> dict:
+        """How the launcher scores the base model and the export on GSM8K's test split (tasks/evaluation.py)."""
+        from tasks.evaluation import evaluation_plan
+
+        test_file = self.plan_workload_file("train_files").rsplit("/", 1)[0] + "/test.parquet"
+        try:
+            return evaluation_plan(self.plan, test_file).to_dict()
+        except PlanError as exc:        # the launcher then says why it does not score
+            return {"problem": str(exc)}
 
     def values(self) -> dict:
         s = self.settings
@@ -165,7 +180,7 @@ class TrainingLayout:
     def digest(self) -> str:
         """Everything the box's files are made of: a changed input re-runs the proofs."""
         parts = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-                 for p in (LAUNCHER, UNIT_TEMPLATE, ENV_TEMPLATE, GPU_MODULE)}
+                 for p in (LAUNCHER, UNIT_TEMPLATE, ENV_TEMPLATE, GPU_MODULE, *AFTER_RUN_PROGRAMS.values())}
         parts["values"] = json.dumps(self.values(), sort_keys=True, default=str)
         parts["plan.json"] = self.plan_json()
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
@@ -181,6 +196,8 @@ def training_wanted(layout: TrainingLayout) -> list:
         wanted_file(layout.plan_file, "Training plan (plan.json)", layout.plan_json()),
         wanted_file(f"{layout.train_dir}/verl_lab_gpu.py", "GPU reader for the preflight", GPU_MODULE.read_bytes()),
         wanted_file(layout.launcher, "Training launcher", LAUNCHER.read_bytes(), mode="750", group=user),
+        *(wanted_file(f"{layout.train_dir}/{name}", f"After-run program {name}", src.read_bytes())
+          for name, src in AFTER_RUN_PROGRAMS.items()),
         wanted_file(layout.env_file, "Training environment file", rendered(ENV_TEMPLATE, **values),
                     mode="640", group=user),
         wanted_file(UNIT_PATH, f"Unit {TRAIN_UNIT}", rendered(UNIT_TEMPLATE, **values)),
@@ -192,7 +209,7 @@ def training_paths(settings: LabSettings) -> list[str]:
     bundle; tests/unit/test_placed.py checks the two agree)."""
     t = settings.train_dir
     return [t, f"{t}/work", f"{t}/checkpoints", f"{t}/cache", f"{t}/plan.json", f"{t}/verl_lab_gpu.py",
-            f"{t}/train-launcher", f"{t}/train.env", UNIT_PATH]
+            f"{t}/train-launcher", *(f"{t}/{name}" for name in AFTER_RUN_PROGRAMS), f"{t}/train.env", UNIT_PATH]
 
 
 def _flash_attn(env_marker: dict | None) -> bool:

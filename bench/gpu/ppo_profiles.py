@@ -37,6 +37,9 @@ STEPS = 5
 # Every run: no checkpoint (12 GB of fp32 states, ~18 s, not what is measured) and validation
 # after the last step (verl validates at the last step when test_freq > 0).
 RUN_OVERRIDES = ["trainer.save_freq=-1"]
+# An export profile's run: a save at every step (with the plan's retention), and when verl finishes,
+# the launcher's export, its proof and the GSM8K scores (verl_lab_box/train_launcher.py after_run).
+EXPORT_RUN_OVERRIDES = ["trainer.save_freq=1"]
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,14 @@ class Profile:
     overrides: tuple[str, ...] = ()      # ... run it with these Hydra overrides after the plan's
     model: str | None = None             # workload.model (a catalog model); None: the default 0.5B
     resume_after: int | None = None      # run to this step saving a checkpoint, then again: it resumes
+    export: bool = False                 # save every step; the launcher exports and scores when verl finishes
 
     @property
     def cap_mib(self) -> int | None:
         return self.memory_mib - OUTSIDE_TORCH_MIB if self.capped else None
 
 
+PPO_KEEP_ONE = ("trainer.max_actor_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=1")
 GRPO_FSDP2 = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=64",
               "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.use_kl_loss=True",
               "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
@@ -118,6 +123,24 @@ PROFILES = [
             model="Qwen/Qwen2.5-1.5B-Instruct",
             stands_for="A100 80 GB with Qwen2.5-1.5B-Instruct (workload.model), the product's plan; HF rollout "
                        "instead of the plan's vLLM, for this run only"),
+    # a run's end product on three rungs (issue 24): 2 steps, a save at each with the plan's retention,
+    # then the launcher's export (verl's merger, the proof) and the GSM8K scores of the base model and
+    # the export on the payload's 256 test rows (random weights: both score ~0; the pipeline is what runs).
+    # Smaller batches than the plans' (a save's size does not depend on the batch) keep three runs in one call;
+    # the two PPO runs keep one save (about 12.5 GB each of fp32 actor and critic with AdamW states): with the
+    # plans' keep + 1 the three side by side would hold about 62 GB at once on the device's 64 GiB disk.
+    Profile("p40-export", "Tesla P40", "6.1", 24576, steps=2, validate=False, export=True,
+            overrides=("data.train_batch_size=64", *PPO_KEEP_ONE),
+            stands_for="Tesla P40 plan (PPO with the critic, FSDP1, fp32, HF rollout) on 64 prompts a step: saves, "
+                       "export, proof, GSM8K scores"),
+    Profile("rtx3090-export", "NVIDIA GeForce RTX 3090", "8.6", 24576, rollout_engine="hf", steps=2, validate=False,
+            export=True, overrides=("data.train_batch_size=64", *PPO_KEEP_ONE),
+            stands_for="RTX 3090 plan (PPO with the critic, FSDP1, bf16; HF rollout instead of the plan's vLLM) on 64 "
+                       "prompts a step: saves, export, proof, GSM8K scores"),
+    Profile("gtx1080-export", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, validate=False, export=True,
+            overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
+            stands_for="GTX 1080 plan (grpo-cpu-offload: GRPO, the actor on FSDP2 CPUOffloadPolicy, fp32, HF rollout) "
+                       "on 16 prompts a step: saves, export, proof, GSM8K scores"),
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
             stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),
 ]
@@ -218,7 +241,8 @@ def render(names: list[str], out_root: Path, today_ref: str) -> None:
         out.mkdir(parents=True)
         record = {**asdict(profile), "cap_mib": profile.cap_mib, "lab_root": lab_root(profile),
                   "verl_tree": "today" if profile.code == "today" else "current",
-                  "extra_overrides": list(RUN_OVERRIDES), "code_ref": today_ref if profile.code == "today" else "HEAD"}
+                  "extra_overrides": list(EXPORT_RUN_OVERRIDES if profile.export else RUN_OVERRIDES),
+                  "code_ref": today_ref if profile.code == "today" else "HEAD"}
         if profile.seed_recipe:
             record.update(kind="overrides", overrides=seed_overrides(profile), plan=None)
             (out / "train").mkdir()

@@ -170,7 +170,7 @@ def box(tmp_path):
     Path(s.marker_dir).mkdir(parents=True, exist_ok=True)
     train = Path(lay.train_dir)
     assert sorted(p.name for p in train.iterdir() if p.is_file()) == [
-        "plan.json", "train-launcher", "train.env", "verl_lab_gpu.py"]
+        "plan.json", "train-launcher", "train.env", "verl_lab_export.py", "verl_lab_gpu.py", "verl_lab_score.py"]
     launcher = train / "train-launcher"
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -351,7 +351,7 @@ def test_no_preflight_execs_main_ppo_in_work_dir(box):
         "'offline': os.environ.get('HF_HUB_OFFLINE')}))\n")
     out = run_launcher(box, "--no-preflight")
     assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
     assert got["cwd"] == box["layout"].work_dir
     assert got["argv"] == box["layout"].plan.override_lines
     assert got["offline"] == "1"        # read from train.env when run by hand
