@@ -35,14 +35,14 @@ run, exports = ask(
                    "plan_path": f"{settings.train_dir}/plan.json", "launcher": f"{settings.train_dir}/train-launcher",
                    "user": settings.train_user, "python": settings.launcher_python}),
     (RunExports, {"checkpoint_dir": f"{settings.train_dir}/checkpoints"}))
-unit_state, _ = unit_summary(run["unit"])
+unit_state, _ = unit_summary(run["unit"], run["history"])
 verdict = None
 if unit_state in ("failed", "crash-looping"):
     diag = diagnose(host.name, {"journal": run["journal"]}, run["plan"], failed=True)
     verdict = "\n".join(render(diag).splitlines()[1:]) or "the unit failed; the doctor found no cause"
 elif unit_state == "never-ran":
     verdict = never_ran(host.name, run["preflight"], run["plan"])[1]
-row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict, exports)
+row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict, run["history"], exports)
 
 out_dir = settings.controller_cache / "status"
 out_dir.mkdir(parents=True, exist_ok=True)
