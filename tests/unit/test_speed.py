@@ -112,3 +112,29 @@ def test_the_plan_takes_the_fastest_configuration_that_fits(name, cc, mib, engin
             assert offload_seconds(gpu, w, prec, other)["step"] >= best - 1e-6, other
     plain = offload_seconds(gpu, w, prec, replace(chosen, **{k: False for k in OFFLOAD_KNOBS}))["step"]
     assert plain >= 2 * best, (plain, best)
+
+
+def test_the_speed_bench_runs_the_speed_profiles_and_refuses_others(tmp_path):
+    """bench/gpu/run_speed.sh (the device's one command): its time limits name exactly the speed profiles of
+    bench/gpu/ppo_profiles.py (before and after per card, and the knobs' diagnostic), and it stops before any run
+    on a profile it does not know or one not rendered into .gpu/profiles (plumbing; the runs need the GPU)."""
+    import re
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench" / "gpu"))
+    import ppo_profiles
+
+    script = (REPO / "bench" / "gpu" / "run_speed.sh").read_text()
+    limits = set(re.findall(r"\[([a-z0-9-]+)\]=\d+", script))
+    assert limits == {p.name for p in ppo_profiles.SPEED_PROFILES} | {"rtx2080ti-gathered"}
+    for word, names in (("before", "-before"), ("after", "-after")):
+        line = next(line for line in script.splitlines() if line.strip().startswith(f"{word})"))
+        assert sorted(re.findall(r"[a-z0-9]+-(?:before|after)", line)) == sorted(
+            p.name for p in ppo_profiles.SPEED_PROFILES if p.name.endswith(names))
+    run = lambda *a: subprocess.run(["bash", str(REPO / "bench/gpu/run_speed.sh"), *a], cwd=tmp_path,  # noqa: E731
+                                    capture_output=True, text=True)
+    unknown = run("gtx1080-sideways")
+    assert unknown.returncode == 2 and "unknown profile gtx1080-sideways" in unknown.stderr
+    missing = run("gtx1080-before")
+    assert missing.returncode == 2 and "not rendered" in missing.stderr
