@@ -54,7 +54,10 @@ def base_layout(settings: LabSettings, trains: bool = True) -> HostTarget:
                    f"{refusal[0]}. Fix: {refusal[1]}")
         fail_host(name="workload.rollout", stage="base", message=message)
         return replace(target, refused=message)
-    problem = cannot_train(settings, target) if trains else None
+    # a box whose GPUs no driver lists yet, with driver = "install": the driver stage reads them from
+    # the PCI bus, installs the driver and stops the box there ("re-run"): its plan is made then
+    awaits_driver = settings.driver == "install" and target.target is None
+    problem = cannot_train(settings, target) if trains and not awaits_driver else None
     if problem:
         fail_host(name="verl-lab checks: this box cannot train (nothing was changed)", message=str(problem),
                   stage="checks")

@@ -20,6 +20,7 @@ from tasks.catalog import Catalog, CatalogError, MirrorSet, default_catalog
 ARTIFACT_MODES = ("relay", "direct")
 ENV_BACKENDS = ("conda", "venv")
 UNIT_STATES = ("installed", "enabled", "started", "stopped")
+DRIVER_MODES = ("check", "install")
 USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,30}$")
 
 DEFAULTS: dict[str, Any] = {
@@ -34,6 +35,10 @@ DEFAULTS: dict[str, Any] = {
     "cuda_prefix": "/usr/local/cuda-11.8",
     "install_tmpdir": "/var/tmp/verl-lab",
     "allow_no_driver": False,          # install the toolkit on a box without an NVIDIA driver
+    # the NVIDIA driver (tasks/driver.py): check (the CUDA stage refuses one too old for CUDA 11.8) |
+    # install (choose the branch from the GPUs, install it from the distro's archive, hold it, prove it)
+    "driver": "check",
+    "driver_reboot": False,            # driver = install: reboot a box whose new driver needs it (one at a time)
     "env_backend": "conda",            # conda | venv
     "env_prefix": "/opt/verl-lab/envs/verl",
     "conda_prefix": "/opt/verl-lab/miniforge3",
@@ -170,6 +175,8 @@ class LabSettings:
     workload: Mapping[str, Any] = field(default_factory=lambda: dict(WORKLOAD_DEFAULTS))
     cluster: Mapping[str, Any] | None = None
     cluster_address: str | None = None
+    driver: str = "check"
+    driver_reboot: bool = False
 
     @property
     def marker_dir(self) -> str:
@@ -425,6 +432,12 @@ def _train_steps(host: str, steps: Any) -> int | None:
                             "set e.g. train_steps = 20 (a smoke test), or leave it unset to train workload.epochs")
     return steps
 
+def _driver_reboot(host: str, value: Any, driver: str) -> bool:
+    if _flag(host, "driver_reboot", value) and driver != "install":
+        raise SettingsError(host, "driver_reboot", f"True does nothing with driver = {driver!r}",
+                            "set driver = 'install' as well, or leave driver_reboot out")
+    return value
+
 
 def _flag(host: str, key: str, value: Any) -> bool:
     if not isinstance(value, bool):
@@ -472,6 +485,8 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         workload=workload,
         cluster=p.check(_cluster, merged["cluster"]),
         cluster_address=p.check(_ip_address, "cluster_address", merged["cluster_address"]),
+        driver=p.check(_choice, "driver", merged["driver"], DRIVER_MODES, default="check"),
+        driver_reboot=p.check(_driver_reboot, merged["driver_reboot"], merged["driver"], default=False),
     )
     p.check(_ssh_key, data.get("ssh_key"))
     p.raise_any()

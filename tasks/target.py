@@ -77,6 +77,9 @@ class HostTarget:
     # why this box cannot train (tasks/validation.py), decided at the first fact pass: the base
     # stage queued only its failure, and no stage after it may queue anything
     refused: str | None = None
+    # set by the driver stage (driver = "install"): it installs and proves the driver before the
+    # CUDA stage's operations run, so that stage does not judge the driver the box had before
+    driver_stage: str | None = None
 
     @property
     def compute_capability(self) -> str | None:

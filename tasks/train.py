@@ -5,11 +5,13 @@ e.g. for a build box without a GPU), makes the plan (``tasks.plan.make_plan``) a
 ``settings.train_dir``:
 
 * ``plan.json``: every setting with its reason, the predicted peak memory, the overrides; its
-  ``launch`` section is what the launcher reads (host, paths, GPU, predicted peak, the
-  overrides each with its reason);
+  ``launch`` section is what the launcher reads (host, paths, GPU, predicted peak, vLLM's share
+  and what it was sized from, the overrides each with its reason);
 * ``train-launcher``: verl_lab_box/train_launcher.py as it is; ``--check`` is the preflight, a
   plain run execs ``verl.trainer.main_ppo`` in ``train_dir/work`` with plan.json's overrides;
 * ``verl_lab_gpu.py``: verl_lab_box/gpu.py, which the preflight imports for its GPU readings;
+* ``verl_lab_vllm_share.py``: verl_lab_box/vllm_share.py, vLLM's share arithmetic (the plan's own),
+  with which the preflight sizes the share again for what other processes hold on the GPUs;
 * ``train.env``: the unit's EnvironmentFile (0640 root:train_user, no secrets);
 * ``/etc/systemd/system/verl-lab-train.service``: runs the launcher as ``settings.train_user``.
 
@@ -54,6 +56,7 @@ LAUNCHER = BOX_PACKAGE / "train_launcher.py"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-train.service.j2"
 ENV_TEMPLATE = TEMPLATES / "train.env.j2"
 GPU_MODULE = BOX_PACKAGE / "gpu.py"
+VLLM_SHARE_MODULE = BOX_PACKAGE / "vllm_share.py"
 UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
 PREFLIGHT_PASSED = "verl-lab preflight passed on "      # the launcher prints it, then execs verl
 MARKER_PLAN_KEYS = ("rollout", "train_dtype", "attn_implementation", "predicted_peak_mib")
@@ -117,6 +120,8 @@ class TrainingLayout:
             "gpu": {"name": gpu.name, "count": gpu.count, "memory_mib": gpu.memory_mib, "names": gpu.names},
             "predicted_peak_mib": int(self.plan.to_dict()["predicted_peak_mib"]),
             "predicted_host_ram_mib": int(self.plan.to_dict()["predicted_host_ram_mib"]),
+            # vLLM's share and what the launcher sizes it again from at start (None: the HF rollout)
+            "vllm": self.plan.to_dict()["vllm"],
             "paths": {
                 "train_dir": self.train_dir,
                 "work_dir": self.work_dir,
@@ -181,6 +186,8 @@ def training_wanted(layout: TrainingLayout) -> list:
           for path in (layout.work_dir, layout.checkpoint_dir, layout.cache_dir)),
         wanted_file(layout.plan_file, "Training plan (plan.json)", layout.plan_json()),
         wanted_file(f"{layout.train_dir}/verl_lab_gpu.py", "GPU reader for the preflight", GPU_MODULE.read_bytes()),
+        wanted_file(f"{layout.train_dir}/verl_lab_vllm_share.py", "vLLM share arithmetic for the preflight",
+                    VLLM_SHARE_MODULE.read_bytes()),
         wanted_file(layout.launcher, "Training launcher", LAUNCHER.read_bytes(), mode="750", group=user),
         wanted_file(layout.env_file, "Training environment file", rendered(ENV_TEMPLATE, **values),
                     mode="640", group=user),
@@ -193,7 +200,7 @@ def training_paths(settings: LabSettings) -> list[str]:
     bundle; tests/unit/test_placed.py checks the two agree)."""
     t = settings.train_dir
     return [t, f"{t}/work", f"{t}/checkpoints", f"{t}/cache", f"{t}/plan.json", f"{t}/verl_lab_gpu.py",
-            f"{t}/train-launcher", f"{t}/train.env", UNIT_PATH]
+            f"{t}/verl_lab_vllm_share.py", f"{t}/train-launcher", f"{t}/train.env", UNIT_PATH]
 
 
 def _flash_attn(env_marker: dict | None) -> bool:

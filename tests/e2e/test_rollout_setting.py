@@ -1,15 +1,17 @@
 """workload.rollout on lab-in-a-box hosts (real pyinfra over SSH, real systemd boxes, stand-in
 nvidia-smi): a box whose GPU cannot run the rollout asked for fails in the base stage before
 anything on it changes, and the other box goes on; the HF escape hatch plans the HF rollout on a
-GPU vLLM could run on. deploy/train.py runs alone (it starts with the base stage, as every deploy
-file does)."""
+GPU vLLM could run on; the launcher the stage places sizes vLLM's share at start with the share module
+placed beside it. deploy/train.py runs alone (it starts with the base stage, as every deploy file does)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = "/opt/verl-lab/train"
 
 
@@ -34,6 +36,15 @@ def test_vllm_below_7_0_fails_that_box_before_it_changes_and_only_that_box(lab):
     plan = plan_of(lab, "rtx3090")
     assert plan["rollout"] == "vllm" and plan["env"]["VLLM_USE_V1"] == "1"
     assert any("workload.rollout = 'vllm'" in r["why"] for r in plan["reasons"] if r["setting"] == "rollout")
+    # the launcher's preflight sizes vLLM's share again with the module the stage placed beside it, from the
+    # box's (stand-in) nvidia-smi: nothing else on the GPU, CUDA's total its memory.used + memory.free
+    box = lab.box("rtx3090")
+    assert box.read_text(f"{TRAIN}/verl_lab_vllm_share.py") == (REPO / "verl_lab_box" / "vllm_share.py").read_text()
+    check = box.ssh(f"runuser -u verl -- /usr/bin/python3 {TRAIN}/train-launcher --check", check=False).stdout
+    share = plan["launch"]["vllm"]["share"]
+    assert (f"  ok    vllm share: V1, V1 counts what other processes hold on the GPU: "
+            f"actor_rollout_ref.rollout.gpu_memory_utilization {share} as planned (GPU 0: 0 MiB in use; ") in check, check
+    assert f"CUDA counts GPU 0: 24250 MiB (the plan: 24576 MiB)" in check, check
 
 
 def test_rollout_hf_plans_the_hf_rollout_on_a_vllm_capable_gpu(lab):

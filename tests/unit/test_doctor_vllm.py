@@ -28,7 +28,8 @@ def excerpt(rule_id: str) -> str:
 
 def test_the_vllm_rules_are_the_ones_the_issue_asks_for():
     assert set(RULES) == {"vllm-no-cache-memory", "vllm-v0-kv-cache-short", "vllm-v1-kv-cache-short",
-                          "vllm-cuda-graph-oom", "vllm-attention-backend", "vllm-v1-unsupported", "vllm-engine-died"}
+                          "vllm-cuda-graph-oom", "vllm-attention-backend", "vllm-v1-unsupported", "vllm-engine-died",
+                          "vllm-share-at-launch"}      # the last: the launcher's preflight (tests/unit/test_launch_share.py)
 
 
 @pytest.mark.parametrize("rule_id", sorted(RULES))
@@ -43,7 +44,7 @@ def test_the_doctor_names_cause_and_fix_of_each_vllm_message(rule_id, tmp_path, 
     assert "no rule matched" not in out
 
 
-@pytest.mark.parametrize("rule_id", sorted(set(RULES) - {"vllm-engine-died"}))
+@pytest.mark.parametrize("rule_id", sorted(set(RULES) - {"vllm-engine-died", "vllm-share-at-launch"}))
 def test_each_message_is_read_behind_rays_workerdict_prefix(rule_id):
     """The worker's own line (``(WorkerDict pid=N) ...``) alone is enough."""
     prefixed = [line for line in excerpt(rule_id).splitlines() if line.startswith(PREFIX)]
