@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,8 +81,8 @@ GRPO_FSDP2 = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "
 
 # issue 29: the 8-12 GB cards' plans as they were before the speed work (code "speed-before": the planning code
 # and verl patches of SPEED_BEFORE_REF) and as they are now, one at a time, 2 steps each (prompts/s over step 2,
-# validation off); the probe profiles step 1's update and ref pass (step 2 runs unprofiled)
-SPEED_PROBE_PROFILE = "update_actor,compute_ref_log_prob"
+# validation off); the probe profiles windows of step 1's generation and update (step 2 runs unprofiled)
+SPEED_PROBE_PROFILE = "generate_sequences@6,update_actor@4"    # windows: 6 decoding steps, 4 update micro-batches
 SPEED_CARDS = (("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, "auto", "GTX 1080 (8 GiB)"),
                ("rtx3060", "NVIDIA GeForce RTX 3060", "8.6", 12288, "hf", "RTX 3060 (12 GiB)"),
                ("rtx2080ti", "NVIDIA GeForce RTX 2080 Ti", "7.5", 11264, "hf", "RTX 2080 Ti (11 GiB)"))
@@ -170,17 +170,24 @@ PROFILES = [
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
             stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),
     *SPEED_PROFILES,
-    # issue 29, a candidate measured before the plan chose it: the RTX 2080 Ti's plan as it is with every FSDP2
-    # gather-once knob of patches 0007-0008 on (its micro-batches fit them: update 5202 + 2 x 1885 MiB of the
-    # 9953 cap) and torch's CPU threads for the offloaded AdamW step and gradient sums (Ray gives an actor 1)
+    # issue 29, the knobs measured on their own: the RTX 2080 Ti's plan as it was before the speed work (its
+    # batches pinned: update micro-batch 8 with checkpointing, log-prob 8, chunk 256; they fit the knobs: update
+    # 5202 + 2 x 1885 MiB of the 9953 cap) with every speed knob of patches 0007-0009 on, and torch's
+    # CPU threads for the offloaded AdamW step and gradient sums (Ray gives an actor without num_cpus one)
     Profile("rtx2080ti-gathered", "NVIDIA GeForce RTX 2080 Ti", "7.5", 11264, rollout_engine="hf", steps=2,
             validate=False, probe_profile=SPEED_PROBE_PROFILE, env=(("OMP_NUM_THREADS", "8"),),
-            overrides=("+actor_rollout_ref.rollout.gather_once=True", "+actor_rollout_ref.actor.fsdp_config.gather_once=True",
+            overrides=("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                       "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+                       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+                       "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+                       "+actor_rollout_ref.rollout.micro_batch_size=256",
+                       "+actor_rollout_ref.rollout.gather_once=True", "+actor_rollout_ref.actor.fsdp_config.gather_once=True",
                        "+actor_rollout_ref.ref.fsdp_config.gather_once=True",
-                       "+actor_rollout_ref.actor.fsdp_config.accumulate_grads_unsharded=True"),
-            stands_for="RTX 2080 Ti (11 GiB), its plan with the HF rollout and patches 0007-0008's knobs on "
-                       "(gather once per pass and per mini-batch, gradients reduced once per mini-batch), "
-                       "OMP_NUM_THREADS=8"),
+                       "+actor_rollout_ref.actor.fsdp_config.accumulate_grads_unsharded=True",
+                       "+actor_rollout_ref.actor.optim.fused=True"),
+            stands_for="RTX 2080 Ti (11 GiB), its plan before the speed work (micro-batches pinned) with the HF "
+                       "rollout and patches 0007-0009's knobs on (gather once per pass and per mini-batch, "
+                       "gradients reduced once per mini-batch, fused AdamW), OMP_NUM_THREADS=8"),
 ]
 BY_NAME = {p.name: p for p in PROFILES}
 
@@ -244,8 +251,6 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
     target = GpuTarget(profile.gpu_name, profile.compute_capability, profile.plan_memory_mib or profile.memory_mib, 1)
     workload = training_workload(settings)
     if profile.rollout_engine != "auto":
-        from dataclasses import replace
-
         workload = replace(workload, rollout_engine=profile.rollout_engine)
     plan = make_plan(target, workload)
     layout = TrainingLayout(settings=settings, plan=plan, plan_source="gpu_override")
@@ -277,9 +282,15 @@ def _code_tree(ref: str) -> Path:
     return dest
 
 
-def render(names: list[str], out_root: Path, today_ref: str) -> None:
+def render(names: list[str], out_root: Path, today_ref: str, steps: int | None = None, probe: bool = True) -> None:
+    """Render ``names``; ``steps`` replaces each profile's step count (a device call too short for two steps
+    each), ``probe=False`` drops their VERL_LAB_PROFILE windows (the wall-clock splits stay)."""
     for name in names:
         profile = BY_NAME[name]
+        if steps:
+            profile = replace(profile, steps=steps)
+        if not probe:
+            profile = replace(profile, probe_profile="")
         out = out_root / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
@@ -293,8 +304,8 @@ def render(names: list[str], out_root: Path, today_ref: str) -> None:
             (out / "train").mkdir()
         else:
             code_root = REPO if code_ref == "HEAD" else _code_tree(code_ref)
-            res = subprocess.run([sys.executable, __file__, "render-one", name, str(out), "--code-root", str(code_root)],
-                                 capture_output=True, text=True, cwd=code_root)
+            res = subprocess.run([sys.executable, __file__, "render-one", name, str(out), "--code-root", str(code_root),
+                                  "--steps", str(profile.steps)], capture_output=True, text=True, cwd=code_root)
             if res.returncode:
                 raise SystemExit(f"render {name} failed:\n{res.stdout}\n{res.stderr}")
             record.update(kind="launcher", plan=json.loads(res.stdout.strip().splitlines()[-1]))
@@ -319,10 +330,13 @@ def main(argv=None) -> int:
     r.add_argument("--only", default=",".join(p.name for p in PROFILES))
     r.add_argument("--out", type=Path, default=OUT_DEFAULT)
     r.add_argument("--today-ref", default=TODAY_REF)
+    r.add_argument("--steps", type=int, help="train this many steps in every rendered profile (default: each its own)")
+    r.add_argument("--no-profile", action="store_true", help="no torch.profiler windows (VERL_LAB_PROFILE)")
     one = sub.add_parser("render-one")
     one.add_argument("name")
     one.add_argument("out", type=Path)
     one.add_argument("--code-root", type=Path, required=True)
+    one.add_argument("--steps", type=int)
     sub.add_parser("list")
     args = ap.parse_args(argv)
     if args.cmd == "list":
@@ -330,13 +344,15 @@ def main(argv=None) -> int:
             print(f"{p.name:10} cap {p.cap_mib or '-':>6}  {p.stands_for}")
         return 0
     if args.cmd == "render-one":
-        print(json.dumps(render_one(BY_NAME[args.name], args.out, args.code_root)))
+        profile = BY_NAME[args.name]
+        print(json.dumps(render_one(replace(profile, steps=args.steps) if args.steps else profile, args.out,
+                                    args.code_root)))
         return 0
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         ap.error(f"unknown profile(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
-    render(names, args.out, args.today_ref)
+    render(names, args.out, args.today_ref, steps=args.steps, probe=not args.no_profile)
     return 0
 
 

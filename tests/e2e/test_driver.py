@@ -10,10 +10,13 @@ unknown distro's /etc/os-release.
 
 What cannot run here: a kernel module. The boxes share the test machine's kernel, so DKMS builds
 nothing for it and nothing can be loaded; the stage therefore ends each install with its own
-"no nvidia kernel module ... for the running kernel" failure (asserted below), and the reboot onto a
-new driver and the proof that follows (/proc/driver/nvidia/version, nvidia-smi) are proven only at
-the unit level (tests/unit/test_driver.py: the verdicts on recorded box states, the reboot and
-proof steps' commands).
+"no nvidia kernel module ... for the running kernel" failure (asserted below). The reboot step runs
+for real on boxes of its own (systemd's reboot inside the box, the lab starting it again as
+systemd-nspawn@.service would, the stage waiting for the new boot, one box at a time, never a box
+whose training unit is active), its "reboot" verdict given by a stand-in program; a reboot onto a
+new driver and the proof after it (/proc/driver/nvidia/version, nvidia-smi) are proven only at the
+unit level (tests/unit/test_driver.py and test_driver_box.py: verdicts on recorded box states, the
+proof's checks).
 """
 
 from __future__ import annotations
@@ -183,3 +186,62 @@ def test_check_mode_asks_and_changes_nothing(lab):
     lab.deploy("deploy/driver.py", hosts=["plain"]).assert_idempotent()
     assert "NVIDIA driver" not in first.output
     untouched(lab.box("plain"))
+
+
+# ---------------------------------------------------------------- the reboot step, on boxes of its own
+
+SETTLE = "tests/fixtures/driver/settle_deploy.py"
+STANDIN_VERDICT = """#!/usr/bin/python3
+# STAND-IN for nvidia_driver.py verdict (tests/e2e/test_driver.py): what a box with the new driver
+# installed under an old loaded module answers; a container never holds a kernel module.
+import json
+print(json.dumps({"verdict": "reboot", "installed": "535.261.03",
+                  "reason": "the running kernel still has the nvidia module 535.104.05 loaded: a reboot loads 535.261.03"}))
+"""
+
+
+@pytest.fixture(scope="module")
+def rebooting(lab_factory):
+    lab = lab_factory([BoxSpec("rb1", gpu="p40"), BoxSpec("rb2", gpu="t4")])
+    for box in lab.boxes.values():
+        box.write_text("/opt/verl-lab-test/verdict.py", STANDIN_VERDICT, mode="755")
+    return lab
+
+
+def booted_at(box) -> int:
+    """When the box's PID 1 (its systemd) started: a new value after every boot."""
+    return int(box.ssh("stat -c %Y /proc/1").stdout)
+
+
+def test_reboot_needs_driver_reboot(rebooting):
+    before = {name: booted_at(b) for name, b in rebooting.boxes.items()}
+    res = rebooting.deploy(SETTLE, data={"driver": "install"})
+    assert sorted(res.failed_hosts) == ["rb1", "rb2"]
+    assert "rb1: reboot needed: the driver 535.261.03 is installed and held, but the running kernel still has the " \
+           "nvidia module 535.104.05 loaded" in res.output and "set driver_reboot = True" in res.output
+    assert {name: booted_at(b) for name, b in rebooting.boxes.items()} == before
+
+
+def test_a_box_whose_training_unit_is_active_is_not_rebooted(rebooting):
+    trains, idle = rebooting.box("rb1"), rebooting.box("rb2")
+    trains.ssh("systemd-run --unit=verl-lab-train.service --description='stand-in training' sleep infinity")
+    before = {b.name: booted_at(b) for b in (trains, idle)}
+    res = rebooting.deploy(SETTLE, data={"driver": "install", "driver_reboot": True})
+    assert res.failed_hosts == ["rb1"], res
+    assert "rb1: reboot needed for the driver 535.261.03, but verl-lab-train.service is active: not rebooting" \
+        in res.output
+    assert booted_at(trains) == before["rb1"]
+    assert booted_at(idle) > before["rb2"] and idle.reboots == 1          # came back, and the stage waited for it
+    assert idle.ssh("systemctl is-system-running").stdout.strip() in ("running", "degraded")
+
+
+def test_boxes_reboot_one_at_a_time(rebooting):
+    rebooting.box("rb1").ssh("systemctl stop verl-lab-train.service", check=False)
+    before = {name: booted_at(b) for name, b in rebooting.boxes.items()}
+    res = rebooting.deploy(SETTLE, data={"driver": "install", "driver_reboot": True})
+    res.assert_ok()
+    after = {name: booted_at(b) for name, b in rebooting.boxes.items()}
+    assert all(after[n] > before[n] for n in after)
+    # each reboot waits at least 5 s before the box is polled: run side by side, both boxes would
+    # have booted within the same second or two
+    assert abs(after["rb1"] - after["rb2"]) >= 5, after
