@@ -176,6 +176,29 @@ def analyse_oom(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dict[st
     return out
 
 
+def analyse_checkpoint_disk(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The plan's checkpoint numbers for a disk that filled: one save on this box, how many are on
+    disk at once, the export, and what one kept save fewer would free."""
+    cp = (plan or {}).get("checkpoints")
+    if not cp:
+        return {"advice": "no plan.json with checkpoint sizes for this box: re-run deploy/train.py."}
+    from verl_lab_box.checkpoints import gib
+
+    save, keep, export = cp["save_bytes_this_box"], cp["keep"], cp["export_bytes"]
+    out = {"save_bytes_this_box": save, "saves_on_disk_at_once": cp["max_ckpt_to_keep"], "export_bytes": export,
+           "disk_bytes_this_box": cp["disk_bytes_this_box"]}
+    out["advice"] = (f"one save here is {gib(save)}; checkpoints keep = {keep} holds {cp['max_ckpt_to_keep']} on disk "
+                     f"at once ({keep} whole + 1 being written), with the export {gib(export)}: "
+                     f"{gib(cp['disk_bytes_this_box'])} before margin. "
+                     + (f"keep = {keep - 1} needs {gib(save)} less." if keep > 1 else
+                        "keep = 1 is the fewest: free space or use a larger disk."))
+    return out
+
+
+DETAIL_READERS = {"cuda-oom": analyse_oom, "checkpoint-disk-full": analyse_checkpoint_disk,
+                  "checkpoint-disk-short": analyse_checkpoint_disk}
+
+
 def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | None = None,
              rules: Iterable[Rule] | None = None, failed: bool | None = None) -> Diagnosis:
     """Match every source's text (name -> log text) against the rules."""
@@ -192,8 +215,8 @@ def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | No
                     f = findings.get(rule.id)
                     if f is None:
                         f = findings[rule.id] = Finding(rule.id, rule.cause, rule.fix, rule.setting, [], source)
-                        if rule.id == "cuda-oom":
-                            f.details = analyse_oom(lines[max(0, i - 60): i + 5], plan)
+                        if rule.id in DETAIL_READERS:
+                            f.details = DETAIL_READERS[rule.id](lines[max(0, i - 60): i + 5], plan)
                     if len(f.evidence) < 3:
                         f.evidence.append(line.strip())
     is_failed = bool(findings) or bool(relevant) if failed is None else failed

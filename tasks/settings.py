@@ -48,6 +48,9 @@ DEFAULTS: dict[str, Any] = {
     "train_steps": None,               # a step cap (a smoke test: e.g. 20); None: workload.epochs over GSM8K
     # what to train (checked by _workload; the plan: tasks/plan.py, docs/plan.md)
     "workload": {},
+    # checkpoint saves (checked by _checkpoints; tasks/checkpoints.py): {"keep": whole saves kept at
+    # any time, also while the next is written, "every": steps between saves}
+    "checkpoints": {},
     # plan for this GPU instead of the box's own (a build box without a GPU, or a box whose
     # nvidia-smi cannot tell): {"name": "Tesla T4", "compute_capability": "7.5",
     # "memory_mib": 15360, "count": 1}
@@ -65,6 +68,7 @@ WORKLOAD_DEFAULTS: dict[str, Any] = {"algorithm": "auto", "model": None, "train_
                                      "ppo_mini_batch_size": 64, "max_prompt_length": 256, "max_response_length": 256,
                                      "epochs": 1}
 WORKLOAD_WORDS = ("algorithm", "model")          # the keys that are not positive integers
+CHECKPOINT_DEFAULTS: dict[str, int] = {"keep": 1, "every": 10}
 WORKLOAD_ALGORITHMS = ("auto", "ppo", "grpo")   # auto: PPO, else GRPO, else GRPO with shorter responses
 
 # Host data that belongs to pyinfra (its connectors' ``ssh_*``/``docker_*``... keys, its global
@@ -124,6 +128,7 @@ class LabSettings:
     workload: Mapping[str, Any] = field(default_factory=lambda: dict(WORKLOAD_DEFAULTS))
     cluster: Mapping[str, Any] | None = None
     cluster_address: str | None = None
+    checkpoints: Mapping[str, int] = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
 
     @property
     def marker_dir(self) -> str:
@@ -199,24 +204,32 @@ def _gpu_override(host: str, value: Any) -> dict[str, Any] | None:
     return {"name": value["name"], "compute_capability": cc, "memory_mib": value["memory_mib"], "count": count}
 
 
-def _workload(host: str, value: Any) -> dict[str, Any]:
-    example = "workload = {'algorithm': 'grpo', 'max_response_length': 192, 'epochs': 2}"
+def _mapping_of(host: str, name: str, value: Any, defaults: Mapping[str, Any], example: str) -> dict[str, Any]:
+    """``value``, a mapping of ``defaults``' keys, over the defaults; "did you mean" for a near miss."""
     if not isinstance(value, Mapping):
-        raise SettingsError(host, "workload", f"{value!r} is not a mapping", f"use e.g. {example}")
+        raise SettingsError(host, name, f"{value!r} is not a mapping", f"use e.g. {example}")
     for key in value:
-        if key not in WORKLOAD_DEFAULTS:
-            close = difflib.get_close_matches(str(key), sorted(WORKLOAD_DEFAULTS), n=1, cutoff=0.6)
-            raise SettingsError(host, f"workload.{key}", "not a workload key",
-                                f"did you mean workload.{close[0]}?" if close
-                                else f"use one of {', '.join(WORKLOAD_DEFAULTS)}")
-    w = {**WORKLOAD_DEFAULTS, **value}
+        if key not in defaults:
+            close = difflib.get_close_matches(str(key), sorted(defaults), n=1, cutoff=0.6)
+            raise SettingsError(host, f"{name}.{key}", f"not a {name} key",
+                                f"did you mean {name}.{close[0]}?" if close else f"use one of {', '.join(defaults)}")
+    return {**defaults, **value}
+
+
+def _positive_int(host: str, key: str, value: Any, fix: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SettingsError(host, key, f"{value!r} is not a positive integer", fix)
+
+
+def _workload(host: str, value: Any) -> dict[str, Any]:
+    w = _mapping_of(host, "workload", value, WORKLOAD_DEFAULTS,
+                    "workload = {'algorithm': 'grpo', 'max_response_length': 192, 'epochs': 2}")
     if w["algorithm"] not in WORKLOAD_ALGORITHMS:
         raise SettingsError(host, "workload.algorithm", f"{w['algorithm']!r} is not one of auto, ppo, grpo",
                             "set it to auto (PPO, else GRPO, else shorter responses: what fits), ppo or grpo")
     for key, default in WORKLOAD_DEFAULTS.items():
-        if key not in WORKLOAD_WORDS and (not isinstance(w[key], int) or isinstance(w[key], bool) or w[key] < 1):
-            raise SettingsError(host, f"workload.{key}", f"{w[key]!r} is not a positive integer",
-                                f"set it to a positive integer (default {default})")
+        if key not in WORKLOAD_WORDS:
+            _positive_int(host, f"workload.{key}", w[key], f"set it to a positive integer (default {default})")
     if w["ppo_mini_batch_size"] > w["train_batch_size"]:
         raise SettingsError(host, "workload.ppo_mini_batch_size", f"{w['ppo_mini_batch_size']} is more than "
                             f"train_batch_size {w['train_batch_size']}", "make it at most workload.train_batch_size")
@@ -233,6 +246,17 @@ def _workload_model(host: str, cat, value: Any) -> str:
     raise SettingsError(host, "workload.model", f"{value!r} is not a model of files/catalog.toml",
                         f"use one of {listed}; another model needs a catalog entry (repo, revision, sha256) "
                         "and its config.json under files/models/")
+
+
+def _checkpoints(host: str, value: Any) -> dict[str, int]:
+    """checkpoints: how many whole saves are kept and how often one is made (positive integers)."""
+    merged = _mapping_of(host, "checkpoints", value, CHECKPOINT_DEFAULTS, "checkpoints = {'keep': 2, 'every': 20}")
+    meaning = {"keep": "whole saves kept at any time (1: the last whole save stays while the next is written)",
+               "every": "steps between saves (verl also saves at the last step)"}
+    for key, default in CHECKPOINT_DEFAULTS.items():
+        _positive_int(host, f"checkpoints.{key}", merged[key],
+                      f"set it to a positive integer, {meaning[key]} (default {default})")
+    return merged
 
 
 CLUSTER_EXAMPLE = "cluster = {'name': 'lab1', 'head': 'box1'} on every box of the cluster (e.g. in its group_data)"
@@ -386,4 +410,5 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         workload=workload,
         cluster=_cluster(host, merged["cluster"]),
         cluster_address=_ip_address(host, "cluster_address", merged["cluster_address"]),
+        checkpoints=_checkpoints(host, merged["checkpoints"]),
     )

@@ -3,6 +3,8 @@
 - ``train_launcher.py``: the training launcher (``<train_dir>/train-launcher``), reading the
   box's ``plan.json``;
 - ``gpu.py``: the GPU reader (nvidia-smi, NVML), the GPU fact's command and parser;
+- ``checkpoints.py``: verl's saves under the checkpoint folder and the disk a run needs (the
+  preflight's check beside the launcher, the train stage's fact's command and parser);
 - ``hf_snapshot.py``: a pinned Hugging Face snapshot, fetched, verified, swapped in;
 - ``gsm8k.py``: GSM8K in verl's RL format (run with the env's python: it needs pyarrow);
 - ``env_prove.py``: the Python env's proofs (run by the env's python).

@@ -32,6 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PLAN_NAME = "plan.json"
 # The GPU reader: shipped beside the launcher as verl_lab_gpu.py; in the repo, its sibling gpu.py.
 GPU_READERS = ("verl_lab_gpu.py", "gpu.py")
+# The checkpoint disk check: verl_lab_checkpoints.py beside the launcher; in the repo, checkpoints.py.
+CHECKPOINT_READERS = ("verl_lab_checkpoints.py", "checkpoints.py")
 
 
 class PlanError(Exception):
@@ -68,6 +70,8 @@ class Launch:
             self.model_dir = paths["model_dir"]
             # verl.trainer.main_ppo overrides, each with the plan's reason
             self.overrides = [str(o["override"]) for o in launch["overrides"]]
+            # the predicted save and what is kept (tasks/checkpoints.py); None in older plans
+            self.checkpoints = launch.get("checkpoints")
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"{plan_file}: its launch section is incomplete ({type(exc).__name__}: {exc})") from None
         self.plan_file = plan_file
@@ -112,20 +116,30 @@ class Report:
         return [name for status, name, _ in self.results if status == "FAIL"]
 
 
-def gpu_module():
-    """verl_lab_box/gpu.py, loaded from beside this launcher (no package on the box)."""
-    if "verl_lab_gpu" in sys.modules:
-        return sys.modules["verl_lab_gpu"]
-    for name in GPU_READERS:
+def sibling_module(alias, names, what):
+    """A verl_lab_box module shipped beside this launcher (the first of ``names`` found there; no
+    package on the box), imported once as ``alias``."""
+    if alias in sys.modules:
+        return sys.modules[alias]
+    for name in names:
         path = os.path.join(HERE, name)
         if os.path.isfile(path):
-            spec = importlib.util.spec_from_file_location("verl_lab_gpu", path)
+            spec = importlib.util.spec_from_file_location(alias, path)
             module = importlib.util.module_from_spec(spec)
-            sys.modules["verl_lab_gpu"] = module      # its dataclasses look their module up
+            sys.modules[alias] = module      # its dataclasses look their module up
             spec.loader.exec_module(module)
             return module
-    raise ImportError(f"no GPU reader ({' or '.join(GPU_READERS)}) beside {os.path.abspath(__file__)}: "
-                      "re-run deploy/train.py")
+    raise ImportError(f"no {what} ({' or '.join(names)}) beside {os.path.abspath(__file__)}: re-run deploy/train.py")
+
+
+def gpu_module():
+    """verl_lab_box/gpu.py, loaded from beside this launcher."""
+    return sibling_module("verl_lab_gpu", GPU_READERS, "GPU reader")
+
+
+def checkpoints_module():
+    """verl_lab_box/checkpoints.py, loaded from beside this launcher."""
+    return sibling_module("verl_lab_checkpoints", CHECKPOINT_READERS, "checkpoint disk check")
 
 
 def check_gpu(rep, launch):
@@ -268,6 +282,23 @@ def check_dirs(rep, launch):
         rep.ok("train dirs", f"{launch.work_dir}, {launch.checkpoint_dir} writable")
 
 
+def check_disk(rep, launch):
+    """The disk under the checkpoint folder holds the kept saves, the one being written and the
+    export; saves already there count where verl removes or overwrites them."""
+    cp = launch.checkpoints
+    if not cp:
+        rep.skip("checkpoint disk", "the plan predicts no save size (re-run deploy/train.py)")
+        return
+    ck = checkpoints_module()
+    need = ck.disk_need(cp["save_bytes"], cp["max_saves"], cp["export_bytes"], cp["every"], ck.scan(cp["dir"]),
+                        cp.get("saves_in_run"), cp.get("last_step"))
+    if need["fits"]:
+        rep.ok("checkpoint disk", f"{ck.gib(need['free_bytes'])} free under {cp['dir']} >= {ck.gib(need['need_bytes'])} "
+                                  f"for {need['new_saves']} saves of {ck.gib(need['save_bytes'])} and the export")
+    else:
+        rep.fail("checkpoint disk", ck.need_words(need, cp["dir"], cp["keep"]))
+
+
 def check_host_ram(rep, launch, meminfo="/proc/meminfo"):
     """The box's RAM holds what the plan offloads to it (params, gradients, AdamW states, the ref)."""
     need = launch.predicted_host_ram_mib
@@ -324,7 +355,8 @@ def preflight(launch, extra=()):
     print(f"verl-lab preflight on {host}: {launch.gpu_count} x {launch.gpu_name} planned (plan from "
           f"{launch.plan_source})", flush=True)
     rep = Report()
-    for check in (check_gpu, check_driver, check_host_ram, check_env, check_data, check_dirs, check_cluster):
+    for check in (check_gpu, check_driver, check_host_ram, check_env, check_data, check_dirs, check_disk,
+                  check_cluster):
         try:
             check(rep, launch)
         except Exception as exc:  # a check that breaks is a failed check, not a traceback
