@@ -13,6 +13,7 @@ check_inventory()
 settings = settings_for()
 
 gpu = base_layout(settings)
-install_cuda(settings, gpu)
-install_data(settings)
-install_train(settings, gpu)
+if not gpu.refused:
+    install_cuda(settings, gpu)
+    install_data(settings)
+    install_train(settings, gpu)

@@ -14,4 +14,5 @@ cluster = cluster_for()
 
 if cluster:
     gpu = base_layout(settings)
-    install_cluster(settings, gpu, cluster, member_targets(cluster, settings.host, gpu.target))
+    if not gpu.refused:
+        install_cluster(settings, gpu, cluster, member_targets(cluster, settings.host, gpu.target))

@@ -6,4 +6,6 @@ from tasks.hostdata import check_inventory, settings_for
 
 check_inventory()
 settings = settings_for()
-install_cuda(settings, base_layout(settings))       # the host's target: GPU and host compiler, decided once
+# the host's target: GPU and host compiler, decided once; the toolkit alone needs no training plan
+# (a build box without a GPU installs it with allow_no_driver)
+install_cuda(settings, base_layout(settings, trains=False))

@@ -11,5 +11,5 @@ from tasks.hostdata import check_inventory, settings_for
 check_inventory()
 settings = settings_for()
 
-base_layout(settings)
-install_data(settings)
+if not base_layout(settings).refused:        # a box that cannot train fetches nothing
+    install_data(settings)

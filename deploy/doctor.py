@@ -16,7 +16,7 @@ from pathlib import Path
 from pyinfra import host
 
 from tasks.cluster import RAY_UNIT
-from tasks.doctor import diagnose, never_ran, render
+from tasks.doctor import diagnose, never_ran, render, verdict
 from tasks.facts.bundle import ask
 from tasks.facts.logs import BoxLogs, TrainingRun
 from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
@@ -31,18 +31,20 @@ logs, run = ask(
                    "launcher": f"{settings.train_dir}/train-launcher", "user": settings.train_user,
                    "python": settings.launcher_python, "steps": False}),
 )
-unit_state, unit_words = unit_summary(run["unit"])
+unit_state, unit_words = unit_summary(run["unit"], run["history"])
 if unit_state == "never-ran":
     # nothing failed yet: what would stop it is what the preflight says now
     preflight, words = never_ran(host.name, run["preflight"], run["plan"],
                                  lead="never ran (installed, never started)")
     diag = diagnose(host.name, logs, run["plan"])
+    diag.verdict = preflight.verdict          # the headline: never ran, and whether its preflight fails
     report = diag.to_json() | {"unit": unit_state, "unit_state": unit_words,
                                "preflight": {"output": run["preflight"], "findings": preflight.to_json()["findings"]}}
     text = render(diag) + "\n  unit: " + words
 else:
     failed = True if unit_state in ("failed", "crash-looping") else None
     diag = diagnose(host.name, {TRAIN_UNIT: run["journal"], **logs}, run["plan"], failed=failed)
+    diag.verdict = verdict(diag, unit_state)
     report = diag.to_json() | {"unit": unit_state, "unit_state": unit_words}
     text = render(diag) + (f"\n  unit: {unit_state}: {unit_words}" if run["unit"] else "")
 out_dir = settings.controller_cache / "doctor"

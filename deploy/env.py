@@ -8,4 +8,5 @@ check_inventory()
 settings = settings_for()
 
 gpu = base_layout(settings)
-install_env(settings, gpu)
+if not gpu.refused:                # a box that cannot train builds nothing
+    install_env(settings, gpu)

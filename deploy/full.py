@@ -1,7 +1,7 @@
 """Provision every box end to end: `pyinfra -y inventory/lab.py deploy/full.py`.
 
 Stages run in this order; each is idempotent alone and has its own deploy file
-(deploy/cuda.py, env.py, data.py, train.py; cluster.py only for boxes in a Ray cluster). A box
+(deploy/driver.py, cuda.py, env.py, data.py, train.py; cluster.py only for boxes in a Ray cluster). A box
 whose env is broken gets it rebuilt beside the old one (the env stage swaps only after the new env passes its proofs).
 """
 
@@ -9,6 +9,7 @@ from tasks.base import base_layout
 from tasks.cluster import install_cluster, training_in
 from tasks.cuda import install_cuda
 from tasks.data import install_data
+from tasks.driver import install_driver
 from tasks.hostdata import check_inventory, cluster_for, settings_for
 from tasks.env import install_env
 from tasks.train import install_train
@@ -17,11 +18,14 @@ check_inventory()
 settings = settings_for()
 
 gpu = base_layout(settings)        # the host's GPU target, decided once for every stage
-install_cuda(settings, gpu)
-install_env(settings, gpu)
-install_data(settings)
-cluster = cluster_for()            # None: the box trains alone (and nothing below asks more)
-train_settings, targets = training_in(cluster, settings, gpu)
-install_train(train_settings, gpu, targets)
-if cluster:
-    install_cluster(settings, gpu, cluster, targets)
+if not gpu.refused:                # driver = "install" only; the CUDA stage then trusts its proof
+    gpu = install_driver(settings, gpu)
+if not gpu.refused:                # a box that cannot train: its failure only, nothing else queued
+    install_cuda(settings, gpu)
+    install_env(settings, gpu)
+    install_data(settings)
+    cluster = cluster_for()        # None: the box trains alone (and nothing below asks more)
+    train_settings, targets = training_in(cluster, settings, gpu)
+    install_train(train_settings, gpu, targets)
+    if cluster:
+        install_cluster(settings, gpu, cluster, targets)

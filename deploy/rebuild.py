@@ -12,4 +12,5 @@ check_inventory()
 settings = settings_for()
 
 gpu = base_layout(settings)
-install_env(settings, gpu, force_rebuild=True)
+if not gpu.refused:
+    install_env(settings, gpu, force_rebuild=True)

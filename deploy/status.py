@@ -30,14 +30,14 @@ settings = settings_for()
 run = host.get_fact(TrainingRun, unit=TRAIN_UNIT, markers={s: settings.marker(s) for s in STAGES},
                     plan_path=f"{settings.train_dir}/plan.json", launcher=f"{settings.train_dir}/train-launcher",
                     user=settings.train_user, python=settings.launcher_python)
-unit_state, _ = unit_summary(run["unit"])
+unit_state, _ = unit_summary(run["unit"], run["history"])
 verdict = None
 if unit_state in ("failed", "crash-looping"):
     diag = diagnose(host.name, {"journal": run["journal"]}, run["plan"], failed=True)
     verdict = "\n".join(render(diag).splitlines()[1:]) or "the unit failed; the doctor found no cause"
 elif unit_state == "never-ran":
     verdict = never_ran(host.name, run["preflight"], run["plan"])[1]
-row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict)
+row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict, run["history"])
 
 out_dir = settings.controller_cache / "status"
 out_dir.mkdir(parents=True, exist_ok=True)

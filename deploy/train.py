@@ -13,5 +13,6 @@ check_inventory()
 settings = settings_for()
 
 gpu = base_layout(settings)
-train_settings, targets = training_in(cluster_for(), settings, gpu)   # a cluster member: the cluster's plan
-install_train(train_settings, gpu, targets)
+if not gpu.refused:
+    train_settings, targets = training_in(cluster_for(), settings, gpu)   # a cluster member: the cluster's plan
+    install_train(train_settings, gpu, targets)

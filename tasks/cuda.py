@@ -36,6 +36,7 @@ from pyinfra.operations import files, server
 
 from tasks.artifacts import artifact_file, box_path
 from tasks.failure import fail_host
+from tasks.gpu_support import DRIVER_BRANCH_MAX_OLD_GPUS
 from tasks.facts.bundle import ask
 from tasks.facts.disk import FreeDisk
 from tasks.facts.files import Marker, VerifiedArtifact
@@ -57,7 +58,6 @@ TMPDIR_NEED_MIB = 10240
 PREFIX_NEED_MIB = 8192
 INSTALLER_TMP_LOG = "/tmp/cuda-installer.log"   # stale copies crash the runfile
 INSTALLER_LOG = "/var/log/cuda-installer.log"
-DRIVER_BRANCH_MAX_OLD_GPUS = 580                 # last branch for Pascal / Volta
 RUNFILE_FLAGS = ("--silent", "--toolkit", "--no-opengl-libs", "--no-man-page", "--no-drm", "--override")
 SYSTEM_DIRS = {"/", "/usr", "/usr/local", "/opt", "/var", "/home", "/root", "/etc", "/tmp", "/var/tmp"}
 
@@ -129,6 +129,7 @@ class CudaFacts:
     compiler: HostCompiler                    # decided once for the host (tasks/target.py)
     marker: Mapping[str, str] | None          # Marker(settings.marker("cuda"))
     cached: frozenset = frozenset()           # artifact names already verified in the box cache
+    driver_stage: str | None = None           # the driver stage installs and proves the driver first
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,8 @@ def installed(want: CudaWant, toolkits: Mapping, marker: Mapping[str, str] | Non
 def plan_cuda(want: CudaWant, facts: CudaFacts) -> CudaPlan:
     problems = [p for p in (
         check_distro(facts.os_release),
-        check_driver(facts.driver, want.min_driver, want.allow_no_driver, want.cuda_release),
+        None if facts.driver_stage else check_driver(facts.driver, want.min_driver, want.allow_no_driver,
+                                                     want.cuda_release),
         check_prefix(want.prefix),
     ) if p]
 
@@ -377,6 +379,7 @@ def gather_facts(settings: LabSettings, want: CudaWant, gpu: HostTarget) -> Cuda
         compiler=gpu.compiler,
         marker=marker,
         cached=frozenset(cached),
+        driver_stage=gpu.driver_stage,
     )
 
 

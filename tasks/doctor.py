@@ -25,6 +25,7 @@ from tasks.catalog import REPO_ROOT, tomllib
 RULES_DIR = REPO_ROOT / "files" / "doctor"
 RULES_PATH = RULES_DIR / "rules.toml"     # the general rules; each other *.toml there holds one area's
 TAIL_LINES = 15
+NEAR_LINES = 80          # how far back a rule's `near` patterns are looked for (a traceback's frames)
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,11 @@ class Rule:
     cause: str
     fix: str
     setting: str = ""
+    near: tuple[re.Pattern, ...] = ()     # each must match one of the NEAR_LINES lines before (a traceback's frames)
 
-    def hit(self, line: str) -> bool:
-        return any(p.search(line) for p in self.match) and not any(p.search(line) for p in self.unless)
+    def hit(self, line: str, before: Sequence[str] = ()) -> bool:
+        return (any(p.search(line) for p in self.match) and not any(p.search(line) for p in self.unless)
+                and all(any(p.search(b) for b in before) for p in self.near))
 
 
 @dataclass
@@ -57,9 +60,51 @@ class Diagnosis:
     findings: list[Finding]
     unknown_tail: list[str]  # the last relevant lines when no rule matched a failure
     failed: bool
+    verdict: str = ""        # the headline (``verdict``); "" until it is judged: render() then says failed or not
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# The headlines. "no failure found" only where a run ended well; every other word says what is known.
+FAILED = "failed"
+NEVER_RAN = "never ran"
+NEVER_RAN_PREFLIGHT_FAILS = "never ran: preflight fails"
+NEVER_RAN_PREFLIGHT_PASSES = "never ran: preflight passes"
+RUNNING = "running"
+NO_LOG = "no log"
+NO_RUN = "no training run in the log"
+NOT_ENDED = "no failure so far: the run has not ended in this log (running, or the log is cut short)"
+STOPPED = "stopped before its end, no failure in its log"
+NO_UNIT = "no training unit"
+FINE = "no failure found"
+# verl 0.5.0's RayPPOTrainer.fit prints this at its last step, just before it returns (ray_trainer.py)
+RUN_END = "Final validation metrics:"
+PREFLIGHT_FAIL = re.compile(r"^\s*FAIL\s|preflight FAILED", re.M)
+
+
+def verdict(diag: Diagnosis, unit: str | None = None, preflight: str = "",
+            text: str | None = None) -> str:
+    """The headline for ``diag``: from the training unit's state (``tasks.status.unit_summary``:
+    a box), or, without one (a saved log, ``text``), from what the log shows."""
+    if unit is not None:
+        if unit == "never-ran":
+            if PREFLIGHT_FAIL.search(preflight or ""):
+                return NEVER_RAN_PREFLIGHT_FAILS
+            return NEVER_RAN_PREFLIGHT_PASSES if "preflight passed" in (preflight or "") else NEVER_RAN
+        if unit in ("failed", "crash-looping") or diag.failed:
+            return FAILED
+        return {"running": RUNNING, "not-installed": NO_UNIT, "stopped": STOPPED}.get(unit, FINE)
+    if not (text or "").strip():
+        return NO_LOG
+    if diag.failed:
+        return FAILED
+    from tasks.status import parse_log
+
+    run = parse_log(text)
+    if RUN_END in text or (run.steps and run.total_steps and run.steps[-1]["step"] >= run.total_steps):
+        return FINE
+    return NOT_ENDED if run.steps or "preflight passed" in text else NO_RUN
 
 
 def rule_files(folder: Path = RULES_DIR) -> list[Path]:
@@ -87,6 +132,7 @@ def load_rules(path: Path | None = None, folder: Path = RULES_DIR) -> list[Rule]
             match=tuple(re.compile(p) for p in raw["match"]),
             unless=tuple(re.compile(p) for p in raw.get("unless", [])),
             cause=raw["cause"], fix=raw["fix"], setting=raw.get("setting", ""),
+            near=tuple(re.compile(p) for p in raw.get("near", [])),
         ))
     return rules
 
@@ -195,8 +241,41 @@ def analyse_checkpoint_disk(lines: Sequence[str], plan: Mapping[str, Any] | None
     return out
 
 
-DETAIL_READERS = {"cuda-oom": analyse_oom, "checkpoint-disk-full": analyse_checkpoint_disk,
-                  "checkpoint-disk-short": analyse_checkpoint_disk}
+
+VLLM_V1_KV = re.compile(r"max seq len \((\d+)\), \(([\d.]+) GiB KV cache is needed, which is larger than the "
+                        r"available KV cache memory \((-?[\d.]+) GiB\)")
+VLLM_V0_KV = re.compile(r"The model's max seq len \((\d+)\) is larger than the maximum number of tokens that can be "
+                        r"stored in KV cache \((\d+)\)")
+
+
+def analyse_vllm_kv(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dict[str, Any]:
+    """vLLM's KV-cache numbers from its message, the plan's engine and share, and (V1) the share that
+    would have held the plan's sequences with the memory vLLM found available."""
+    text = "\n".join(lines)
+    out: dict[str, Any] = {}
+    if m := VLLM_V1_KV.search(text):
+        out.update(max_model_len=int(m[1]), kv_needed_gib=float(m[2]), kv_available_gib=float(m[3]))
+    elif m := VLLM_V0_KV.search(text):
+        out.update(max_model_len=int(m[1]), kv_cache_tokens=int(m[2]))
+    if not plan:
+        out["advice"] = "no plan.json found for this box: re-run deploy/train.py to get a plan (and a share) for its GPU."
+        return out
+    share = plan.get("vllm_gpu_memory_utilization")
+    out["plan_engine"] = {"1": "V1", "0": "V0"}.get(str((plan.get("env") or {}).get("VLLM_USE_V1")), "unknown")
+    out["plan_share"] = share
+    wanted = (plan.get("breakdown") or {}).get("vllm_kv_wanted")
+    total = (plan.get("gpu") or {}).get("memory_mib")
+    if "kv_available_gib" in out and share and wanted and total:
+        out["plan_kv_cache_mib"] = wanted
+        more = (wanted - out["kv_available_gib"] * 1024) / total
+        out["share_that_holds_the_plans_kv_cache"] = -(-round((share + more) * 10000) // 100) / 100
+    return out
+
+
+# rule id -> what else a finding reads from the lines before it (and the box's plan)
+ANALYSES = {"cuda-oom": analyse_oom, "vllm-v1-kv-cache-short": analyse_vllm_kv,
+            "vllm-v0-kv-cache-short": analyse_vllm_kv, "checkpoint-disk-full": analyse_checkpoint_disk,
+            "checkpoint-disk-short": analyse_checkpoint_disk}
 
 
 def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | None = None,
@@ -211,12 +290,12 @@ def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | No
             if FAILURE_MARKERS.search(line):
                 relevant.append(f"{source}: {line}")
             for rule in rules:
-                if rule.hit(line):
+                if rule.hit(line, lines[max(0, i - NEAR_LINES): i] if rule.near else ()):
                     f = findings.get(rule.id)
                     if f is None:
                         f = findings[rule.id] = Finding(rule.id, rule.cause, rule.fix, rule.setting, [], source)
-                        if rule.id in DETAIL_READERS:
-                            f.details = DETAIL_READERS[rule.id](lines[max(0, i - 60): i + 5], plan)
+                        if rule.id in ANALYSES:
+                            f.details = ANALYSES[rule.id](lines[max(0, i - 60): i + 5], plan)
                     if len(f.evidence) < 3:
                         f.evidence.append(line.strip())
     is_failed = bool(findings) or bool(relevant) if failed is None else failed
@@ -227,7 +306,7 @@ def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | No
 
 
 def render(diag: Diagnosis) -> str:
-    out = [f"== {diag.host}: " + ("FAILED" if diag.failed else "no failure found")]
+    out = [f"== {diag.host}: " + (diag.verdict or (FAILED if diag.failed else "no failure found in what was read"))]
     for f in diag.findings:
         out.append(f"  [{f.rule}] {f.cause}")
         out.append(f"    fix: {f.fix}")
@@ -248,24 +327,65 @@ def never_ran(host: str, preflight: str, plan: Mapping[str, Any] | None = None,
     """What stops a training unit that never ran: the launcher's ``--check`` output (run as the
     train user) read by the rules, and the words for it, beginning with ``lead``."""
     diag = diagnose(host, {"preflight": preflight}, plan)
+    diag.verdict = verdict(diag, "never-ran", preflight)
     if not preflight.strip():
         return diag, f"{lead} (train_unit_state is installed or enabled: --data train_unit_state=started starts it)"
     body = render(diag).splitlines()[1:] or [f"    {line}" for line in preflight.strip().splitlines()[-5:]]
     return diag, f"{lead}; the launcher's preflight says:\n" + "\n".join(body)
 
 
+EXIT_FAILED, EXIT_UNREADABLE = 1, 2
+
+
+def _read(path: Path, what: str) -> str:
+    """A file's text (bytes that are not UTF-8 replaced); ValueError saying why it cannot be read."""
+    try:
+        return path.read_bytes().decode("utf-8", errors="replace")
+    except IsADirectoryError:
+        raise ValueError(f"{what} {path} is a directory, not a file") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
+def read_plan(path: Path) -> dict:
+    """A plan.json for the doctor (ValueError saying what is wrong with it)."""
+    try:
+        plan = json.loads(_read(path, "--plan"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--plan {path} is not JSON ({exc.msg}, line {exc.lineno}): give the box's "
+                         "plan.json (<lab_root>/train/plan.json)") from None
+    if not isinstance(plan, dict):
+        raise ValueError(f"--plan {path} is JSON but not a plan (an object with predicted_peak_mib, breakdown ...)")
+    return plan
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 when no failure was found, 1 when one was, 2 when an input cannot be read or
+    holds no log to judge (a missing file, a directory, an empty file, one with no training run,
+    a --plan that is not a plan.json)."""
     ap = argparse.ArgumentParser(prog="python -m tasks.doctor", description=__doc__.splitlines()[0])
     ap.add_argument("logs", nargs="+", type=Path, help="log files to read")
     ap.add_argument("--plan", type=Path, help="the box's plan.json, for out-of-memory analysis")
     ap.add_argument("--host", default="local")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    plan = json.loads(args.plan.read_text()) if args.plan else None
-    sources = {str(p): p.read_text(errors="replace") for p in args.logs}
+    try:
+        plan = read_plan(args.plan) if args.plan else None
+        sources = {str(p): _read(p, "log") for p in args.logs}
+    except ValueError as exc:
+        print(f"python -m tasks.doctor: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
     diag = diagnose(args.host, sources, plan)
+    text = "\n".join(sources.values())
+    diag.verdict = verdict(diag, text=text)
     print(json.dumps(diag.to_json(), indent=2) if args.json else render(diag))
-    return 1 if diag.failed else 0
+    if diag.verdict in (NO_LOG, NO_RUN):
+        empty = [name for name, t in sources.items() if not t.strip()]
+        print(f"python -m tasks.doctor: {diag.verdict}" + (f" ({', '.join(empty)} empty)" if empty else
+              ": no verl step, preflight or failure line in it; give the training unit's journal "
+              "(journalctl -u verl-lab-train.service > run.log)"), file=sys.stderr)
+        return EXIT_UNREADABLE
+    return EXIT_FAILED if diag.failed else 0
 
 
 if __name__ == "__main__":

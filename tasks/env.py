@@ -107,8 +107,12 @@ def constraint_lines(torch_requirements: list[str], *requirement_files: Path) ->
     return lines
 
 
-def vllm_decision(gpu_cc: str | None, min_cc: str) -> tuple[bool, str]:
-    """Install vLLM? Only where the GPU's compute capability is at least ``min_cc``."""
+def vllm_decision(gpu_cc: str | None, min_cc: str, rollout: str = "auto") -> tuple[bool, str]:
+    """Install vLLM? Only where the GPU's compute capability is at least ``min_cc``, and not where
+    ``workload.rollout`` is ``hf``: that box trains with the HF rollout, so an env whose vLLM wheel
+    would not load still gets built and proven."""
+    if rollout == "hf":
+        return False, "workload.rollout = 'hf': the HF-transformers rollout trains, vLLM is not installed"
     if not gpu_cc:
         return False, "no usable NVIDIA GPU on this box (vLLM needs one with compute capability >= " f"{min_cc})"
     have, need = parse_compute_capability(gpu_cc), parse_compute_capability(min_cc)
@@ -248,7 +252,8 @@ def plan_env(settings: LabSettings, gpu: HostTarget, build: dict, overrides: tup
     vllm = cat.artifact("vllm")
     verl = cat.artifact("verl")
     gpu_cc = gpu.compute_capability
-    want_vllm, why = vllm_decision(gpu_cc, str(vllm.get("min_compute_capability", "7.0")))
+    want_vllm, why = vllm_decision(gpu_cc, str(vllm.get("min_compute_capability", "7.0")),
+                                   settings.workload["rollout"])
     xformers = cat.artifact("xformers")
     xformers_reqs = list(xformers.get("requirements") or [])
     xformers_version = pinned_version(xformers_reqs, "xformers", "the xformers artifact's requirements")

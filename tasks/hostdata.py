@@ -1,7 +1,9 @@
 """The bridge from pyinfra's inventory to LabSettings.
 
 ``check_inventory()`` checks every host's data before any operation is prepared, so a bad
-value anywhere stops the run before any host changes, with a message naming each bad host.
+value anywhere stops the run before any host changes, with every problem of every host listed
+(tasks/validation.py: settings, clusters, the data stage's plan, and the training plan where host
+data gives the GPU).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from pyinfra import host, inventory
 
 from tasks.cluster import Cluster, check_clusters
 from tasks.settings import LabSettings, SettingsError, load_settings
+from tasks.validation import inventory_problems
 
 _CHECKED = False
 _CACHE: dict[str, LabSettings] = {}
@@ -44,7 +47,7 @@ def check_inventory(hosts=None) -> None:
         try:
             checked[each.name] = settings_for(each)
         except SettingsError as exc:
-            problems.append(str(exc))
+            problems += [str(each) for each in exc.problems]
         inv = getattr(each, "inventory", None)
         if inv is not None and "cluster" not in inv.get_host_data(each.name):   # its groups decide its cluster
             in_groups[each.name] = {g: inv.get_group_data(g)["cluster"] for g in each.groups
@@ -52,6 +55,8 @@ def check_inventory(hosts=None) -> None:
     clusters, cluster_problems = check_clusters(checked, in_groups)
     _CLUSTERS.update(clusters)
     problems += [str(p) for p in cluster_problems]
+    # the data stage's plan of every host, the training plan of every host whose GPU host data gives
+    problems += [str(p) for p in inventory_problems(checked, clusters)]
     _CHECKED = True
     if problems:
         raise InventoryError(

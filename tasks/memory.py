@@ -55,6 +55,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verl_lab_box.vllm_share import kv_cache_mib, smallest_share
+
 MIB = 1024.0 * 1024.0
 DTYPES = ("fp32", "bf16", "fp16")
 ATTNS = ("sdpa", "eager")
@@ -439,15 +441,10 @@ def generate_peak(shape: ModelShape, batch: int = 1, prompt_len: int = 128, new_
 
 
 # ---- vLLM 0.8.5 on the training GPU -----------------------------------------------------------
-# How vLLM 0.8.5 turns gpu_memory_utilization into a KV cache (read in the release's files):
-# * V1 (default on compute capability >= 8.0), vllm/v1/worker/gpu_worker.py
-#   Worker.determine_available_memory: KV = total x share - (torch's allocated peak of the
-#   whole process during profile_run + GPU memory in use that torch did not allocate). Everything
-#   the process already holds (verl builds the actor and critic in the same process before
-#   vLLM) and everything else on the GPU counts against the share.
-# * V0 (below 8.0), vllm/worker/worker.py Worker.determine_num_available_blocks with
-#   vllm/utils.py memory_profiling: KV = total x share - (weights + torch's peak increase during
-#   profile_run + the non-torch increase since the worker started): only vLLM's own need counts.
+# How vLLM 0.8.5 turns gpu_memory_utilization into a KV cache, V1 and V0, read in the release's
+# files: verl_lab_box/vllm_share.py, the one place of that arithmetic (the training launcher sizes
+# the share again with it at start, for what other processes hold on the GPU then). The plan sizes
+# it for a GPU with nothing else on it and nvidia-smi's memory.total.
 VLLM_NON_TORCH_MIB = 256.0     # inferred: what vLLM's worker adds outside torch (cuBLAS, NCCL)
 VLLM_KV_MARGIN = 1.1           # inferred: 16-token block rounding and the scheduler's watermark
 
@@ -466,9 +463,14 @@ class VllmMemory:
     held_at_start_mib: float     # what the process holds when vLLM starts (V1 counts it)
 
     @property
+    def own_mib(self) -> float:
+        """What vLLM counts as its own before the KV cache: weights, profiling activations, non-torch."""
+        return self.weights_mib + self.profile_mib + self.non_torch_mib
+
+    @property
     def rollout_mib(self) -> float:
         """What vLLM adds on top of the training states while it generates (awake)."""
-        return self.weights_mib + self.kv_granted_mib + self.profile_mib + self.non_torch_mib
+        return self.own_mib + self.kv_granted_mib
 
 
 def vllm_profile_mib(shape: ModelShape, dtype: str, max_num_batched_tokens: int, max_num_seqs: int,
@@ -492,16 +494,13 @@ def vllm_memory(shape: ModelShape, *, engine: str, dtype: str, gpu_memory_mib: i
     ``kv_granted_mib < kv_wanted_mib`` says so). ``tp`` > 1: one engine spans ``tp`` GPUs and each
     holds 1/tp of the weights, of the heads' KV cache and of the layer activations (inferred: not
     measured), for ``tp`` times the sequences (verl gives the engine its GPUs' share of the batch)."""
-    if engine not in ("v0", "v1"):
-        raise ValueError("engine must be 'v0' or 'v1'")
     weights = _bytes(dtype) * shape.params("actor") / MIB / tp
     kv_wanted = VLLM_KV_MARGIN * shape.kv_bytes_per_token(dtype) * seqs * seq_len / MIB
     profile = vllm_profile_mib(shape, dtype, max_num_batched_tokens, seqs * tp, tp)
     own = weights + profile + VLLM_NON_TORCH_MIB
-    counted = own + (held_at_start_mib if engine == "v1" else 0.0)
-    share = -(-(counted + kv_wanted) * 100 // gpu_memory_mib) / 100     # round up to 0.01
+    share = smallest_share(engine, gpu_memory_mib, own, kv_wanted, held_at_start_mib)
     share = float(min(share_max, max(share_min, share)))
-    granted = share * gpu_memory_mib - counted
+    granted = kv_cache_mib(engine, share, gpu_memory_mib, own, held_at_start_mib)
     return VllmMemory(engine=engine, share=share, weights_mib=weights, profile_mib=profile,
                       non_torch_mib=VLLM_NON_TORCH_MIB, kv_wanted_mib=kv_wanted, kv_granted_mib=granted,
                       held_at_start_mib=held_at_start_mib)

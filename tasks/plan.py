@@ -42,6 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 from verl_lab_box.gsm8k import VAL_ROWS
 from tasks.checkpoints import DEFAULT_EVERY, DEFAULT_KEEP, CheckpointPlan, plan_checkpoints, retention_overrides, \
     side_files_bytes
+from tasks.gpu_support import refusal as gpu_refusal
 from tasks.verl_config import VERL_VERSION, Override, override_lines
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +99,13 @@ GRPO_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
 
 
 class PlanError(ValueError):
-    """No plan exists for this GPU and workload; the message says by how much and what to change."""
+    """No plan exists for this GPU and workload. ``reason`` says why (and by how much), ``fix`` what
+    to change, ``key`` which setting it is about ("workload", "workload.<key>", "gpu"); ``str()`` is
+    the reason, then "Change: " and the fix."""
+
+    def __init__(self, reason: str, fix: str | None = None, key: str = "workload"):
+        self.reason, self.fix, self.key = reason, fix, key
+        super().__init__(reason + (f" Change: {fix}" if fix else ""))
 
 
 @dataclass(frozen=True)
@@ -180,7 +187,7 @@ class Workload:
     model_side_bytes: int = 0            # the model's config and tokenizer files (catalog sizes)
     experiment_name: str = "qwen2.5-0.5b-gsm8k"
     flash_attn_installed: bool = False
-    rollout_engine: str = "auto"         # "auto": vLLM where the GPU has it; "hf": the HF rollout
+    rollout_engine: str = "auto"         # workload.rollout: "auto" (vLLM where the GPU has it), "vllm", "hf"
     val_rows: int = VAL_ROWS             # rows of val_small.parquet (HF chunks must divide them)
     actor_offload_policy: bool = False   # the actor (and ref) on FSDP2 with CPUOffloadPolicy (RUNGS)
 
@@ -228,6 +235,9 @@ class MemoryEstimate:
     budget_mib: int                      # what may be used on this GPU
     breakdown: Mapping[str, int] = field(default_factory=dict)
     vllm_gpu_memory_utilization: float | None = None
+    # what the launcher sizes vLLM's share again from at start (verl_lab_box/vllm_share.py): the
+    # engine, the share, vLLM's own MiB, what the process holds when vLLM starts, the KV cache wanted
+    vllm: Mapping[str, Any] | None = None
 
     @property
     def fits(self) -> bool:
@@ -286,6 +296,7 @@ class TrainingPlan:
                 "rollout_tp": self.memory.rollout_tp,
             },
             "vllm_gpu_memory_utilization": self.memory.vllm_gpu_memory_utilization,
+            "vllm": dict(self.estimate.vllm) if self.estimate.vllm else None,
             "predicted_peak_mib": self.estimate.peak_mib,
             "predicted_host_ram_mib": int(self.estimate.breakdown.get("host_ram", 0)),
             "budget_mib": self.estimate.budget_mib,
@@ -306,10 +317,26 @@ def vllm_engine(gpu: GpuTarget) -> str:
     return "v1" if gpu.cc >= (8, 0) else "v0"
 
 
+ROLLOUT_ENGINES = ("auto", "vllm", "hf")      # workload.rollout (tasks/settings.py WORKLOAD_ROLLOUTS)
+VLLM_MIN_CC = (7, 0)
+
+
+def rollout_refusal(rollout_engine: str, gpu: GpuTarget) -> tuple[str, str] | None:
+    """(why, fix) where ``rollout_engine`` cannot run on ``gpu``; None where it can. vLLM 0.8.5
+    needs compute capability >= 7.0 (its installation requirements: no vLLM on Pascal)."""
+    if rollout_engine not in ROLLOUT_ENGINES:
+        return f"{rollout_engine!r} is not one of {', '.join(ROLLOUT_ENGINES)}", "set workload.rollout to one of them"
+    if rollout_engine == "vllm" and gpu.cc < VLLM_MIN_CC:
+        return (f"vLLM 0.8.5 needs compute capability >= 7.0, and {gpu.name} has {gpu.compute_capability}",
+                "set workload.rollout to 'auto' or 'hf' (the HF-transformers rollout runs on every GPU)")
+    return None
+
+
 def choose_precision(gpu: GpuTarget, flash_attn_installed: bool = False,
                      rollout_engine: str = "auto") -> tuple[Precision, list[Reason]]:
-    if rollout_engine not in ("auto", "hf"):
-        raise PlanError(f"rollout_engine must be 'auto' or 'hf', not {rollout_engine!r}")
+    refusal = rollout_refusal(rollout_engine, gpu)
+    if refusal:
+        raise PlanError(f"workload.rollout = {rollout_engine!r}: {refusal[0]}.", fix=refusal[1], key="workload.rollout")
     cc = gpu.cc
     ccs = gpu.compute_capability
     reasons: list[Reason] = []
@@ -321,19 +348,21 @@ def choose_precision(gpu: GpuTarget, flash_attn_installed: bool = False,
         train = "fp32"
         reasons.append(Reason("train_dtype", train, f"compute capability {ccs} < 8.0 has no bf16, and verl "
                                                     f"{VERL_VERSION} has no loss scaling for fp16 training: fp32"))
-    if cc >= (7, 0) and rollout_engine == "auto":
+    if cc >= VLLM_MIN_CC and rollout_engine != "hf":
         rollout = "vllm"
         rdtype = "bfloat16" if cc >= (8, 0) else "float16"
-        reasons.append(Reason("rollout", rollout, f"vLLM runs on compute capability >= 7.0 ({ccs}); "
+        asked = " (workload.rollout = 'vllm')" if rollout_engine == "vllm" else ""
+        reasons.append(Reason("rollout", rollout, f"vLLM runs on compute capability >= 7.0 ({ccs}){asked}; "
                                                   f"engine {vllm_engine(gpu).upper()} on this GPU"))
         reasons.append(Reason("rollout_dtype", rdtype,
                               "bf16 generation on sm80+" if rdtype == "bfloat16"
                               else f"no bf16 on {ccs}; fp16 is fast there and fine for generation"))
-    elif cc >= (7, 0):
+    elif cc >= VLLM_MIN_CC:
         rollout = "hf"
         rdtype = "bfloat16" if cc >= (8, 0) else "float16"
-        reasons.append(Reason("rollout", rollout, "the HF-transformers rollout was asked for (rollout_engine='hf') "
-                                                  f"although vLLM runs on {ccs}"))
+        reasons.append(Reason("rollout", rollout, "the HF-transformers rollout was asked for (workload.rollout = "
+                                                  f"'hf') although vLLM runs on {ccs}: no vLLM share, no vLLM in "
+                                                  "the env; generation is slower"))
         reasons.append(Reason("rollout_dtype", rdtype, "generation under autocast in the GPU's fast half "
                                                        "precision over the training weights"))
     else:
@@ -467,10 +496,9 @@ def _no_fit(gpu: GpuTarget, workload: Workload, best_failure: MemoryEstimate) ->
         f"{workload.experiment_name} ({workload.algorithm.upper()}) does not fit {gpu.count} x {gpu.name} "
         f"({gpu.memory_mib} MiB): even with gradient "
         f"checkpointing, every allowed offload and micro-batch 1 the estimated peak is {best_failure.peak_mib} MiB "
-        f"against a budget of {best_failure.budget_mib} MiB, short by {short} MiB.{where} Change: use a GPU with "
-        f"more memory (or more GPUs), train a smaller model, or shorten the sequences (prompt "
-        f"{workload.max_prompt_length} + response {workload.max_response_length} tokens)."
-    )
+        f"against a budget of {best_failure.budget_mib} MiB, short by {short} MiB.{where}",
+        fix=f"use a GPU with more memory (or more GPUs), train a smaller model, or shorten the sequences (prompt "
+            f"{workload.max_prompt_length} + response {workload.max_response_length} tokens).")
     err.short_mib = short
     return err
 
@@ -570,7 +598,8 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
         else f"Triton refuses compute capability {gpu.compute_capability} < 7.0")
     # rollout
     add("actor_rollout_ref.rollout.name", precision.rollout,
-        "vLLM on compute capability >= 7.0" if precision.rollout == "vllm" else "no vLLM below compute capability 7.0")
+        "vLLM on compute capability >= 7.0" if precision.rollout == "vllm" else
+        "no vLLM below compute capability 7.0" if gpu.cc < VLLM_MIN_CC else "workload.rollout = 'hf' asks for it")
     add("actor_rollout_ref.rollout.dtype", precision.rollout_dtype, "generation dtype for this GPU")
     add("actor_rollout_ref.rollout.tensor_model_parallel_size", choice.rollout_tp,
         "the rollout fits one GPU (default is 2)" if choice.rollout_tp == 1 else
@@ -663,6 +692,9 @@ def plan_env(precision: Precision, gpu: GpuTarget) -> tuple[dict[str, str], list
 def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = None) -> TrainingPlan:
     if gpu.count < 1:
         raise PlanError("the plan needs at least one GPU")
+    refused = gpu_refusal(gpu.arch_list.split(";"))
+    if refused:
+        raise PlanError(refused[0], fix=refused[1], key="gpu")
     for name in ("train_batch_size", "ppo_mini_batch_size", "max_prompt_length", "max_response_length",
                  "total_training_steps", "rollout_n", "total_epochs"):
         if getattr(workload, name) is not None and getattr(workload, name) < 1:
@@ -696,7 +728,8 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
                             reasons=reasons + [rung_reason, *_batch_reasons(workload, w)] + mem_reasons + env_reasons
                             + [Reason(*r) for r in cp.reasons])
     tried = ", ".join(f"{r} short by {e.short_mib} MiB" for r, e in failed)
-    err = PlanError(f"{failed[-1][1]} Rungs tried: {tried} (no LoRA rung: not proven on a GPU yet).")
+    err = PlanError(f"{failed[-1][1].reason} Rungs tried: {tried} (no LoRA rung: not proven on a GPU yet).",
+                    fix=failed[-1][1].fix)
     err.short_mib = failed[-1][1].short_mib     # the last rung tried: the one the message describes
     raise err
 
@@ -829,7 +862,11 @@ def default_estimator(gpu: GpuTarget, workload: Workload, precision: Precision, 
         if vllm.kv_granted_mib < vllm.kv_wanted_mib:
             peak = max(peak, gpu.memory_mib)      # vLLM's share cannot hold one step's sequences
     return MemoryEstimate(peak_mib=peak, budget_mib=gpu_budget_mib(gpu), breakdown=breakdown,
-                          vllm_gpu_memory_utilization=vllm.share if vllm else None)
+                          vllm_gpu_memory_utilization=vllm.share if vllm else None,
+                          vllm={"engine": vllm.engine, "share": vllm.share, "own_mib": round(vllm.own_mib, 1),
+                                "held_at_start_mib": round(vllm.held_at_start_mib, 1),
+                                "kv_wanted_mib": round(vllm.kv_wanted_mib, 1), "gpu_memory_mib": gpu.memory_mib}
+                          if vllm else None)
 
 
 # ---------------------------------------------------------------- host entry and CLI
@@ -875,7 +912,7 @@ def plan_naming_models_that_fit(plan: Callable[[Workload], TrainingPlan], worklo
                     f"{getattr(smallest[1], 'short_mib', '?')} MiB too.")
         else:
             hint = ""
-        err = PlanError(f"{exc}{hint}")
+        err = PlanError(exc.reason, fix=f"{exc.fix or ''}{hint}".strip() or None, key=exc.key)
         err.short_mib = exc.short_mib
         raise err from None
 
@@ -916,6 +953,7 @@ def workload_for(settings, flash_attn_installed: bool = False) -> Workload:
         flash_attn_installed=flash_attn_installed,
         save_freq=settings.checkpoints["every"],
         checkpoint_keep=settings.checkpoints["keep"],
+        rollout_engine=w["rollout"],
     ), settings.catalog.artifact(settings.model_artifact))
 
 
@@ -1036,13 +1074,13 @@ def doc_workload(args=None) -> Workload:
         args = argparse.Namespace(model_path="/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct",
                                   data_dir="/opt/verl-lab/data/gsm8k", checkpoint_dir="/opt/verl-lab/train/checkpoints",
                                   steps=None, epochs=1, algorithm="auto", model_config=DEFAULT_MODEL_CONFIG,
-                                  flash_attn=False)
+                                  flash_attn=False, rollout="auto")
     return Workload(model_path=args.model_path or "/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct",
                     train_files=f"{args.data_dir}/train.parquet",
                     val_files=f"{args.data_dir}/val_small.parquet", checkpoint_dir=args.checkpoint_dir,
                     total_training_steps=args.steps, total_epochs=args.epochs, algorithm=args.algorithm,
                     model_config=load_model_config(args.model_config),
-                    flash_attn_installed=args.flash_attn)
+                    flash_attn_installed=args.flash_attn, rollout_engine=args.rollout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1067,6 +1105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--algorithm", choices=ALGORITHMS, default="auto", help="auto: the fallback ladder")
     ap.add_argument("--flash-attn", action="store_true", help="flash-attn is installed in the env")
+    ap.add_argument("--rollout", choices=ROLLOUT_ENGINES, default="auto",
+                    help="workload.rollout: auto (vLLM where the GPU runs it), vllm, or hf (the HF rollout)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.doc_table or args.model_table:

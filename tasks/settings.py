@@ -19,7 +19,8 @@ from tasks.catalog import Catalog, CatalogError, MirrorSet, default_catalog
 
 ARTIFACT_MODES = ("relay", "direct")
 ENV_BACKENDS = ("conda", "venv")
-UNIT_STATES = ("installed", "enabled", "started")
+UNIT_STATES = ("installed", "enabled", "started", "stopped")
+DRIVER_MODES = ("check", "install")
 USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,30}$")
 
 DEFAULTS: dict[str, Any] = {
@@ -34,6 +35,10 @@ DEFAULTS: dict[str, Any] = {
     "cuda_prefix": "/usr/local/cuda-11.8",
     "install_tmpdir": "/var/tmp/verl-lab",
     "allow_no_driver": False,          # install the toolkit on a box without an NVIDIA driver
+    # the NVIDIA driver (tasks/driver.py): check (the CUDA stage refuses one too old for CUDA 11.8) |
+    # install (choose the branch from the GPUs, install it from the distro's archive, hold it, prove it)
+    "driver": "check",
+    "driver_reboot": False,            # driver = install: reboot a box whose new driver needs it (one at a time)
     "env_backend": "conda",            # conda | venv
     "env_prefix": "/opt/verl-lab/envs/verl",
     "conda_prefix": "/opt/verl-lab/miniforge3",
@@ -41,16 +46,13 @@ DEFAULTS: dict[str, Any] = {
     "env_health_check": "quick",       # quick | full: how a re-run re-checks a proven env         # interpreter for the venv backend (>= 3.10)
     # training
     "train_user": "verl",
-    "train_unit_state": "enabled",     # installed | enabled | started
+    "train_unit_state": "enabled",     # installed | enabled | started | stopped (tasks/train.py)
     "hf_token_file": None,             # a file on the controller holding an HF token
     "model_artifact": "qwen_model",
     "dataset_artifact": "gsm8k",
     "train_steps": None,               # a step cap (a smoke test: e.g. 20); None: workload.epochs over GSM8K
     # what to train (checked by _workload; the plan: tasks/plan.py, docs/plan.md)
     "workload": {},
-    # checkpoint saves (checked by _checkpoints; tasks/checkpoints.py): {"keep": whole saves kept at
-    # any time, also while the next is written, "every": steps between saves}
-    "checkpoints": {},
     # plan for this GPU instead of the box's own (a build box without a GPU, or a box whose
     # nvidia-smi cannot tell): {"name": "Tesla T4", "compute_capability": "7.5",
     # "memory_mib": 15360, "count": 1}
@@ -60,16 +62,22 @@ DEFAULTS: dict[str, Any] = {
     # "port": 6379}, the same value on every member (e.g. in the group's group_data); None: trains alone
     "cluster": None,
     "cluster_address": None,           # this box's IPv4 address on the cluster network (the head needs one)
+    # checkpoint saves (checked by _checkpoints; tasks/checkpoints.py): {"keep": whole saves kept at
+    # any time, also while the next is written, "every": steps between saves}
+    "checkpoints": {},
 }
 
 KNOWN_KEYS = set(DEFAULTS)
 # workload keys and their defaults: verl's GSM8K quick start, one epoch, the plan's fallback ladder
 WORKLOAD_DEFAULTS: dict[str, Any] = {"algorithm": "auto", "model": None, "train_batch_size": 256,
                                      "ppo_mini_batch_size": 64, "max_prompt_length": 256, "max_response_length": 256,
-                                     "epochs": 1}
-WORKLOAD_WORDS = ("algorithm", "model")          # the keys that are not positive integers
-CHECKPOINT_DEFAULTS: dict[str, int] = {"keep": 1, "every": 10}
+                                     "epochs": 1, "rollout": "auto"}
+WORKLOAD_WORDS = ("algorithm", "model", "rollout")   # the keys that are not positive integers
 WORKLOAD_ALGORITHMS = ("auto", "ppo", "grpo")   # auto: PPO, else GRPO, else GRPO with shorter responses
+# auto: vLLM where the GPU runs it (compute capability >= 7.0), else the HF rollout; vllm: vLLM or
+# this box fails (tasks.plan.rollout_refusal); hf: the HF-transformers rollout, and no vLLM in the env
+WORKLOAD_ROLLOUTS = ("auto", "vllm", "hf")
+CHECKPOINT_DEFAULTS: dict[str, int] = {"keep": 1, "every": 10}
 
 # Host data that belongs to pyinfra (its connectors' ``ssh_*``/``docker_*``... keys, its global
 # arguments ``_sudo``...) or to the site is left alone; only a near miss of a verl-lab key is an
@@ -97,6 +105,49 @@ class SettingsError(ValueError):
     def __init__(self, host: str, key: str, problem: str, fix: str):
         self.host, self.key, self.problem, self.fix = host, key, problem, fix
         super().__init__(f"host {host}: {key}: {problem}. Fix: {fix}")
+
+    @property
+    def problems(self) -> list["SettingsError"]:
+        return [self]
+
+
+class SettingsErrors(SettingsError):
+    """Every problem found (of one host, or of the whole inventory), not only the first: one line
+    each in ``str()``; ``problems`` lists them; host/key/problem/fix are the first one's."""
+
+    def __init__(self, problems: list[SettingsError]):
+        self._problems = [each for p in problems for each in p.problems]
+        first = self._problems[0]
+        self.host, self.key, self.problem, self.fix = first.host, first.key, first.problem, first.fix
+        ValueError.__init__(self, "\n".join(str(p) for p in self._problems))
+
+    @property
+    def problems(self) -> list[SettingsError]:
+        return list(self._problems)
+
+
+class Problems:
+    """What is wrong with one host's data, every problem of it. A checker is a function
+    ``check(host, *args) -> value`` that raises ``SettingsError`` (or ``SettingsErrors`` for several);
+    ``problems.check(checker, *args, default=...)`` records what it raises and gives ``default``
+    instead, so the checks after it still run. ``raise_any()`` raises them all at once."""
+
+    def __init__(self, host: str):
+        self.host, self.found = host, []
+
+    def add(self, key: str, problem: str, fix: str) -> None:
+        self.found.append(SettingsError(self.host, key, problem, fix))
+
+    def check(self, checker, *args, default=None):
+        try:
+            return checker(self.host, *args)
+        except SettingsError as exc:
+            self.found.extend(exc.problems)
+            return default
+
+    def raise_any(self) -> None:
+        if self.found:
+            raise SettingsErrors(self.found)
 
 
 @dataclass(frozen=True)
@@ -128,6 +179,8 @@ class LabSettings:
     workload: Mapping[str, Any] = field(default_factory=lambda: dict(WORKLOAD_DEFAULTS))
     cluster: Mapping[str, Any] | None = None
     cluster_address: str | None = None
+    driver: str = "check"
+    driver_reboot: bool = False
     checkpoints: Mapping[str, int] = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
 
     @property
@@ -175,11 +228,64 @@ class LabSettings:
         return self.catalog.artifact(artifact_name).url(self.mirrors)
 
 
+# ------------------------------------------------------------------ the checkers
+# Each takes the host and the value(s) it checks, returns the value to keep, and raises
+# SettingsError (SettingsErrors for several problems) naming the key, the value and the fix.
+# A new setting: its default in DEFAULTS, a checker here, one ``p.check`` line in
+# load_settings, a field of LabSettings.
+
+
 def _abs_path(host: str, key: str, value: Any) -> str:
     if not isinstance(value, str) or not value.startswith("/") or "\n" in value or " " in value:
         raise SettingsError(host, key, f"{value!r} is not an absolute path without spaces",
                             f"set {key} to an absolute path such as {DEFAULTS[key]!r}")
     return value.rstrip("/") or "/"
+
+
+def _choice(host: str, key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise SettingsError(host, key, f"{value!r} is not one of {', '.join(allowed)}",
+                            f"set {key} to one of {', '.join(allowed)} in the inventory or group_data")
+    return value
+
+
+def _near_misses(host: str, data: Mapping[str, Any]) -> None:
+    found = [SettingsError(host, key, "not a verl-lab setting (it would be ignored and the default used)",
+                           f"did you mean {near_miss(key)}? (every setting and its default: tasks/settings.py "
+                           "DEFAULTS)") for key in data if near_miss(key)]
+    if found:
+        raise SettingsErrors(found)
+
+
+def _catalog(host: str, base: Catalog, overrides: Any) -> Catalog:
+    if not isinstance(overrides, Mapping):
+        raise SettingsError(host, "catalog_overrides", f"{overrides!r} is not a mapping",
+                            "use {artifact: {field: value}}")
+    try:
+        return base.with_overrides(overrides)
+    except CatalogError as exc:
+        raise SettingsError(host, "catalog_overrides", str(exc),
+                            "name a catalog artifact and one of its overridable fields") from None
+
+
+def _mirrors(host: str, cat: Catalog, profile: Any, urls: Any) -> MirrorSet:
+    if not isinstance(urls, Mapping):
+        raise SettingsError(host, "mirror_urls", f"{urls!r} is not a mapping", "use {source: base URL}")
+    try:
+        return cat.mirrors(profile, urls)
+    except CatalogError as exc:
+        key = "mirror_profile" if "profile" in str(exc) else "mirror_urls"
+        fix = (f"set mirror_profile to one of {', '.join(cat.profiles)}" if key == "mirror_profile"
+               else "give an http(s) base URL for a source listed in files/catalog.toml [sources]")
+        raise SettingsError(host, key, str(exc), fix) from None
+
+
+def _artifact_name(host: str, cat: Catalog, key: str, name: Any) -> str:
+    try:
+        cat.artifact(name)
+    except CatalogError as exc:
+        raise SettingsError(host, key, str(exc), "name an artifact of files/catalog.toml") from None
+    return name
 
 
 def _gpu_override(host: str, value: Any) -> dict[str, Any] | None:
@@ -191,71 +297,93 @@ def _gpu_override(host: str, value: Any) -> dict[str, Any] | None:
         raise SettingsError(host, "gpu_override", f"{value!r} is not a GPU description", f"use e.g. {example}")
     cc = str(value["compute_capability"])
     count = value.get("count", 1)
+    found = []
     try:
         parse_compute_capability(cc)
     except ValueError:
-        raise SettingsError(host, "gpu_override", f"compute_capability {cc!r} is not like 8.6",
-                            f"use e.g. {example}") from None
+        found.append(SettingsError(host, "gpu_override", f"compute_capability {cc!r} is not like 8.6",
+                                   f"use e.g. {example}"))
     for key, num in (("memory_mib", value["memory_mib"]), ("count", count)):
         if not isinstance(num, int) or isinstance(num, bool) or num < 1:
-            raise SettingsError(host, "gpu_override", f"{key} {num!r} is not a positive integer", f"use e.g. {example}")
+            found.append(SettingsError(host, "gpu_override", f"{key} {num!r} is not a positive integer",
+                                       f"use e.g. {example}"))
     if not isinstance(value["name"], str) or not value["name"].strip():
-        raise SettingsError(host, "gpu_override", "name must be the GPU's name", f"use e.g. {example}")
+        found.append(SettingsError(host, "gpu_override", f"name {value['name']!r} is not the GPU's name",
+                                   f"use e.g. {example}"))
+    if found:
+        raise SettingsErrors(found)
     return {"name": value["name"], "compute_capability": cc, "memory_mib": value["memory_mib"], "count": count}
 
 
-def _mapping_of(host: str, name: str, value: Any, defaults: Mapping[str, Any], example: str) -> dict[str, Any]:
-    """``value``, a mapping of ``defaults``' keys, over the defaults; "did you mean" for a near miss."""
-    if not isinstance(value, Mapping):
-        raise SettingsError(host, name, f"{value!r} is not a mapping", f"use e.g. {example}")
-    for key in value:
-        if key not in defaults:
-            close = difflib.get_close_matches(str(key), sorted(defaults), n=1, cutoff=0.6)
-            raise SettingsError(host, f"{name}.{key}", f"not a {name} key",
-                                f"did you mean {name}.{close[0]}?" if close else f"use one of {', '.join(defaults)}")
-    return {**defaults, **value}
-
-
-def _positive_int(host: str, key: str, value: Any, fix: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise SettingsError(host, key, f"{value!r} is not a positive integer", fix)
-
-
 def _workload(host: str, value: Any) -> dict[str, Any]:
-    w = _mapping_of(host, "workload", value, WORKLOAD_DEFAULTS,
-                    "workload = {'algorithm': 'grpo', 'max_response_length': 192, 'epochs': 2}")
+    example = "workload = {'algorithm': 'grpo', 'max_response_length': 192, 'epochs': 2}"
+    if not isinstance(value, Mapping):
+        raise SettingsError(host, "workload", f"{value!r} is not a mapping", f"use e.g. {example}")
+    found = []
+    for key in value:
+        if key not in WORKLOAD_DEFAULTS:
+            close = difflib.get_close_matches(str(key), sorted(WORKLOAD_DEFAULTS), n=1, cutoff=0.6)
+            found.append(SettingsError(host, f"workload.{key}", "not a workload key",
+                                       f"did you mean workload.{close[0]}?" if close
+                                       else f"use one of {', '.join(WORKLOAD_DEFAULTS)}"))
+    w = {**WORKLOAD_DEFAULTS, **{k: v for k, v in value.items() if k in WORKLOAD_DEFAULTS}}
     if w["algorithm"] not in WORKLOAD_ALGORITHMS:
-        raise SettingsError(host, "workload.algorithm", f"{w['algorithm']!r} is not one of auto, ppo, grpo",
-                            "set it to auto (PPO, else GRPO, else shorter responses: what fits), ppo or grpo")
+        found.append(SettingsError(host, "workload.algorithm", f"{w['algorithm']!r} is not one of auto, ppo, grpo",
+                                   "set it to auto (PPO, else GRPO, else shorter responses: what fits), ppo or grpo"))
+    if w["rollout"] not in WORKLOAD_ROLLOUTS:
+        found.append(SettingsError(host, "workload.rollout", f"{w['rollout']!r} is not one of auto, vllm, hf",
+                                   "set it to auto (vLLM where the GPU runs it, else the HF rollout), vllm (vLLM, "
+                                   "on compute capability >= 7.0 only) or hf (the HF-transformers rollout, on any GPU)"))
+    bad = set()
     for key, default in WORKLOAD_DEFAULTS.items():
-        if key not in WORKLOAD_WORDS:
-            _positive_int(host, f"workload.{key}", w[key], f"set it to a positive integer (default {default})")
-    if w["ppo_mini_batch_size"] > w["train_batch_size"]:
-        raise SettingsError(host, "workload.ppo_mini_batch_size", f"{w['ppo_mini_batch_size']} is more than "
-                            f"train_batch_size {w['train_batch_size']}", "make it at most workload.train_batch_size")
+        if key not in WORKLOAD_WORDS and (not isinstance(w[key], int) or isinstance(w[key], bool) or w[key] < 1):
+            bad.add(key)
+            found.append(SettingsError(host, f"workload.{key}", f"{w[key]!r} is not a positive integer",
+                                       f"set it to a positive integer (default {default})"))
+    if not bad & {"ppo_mini_batch_size", "train_batch_size"} and w["ppo_mini_batch_size"] > w["train_batch_size"]:
+        found.append(SettingsError(host, "workload.ppo_mini_batch_size", f"{w['ppo_mini_batch_size']} is more than "
+                                   f"train_batch_size {w['train_batch_size']}",
+                                   "make it at most workload.train_batch_size"))
+    if found:
+        raise SettingsErrors(found)
     return w
 
 
-def _workload_model(host: str, cat, value: Any) -> str:
+def _workload_model(host: str, cat, value: Any, model_artifact: Any, set_artifact: bool) -> str:
     """workload.model: a model artifact of the catalog, by its name or its Hugging Face repo."""
+    if value is None:
+        return model_artifact
     found = cat.model(value)
-    if found is not None:
-        return found.name
-    models = {name: a for name, a in cat.artifacts.items() if a.kind == "hf-model"}
-    listed = ", ".join(f"{a.repo} ({name})" for name, a in sorted(models.items()))
-    raise SettingsError(host, "workload.model", f"{value!r} is not a model of files/catalog.toml",
-                        f"use one of {listed}; another model needs a catalog entry (repo, revision, sha256) "
-                        "and its config.json under files/models/")
+    if found is None:
+        models = {name: a for name, a in cat.artifacts.items() if a.kind == "hf-model"}
+        listed = ", ".join(f"{a.repo} ({name})" for name, a in sorted(models.items()))
+        raise SettingsError(host, "workload.model", f"{value!r} is not a model of files/catalog.toml",
+                            f"use one of {listed}; another model needs a catalog entry (repo, revision, sha256) "
+                            "and its config.json under files/models/")
+    if set_artifact and model_artifact != found.name:
+        raise SettingsError(host, "workload.model", f"{value!r} and model_artifact {model_artifact!r} name two "
+                            "models", "set only workload.model")
+    return found.name
 
 
 def _checkpoints(host: str, value: Any) -> dict[str, int]:
     """checkpoints: how many whole saves are kept and how often one is made (positive integers)."""
-    merged = _mapping_of(host, "checkpoints", value, CHECKPOINT_DEFAULTS, "checkpoints = {'keep': 2, 'every': 20}")
+    if not isinstance(value, Mapping):
+        raise SettingsError(host, "checkpoints", f"{value!r} is not a mapping",
+                            "use e.g. checkpoints = {'keep': 2, 'every': 20}")
+    found = [SettingsError(host, f"checkpoints.{key}", "not a checkpoints key",
+                           f"did you mean checkpoints.{close[0]}?" if close else "use keep and every")
+             for key in value if key not in CHECKPOINT_DEFAULTS
+             for close in [difflib.get_close_matches(str(key), sorted(CHECKPOINT_DEFAULTS), n=1, cutoff=0.6)]]
+    merged = {**CHECKPOINT_DEFAULTS, **{k: v for k, v in value.items() if k in CHECKPOINT_DEFAULTS}}
     meaning = {"keep": "whole saves kept at any time (1: the last whole save stays while the next is written)",
                "every": "steps between saves (verl also saves at the last step)"}
-    for key, default in CHECKPOINT_DEFAULTS.items():
-        _positive_int(host, f"checkpoints.{key}", merged[key],
-                      f"set it to a positive integer, {meaning[key]} (default {default})")
+    found += [SettingsError(host, f"checkpoints.{key}", f"{merged[key]!r} is not a positive integer",
+                            f"set it to a positive integer, {meaning[key]} (default {default})")
+              for key, default in CHECKPOINT_DEFAULTS.items()
+              if not isinstance(merged[key], int) or isinstance(merged[key], bool) or merged[key] < 1]
+    if found:
+        raise SettingsErrors(found)
     return merged
 
 
@@ -268,21 +396,23 @@ def _cluster(host: str, value: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(value, Mapping):
         raise SettingsError(host, "cluster", f"{value!r} is not a mapping", f"set {CLUSTER_EXAMPLE}")
-    for key in value:
-        if key not in ("name", "head", "port"):
-            raise SettingsError(host, f"cluster.{key}", "not a cluster key", "use name, head and port")
+    found = [SettingsError(host, f"cluster.{key}", "not a cluster key", "use name, head and port")
+             for key in value if key not in ("name", "head", "port")]
     for key in ("name", "head"):
         if not isinstance(value.get(key), str) or not value[key].strip():
-            raise SettingsError(host, f"cluster.{key}", "missing" if key not in value else f"{value[key]!r} is not "
-                                "a name", f"set {CLUSTER_EXAMPLE}" + (" (head: the inventory name of the box "
-                                                                      "that runs Ray's head)" if key == "head" else ""))
-    if not CLUSTER_NAME_RE.match(value["name"]):
-        raise SettingsError(host, "cluster.name", f"{value['name']!r} is not a short lowercase name",
-                            "use letters, digits, '-' or '_', e.g. 'lab1'")
+            found.append(SettingsError(host, f"cluster.{key}", "missing" if key not in value else f"{value[key]!r} "
+                                       "is not a name", f"set {CLUSTER_EXAMPLE}" + (
+                                           " (head: the inventory name of the box that runs Ray's head)"
+                                           if key == "head" else "")))
+    if isinstance(value.get("name"), str) and value["name"].strip() and not CLUSTER_NAME_RE.match(value["name"]):
+        found.append(SettingsError(host, "cluster.name", f"{value['name']!r} is not a short lowercase name",
+                                   "use letters, digits, '-' or '_', e.g. 'lab1'"))
     port = value.get("port", 6379)
     if not isinstance(port, int) or isinstance(port, bool) or not 1024 <= port <= 65535:
-        raise SettingsError(host, "cluster.port", f"{port!r} is not a port from 1024 to 65535",
-                            "leave it out for Ray's default 6379, or set a free port")
+        found.append(SettingsError(host, "cluster.port", f"{port!r} is not a port from 1024 to 65535",
+                                   "leave it out for Ray's default 6379, or set a free port"))
+    if found:
+        raise SettingsErrors(found)
     return {"name": value["name"], "head": value["head"], "port": port}
 
 
@@ -298,117 +428,93 @@ def _ip_address(host: str, key: str, value: Any) -> str | None:
                             "set the box's address on the cluster network, e.g. '10.0.0.5'") from None
 
 
-def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = None) -> LabSettings:
-    """Check one host's data and return its settings; raise SettingsError on the first problem."""
-    for key in data:
-        meant = near_miss(key)
-        if meant:
-            raise SettingsError(host, key, "not a verl-lab setting (it would be ignored and the default used)",
-                                f"did you mean {meant}? (every setting and its default: tasks/settings.py DEFAULTS)")
-    merged = {**DEFAULTS, **{k: v for k, v in data.items() if k in KNOWN_KEYS}}
-
-    def choice(key: str, allowed: tuple[str, ...]) -> str:
-        value = merged[key]
-        if value not in allowed:
-            raise SettingsError(host, key, f"{value!r} is not one of {', '.join(allowed)}",
-                                f"set {key} to one of {', '.join(allowed)} in the inventory or group_data")
-        return value
-
-    artifact_mode = choice("artifact_mode", ARTIFACT_MODES)
-    env_backend = choice("env_backend", ENV_BACKENDS)
-    env_health_check = choice("env_health_check", ("quick", "full"))
-    unit_state = choice("train_unit_state", UNIT_STATES)
-
-    base = catalog or default_catalog()
-    overrides = merged["catalog_overrides"]
-    if not isinstance(overrides, Mapping):
-        raise SettingsError(host, "catalog_overrides", "must be a mapping", "use {artifact: {field: value}}")
-    try:
-        cat = base.with_overrides(overrides)
-    except CatalogError as exc:
-        raise SettingsError(host, "catalog_overrides", str(exc),
-                            "name a catalog artifact and one of its overridable fields") from None
-
-    profile = merged["mirror_profile"]
-    urls = merged["mirror_urls"]
-    if not isinstance(urls, Mapping):
-        raise SettingsError(host, "mirror_urls", "must be a mapping", "use {source: base URL}")
-    try:
-        mirrors = cat.mirrors(profile, urls)
-    except CatalogError as exc:
-        key = "mirror_profile" if "profile" in str(exc) else "mirror_urls"
-        fix = (f"set mirror_profile to one of {', '.join(cat.profiles)}" if key == "mirror_profile"
-               else "give an http(s) base URL for a source listed in files/catalog.toml [sources]")
-        raise SettingsError(host, key, str(exc), fix) from None
-
-    for key in ("model_artifact", "dataset_artifact"):
-        try:
-            cat.artifact(merged[key])
-        except CatalogError as exc:
-            raise SettingsError(host, key, str(exc), "name an artifact of files/catalog.toml") from None
-    workload = _workload(host, merged["workload"])
-    model_artifact = merged["model_artifact"]
-    if workload["model"] is not None:
-        model_artifact = _workload_model(host, cat, workload["model"])
-        if "model_artifact" in data and data["model_artifact"] != model_artifact:
-            raise SettingsError(host, "workload.model", f"{workload['model']!r} and model_artifact "
-                                f"{data['model_artifact']!r} name two models", "set only workload.model")
-
-    # pyinfra's own SSH key setting: a missing key file would fail later, per connection.
-    key_file = data.get("ssh_key")
+def _ssh_key(host: str, key_file: Any) -> None:
+    """pyinfra's own SSH key setting: a missing key file would fail later, per connection."""
     if key_file and not Path(os.path.expanduser(str(key_file))).is_file():
         raise SettingsError(host, "ssh_key", f"file {key_file!r} does not exist",
                             "point ssh_key at a private key file on the controller, or remove it to use ssh-agent")
 
-    user = merged["train_user"]
+
+def _train_user(host: str, user: Any) -> str:
     if not isinstance(user, str) or not USER_RE.match(user) or user == "root":
         raise SettingsError(host, "train_user", f"{user!r} is not a valid unprivileged user name",
                             "use a lowercase name such as 'verl' (training never runs as root)")
+    return user
 
-    token_file = merged["hf_token_file"]
-    if token_file is not None:
-        token_path = Path(os.path.expanduser(str(token_file)))
-        if not token_path.is_file():
-            raise SettingsError(host, "hf_token_file", f"file {token_file!r} does not exist",
-                                "write the token to a file readable only by you (chmod 600) and name it here")
-        token_file = token_path
 
-    steps = merged["train_steps"]
+def _token_file(host: str, token_file: Any) -> Path | None:
+    if token_file is None:
+        return None
+    token_path = Path(os.path.expanduser(str(token_file)))
+    if not token_path.is_file():
+        raise SettingsError(host, "hf_token_file", f"file {token_file!r} does not exist",
+                            "write the token to a file readable only by you (chmod 600) and name it here")
+    return token_path
+
+
+def _train_steps(host: str, steps: Any) -> int | None:
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
         raise SettingsError(host, "train_steps", f"{steps!r} is not a positive integer",
                             "set e.g. train_steps = 20 (a smoke test), or leave it unset to train workload.epochs")
+    return steps
 
-    if not isinstance(merged["allow_no_driver"], bool):
-        raise SettingsError(host, "allow_no_driver", f"{merged['allow_no_driver']!r} is not True/False",
-                            "set allow_no_driver = True or False")
+def _driver_reboot(host: str, value: Any, driver: str) -> bool:
+    if _flag(host, "driver_reboot", value) and driver != "install":
+        raise SettingsError(host, "driver_reboot", f"True does nothing with driver = {driver!r}",
+                            "set driver = 'install' as well, or leave driver_reboot out")
+    return value
 
-    return LabSettings(
+
+def _flag(host: str, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise SettingsError(host, key, f"{value!r} is not True/False", f"set {key} = True or False")
+    return value
+
+
+def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = None) -> LabSettings:
+    """Check one host's data and return its settings; raise ``SettingsErrors`` listing every
+    problem of it (each a ``SettingsError``: host, key, value, fix), not only the first."""
+    p = Problems(host)
+    p.check(_near_misses, data)
+    merged = {**DEFAULTS, **{k: v for k, v in data.items() if k in KNOWN_KEYS}}
+    base = catalog or default_catalog()
+    cat = p.check(_catalog, base, merged["catalog_overrides"], default=base)
+    workload = p.check(_workload, merged["workload"], default=dict(WORKLOAD_DEFAULTS))
+    model_artifact = p.check(_artifact_name, cat, "model_artifact", merged["model_artifact"],
+                             default=DEFAULTS["model_artifact"])
+    settings = LabSettings(
         host=host,
-        artifact_mode=artifact_mode,
-        mirror_profile=profile,
-        mirrors=mirrors,
+        artifact_mode=p.check(_choice, "artifact_mode", merged["artifact_mode"], ARTIFACT_MODES),
+        mirror_profile=merged["mirror_profile"],
+        mirrors=p.check(_mirrors, cat, merged["mirror_profile"], merged["mirror_urls"]),
         catalog=cat,
         controller_cache=Path(os.path.expanduser(str(merged["controller_cache"]))),
-        lab_root=_abs_path(host, "lab_root", merged["lab_root"]),
-        cuda_prefix=_abs_path(host, "cuda_prefix", merged["cuda_prefix"]),
-        install_tmpdir=_abs_path(host, "install_tmpdir", merged["install_tmpdir"]),
-        allow_no_driver=merged["allow_no_driver"],
-        env_backend=env_backend,
-        env_health_check=env_health_check,
-        env_prefix=_abs_path(host, "env_prefix", merged["env_prefix"]),
-        conda_prefix=_abs_path(host, "conda_prefix", merged["conda_prefix"]),
+        lab_root=p.check(_abs_path, "lab_root", merged["lab_root"]),
+        cuda_prefix=p.check(_abs_path, "cuda_prefix", merged["cuda_prefix"]),
+        install_tmpdir=p.check(_abs_path, "install_tmpdir", merged["install_tmpdir"]),
+        allow_no_driver=p.check(_flag, "allow_no_driver", merged["allow_no_driver"]),
+        env_backend=p.check(_choice, "env_backend", merged["env_backend"], ENV_BACKENDS),
+        env_health_check=p.check(_choice, "env_health_check", merged["env_health_check"], ("quick", "full")),
+        env_prefix=p.check(_abs_path, "env_prefix", merged["env_prefix"]),
+        conda_prefix=p.check(_abs_path, "conda_prefix", merged["conda_prefix"]),
         venv_python=str(merged["venv_python"]),
-        train_user=user,
-        train_unit_state=unit_state,
-        hf_token_file=token_file,
-        model_artifact=model_artifact,
-        dataset_artifact=merged["dataset_artifact"],
-        train_steps=steps,
+        train_user=p.check(_train_user, merged["train_user"]),
+        train_unit_state=p.check(_choice, "train_unit_state", merged["train_unit_state"], UNIT_STATES),
+        hf_token_file=p.check(_token_file, merged["hf_token_file"]),
+        model_artifact=p.check(_workload_model, cat, workload["model"], model_artifact, "model_artifact" in data,
+                               default=model_artifact),
+        dataset_artifact=p.check(_artifact_name, cat, "dataset_artifact", merged["dataset_artifact"]),
+        train_steps=p.check(_train_steps, merged["train_steps"]),
         raw=dict(data),
-        gpu_override=_gpu_override(host, merged["gpu_override"]),
-        launcher_python=_abs_path(host, "launcher_python", merged["launcher_python"]),
+        gpu_override=p.check(_gpu_override, merged["gpu_override"]),
+        launcher_python=p.check(_abs_path, "launcher_python", merged["launcher_python"]),
         workload=workload,
-        cluster=_cluster(host, merged["cluster"]),
-        cluster_address=_ip_address(host, "cluster_address", merged["cluster_address"]),
-        checkpoints=_checkpoints(host, merged["checkpoints"]),
+        cluster=p.check(_cluster, merged["cluster"]),
+        cluster_address=p.check(_ip_address, "cluster_address", merged["cluster_address"]),
+        driver=p.check(_choice, "driver", merged["driver"], DRIVER_MODES, default="check"),
+        driver_reboot=p.check(_driver_reboot, merged["driver_reboot"], merged["driver"], default=False),
+        checkpoints=p.check(_checkpoints, merged["checkpoints"], default=dict(CHECKPOINT_DEFAULTS)),
     )
+    p.check(_ssh_key, data.get("ssh_key"))
+    p.raise_any()
+    return settings

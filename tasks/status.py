@@ -156,10 +156,29 @@ UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "Result", "NRestarts"
 STAGES = ("cuda", "env", "data", "train")
 
 
-def unit_summary(show: dict[str, str]) -> tuple[str, str]:
-    """(state, words) of the training unit from ``systemctl show -p`` UNIT_PROPERTIES: not-installed,
-    never-ran (installed, never started), running, crash-looping (``activating (auto-restart)``),
-    failed, finished or stopped."""
+def last_run(history: str) -> tuple[str, str] | None:
+    """How the unit's last run this boot ended, from systemd's own journal lines about it
+    (``TrainingRun``'s history): None where it was never started this boot; else (outcome, the
+    line that says so): "failed" (``Failed with result``), "stopped" (``Stopping``: a stop by
+    hand or a deploy), "finished" (``Deactivated successfully``), "running" (nothing after its start)."""
+    lines = [line.strip() for line in (history or "").splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Started ")]
+    if not starts:
+        return None
+    after = lines[starts[-1] + 1:]
+    for words, outcome in (("Failed with result", "failed"), ("Stopping ", "stopped"),
+                           ("Deactivated successfully", "finished")):
+        found = next((line for line in after if words in line), None)
+        if found:
+            return outcome, found
+    return "running", lines[starts[-1]]
+
+
+def unit_summary(show: dict[str, str], history: str = "") -> tuple[str, str]:
+    """(state, words) of the training unit from ``systemctl show -p`` UNIT_PROPERTIES and systemd's
+    journal lines about it this boot (``history``: systemd forgets the run of an unloaded or reset
+    unit, the journal does not): not-installed, never-ran (installed, never started), running,
+    crash-looping (``activating (auto-restart)``), failed, finished or stopped."""
     load, active, sub = show.get("LoadState", ""), show.get("ActiveState", ""), show.get("SubState", "")
     restarts = int(show.get("NRestarts") or 0) if (show.get("NRestarts") or "0").isdigit() else 0
     started = show.get("ExecMainStartTimestampMonotonic", "0") not in ("", "0") or restarts > 0
@@ -172,18 +191,22 @@ def unit_summary(show: dict[str, str]) -> tuple[str, str]:
         return "failed", words + f", result {show.get('Result', '?')}"
     if active in ("active", "activating", "reloading"):
         return "running", words
-    if not started:
+    journal = last_run(history)
+    if not started and journal is None:
         return "never-ran", "installed, never started"
+    if journal is not None and journal[0] in ("failed", "stopped", "finished"):
+        # systemd's record may be gone or reset (Result=success after reset-failed): the journal's is the run's
+        return journal[0], f"{words}; its last run this boot: {journal[1]}"
     return ("finished" if show.get("Result") == "success" else "stopped"), words + f", result {show.get('Result', '?')}"
 
 
 def box_status(host: str, markers: dict[str, dict | None], unit: dict[str, str], journal: str,
-               plan: dict | None, verdict: str | None = None) -> dict:
+               plan: dict | None, verdict: str | None = None, history: str = "") -> dict:
     """One row of the lab's status: stages proven, env generation, unit, progress (from the journal
     of the unit's current run), peak GPU memory against the plan's prediction, the doctor's verdict."""
     run = parse_log(journal)
     s = run.summary()
-    state, words = unit_summary(unit)
+    state, words = unit_summary(unit, history)
     peak_gb = s.pop("peak_allocated_gb")
     return {"host": host, "stages": [st for st in STAGES if (markers or {}).get(st)],
             "env_generation": ((markers or {}).get("env") or {}).get("generation"),

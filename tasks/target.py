@@ -74,6 +74,12 @@ class HostTarget:
     source: str                         # "nvidia-smi" | "gpu_override" | "none"
     problem: str | None = None
     compiler: HostCompiler = DEFAULT_COMPILER
+    # why this box cannot train (tasks/validation.py), decided at the first fact pass: the base
+    # stage queued only its failure, and no stage after it may queue anything
+    refused: str | None = None
+    # set by the driver stage (driver = "install"): it installs and proves the driver before the
+    # CUDA stage's operations run, so that stage does not judge the driver the box had before
+    driver_stage: str | None = None
 
     @property
     def compute_capability(self) -> str | None:

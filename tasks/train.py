@@ -5,17 +5,20 @@ e.g. for a build box without a GPU), makes the plan (``tasks.plan.make_plan``) a
 ``settings.train_dir``:
 
 * ``plan.json``: every setting with its reason, the predicted peak memory, the overrides; its
-  ``launch`` section is what the launcher reads (host, paths, GPU, predicted peak, the
-  overrides each with its reason);
+  ``launch`` section is what the launcher reads (host, paths, GPU, predicted peak, vLLM's share
+  and what it was sized from, the overrides each with its reason);
 * ``train-launcher``: verl_lab_box/train_launcher.py as it is; ``--check`` is the preflight, a
   plain run execs ``verl.trainer.main_ppo`` in ``train_dir/work`` with plan.json's overrides;
 * ``verl_lab_gpu.py``: verl_lab_box/gpu.py, which the preflight imports for its GPU readings;
+* ``verl_lab_vllm_share.py``: verl_lab_box/vllm_share.py, vLLM's share arithmetic (the plan's own),
+  with which the preflight sizes the share again for what other processes hold on the GPUs;
 * ``verl_lab_checkpoints.py``: verl_lab_box/checkpoints.py, the preflight's checkpoint disk check;
 * ``train.env``: the unit's EnvironmentFile (0640 root:train_user, no secrets);
 * ``/etc/systemd/system/verl-lab-train.service``: runs the launcher as ``settings.train_user``.
 
-``settings.train_unit_state``: ``installed`` (not enabled), ``enabled`` (default; starts on
-boot), ``started`` (enabled and running now).
+``settings.train_unit_state``: ``installed`` (not enabled; left running if it runs), ``enabled``
+(default; starts on boot), ``started`` (enabled and running now), ``stopped`` (not enabled, and
+stopped now: a running or crash-looping unit is stopped; a re-run keeps it so).
 
 A box without a usable GPU (and no ``gpu_override``), one whose plan cannot fit, or one whose
 disk under the checkpoint folder cannot hold the kept saves, the one being written and the
@@ -38,7 +41,6 @@ from pyinfra import host, logger
 from pyinfra.api import deploy
 from pyinfra.operations import files, python, server, systemd
 
-from tasks.cluster import cluster_plan
 from tasks.doctor import diagnose, render
 from tasks.failure import fail_host
 from tasks.facts.bundle import ask
@@ -46,10 +48,11 @@ from tasks.facts.disk import CheckpointDisk
 from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.facts.logs import TrainingRun
 from tasks.placed import marker_command, place, rendered, wanted_dir, wanted_file
-from tasks.plan import PlanError, TrainingPlan, Workload, make_plan, plan_naming_models_that_fit, workload_for
+from tasks.plan import PlanError, TrainingPlan, Workload, workload_for
 from tasks.target import HostTarget
 from tasks.settings import TRAIN_UNIT, LabSettings
 from tasks.status import unit_summary
+from tasks.validation import training_plan
 from verl_lab_box.checkpoints import disk_need, need_words
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
@@ -58,6 +61,7 @@ LAUNCHER = BOX_PACKAGE / "train_launcher.py"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-train.service.j2"
 ENV_TEMPLATE = TEMPLATES / "train.env.j2"
 GPU_MODULE = BOX_PACKAGE / "gpu.py"
+VLLM_SHARE_MODULE = BOX_PACKAGE / "vllm_share.py"
 CHECKPOINTS_MODULE = BOX_PACKAGE / "checkpoints.py"
 UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
 PREFLIGHT_PASSED = "verl-lab preflight passed on "      # the launcher prints it, then execs verl
@@ -122,6 +126,8 @@ class TrainingLayout:
             "gpu": {"name": gpu.name, "count": gpu.count, "memory_mib": gpu.memory_mib, "names": gpu.names},
             "predicted_peak_mib": int(self.plan.to_dict()["predicted_peak_mib"]),
             "predicted_host_ram_mib": int(self.plan.to_dict()["predicted_host_ram_mib"]),
+            # vLLM's share and what the launcher sizes it again from at start (None: the HF rollout)
+            "vllm": self.plan.to_dict()["vllm"],
             "paths": {
                 "train_dir": self.train_dir,
                 "work_dir": self.work_dir,
@@ -188,6 +194,8 @@ def training_wanted(layout: TrainingLayout) -> list:
           for path in (layout.work_dir, layout.checkpoint_dir, layout.cache_dir)),
         wanted_file(layout.plan_file, "Training plan (plan.json)", layout.plan_json()),
         wanted_file(f"{layout.train_dir}/verl_lab_gpu.py", "GPU reader for the preflight", GPU_MODULE.read_bytes()),
+        wanted_file(f"{layout.train_dir}/verl_lab_vllm_share.py", "vLLM share arithmetic for the preflight",
+                    VLLM_SHARE_MODULE.read_bytes()),
         wanted_file(f"{layout.train_dir}/verl_lab_checkpoints.py", "Checkpoint disk check for the preflight",
                     CHECKPOINTS_MODULE.read_bytes()),
         wanted_file(layout.launcher, "Training launcher", LAUNCHER.read_bytes(), mode="750", group=user),
@@ -202,7 +210,8 @@ def training_paths(settings: LabSettings) -> list[str]:
     bundle; tests/unit/test_placed.py checks the two agree)."""
     t = settings.train_dir
     return [t, f"{t}/work", f"{t}/checkpoints", f"{t}/cache", f"{t}/plan.json", f"{t}/verl_lab_gpu.py",
-            f"{t}/verl_lab_checkpoints.py", f"{t}/train-launcher", f"{t}/train.env", UNIT_PATH]
+            f"{t}/verl_lab_vllm_share.py", f"{t}/verl_lab_checkpoints.py", f"{t}/train-launcher", f"{t}/train.env",
+            UNIT_PATH]
 
 
 def checkpoint_disk_short(layout: TrainingLayout, found: dict | None) -> str | None:
@@ -238,11 +247,8 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
         fail_host(name="Training plan needs a GPU", message=gpu.problem or "no GPU target", stage="train")
         return
     target, source = gpu.target, gpu.source
-    try:
-        workload = training_workload(settings, _flash_attn(env_marker))
-        plan = plan_naming_models_that_fit(
-            (lambda w: cluster_plan(cluster_targets, w)) if cluster_targets else (lambda w: make_plan(target, w)),
-            workload, settings.catalog, settings.model_artifact)
+    try:      # the plan the checks before any change made (tasks/validation.py), with what the env has now
+        plan = training_plan(settings, target, cluster_targets, _flash_attn(env_marker))
     except PlanError as exc:
         fail_host(name=f"Training plan for {target.count} x {target.name}", message=str(exc), stage="train")
         return
@@ -265,12 +271,19 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
         systemd.daemon_reload(name="systemd reads the changed unit")
 
     state = settings.train_unit_state
-    want_enabled, want_running = state != "installed", state == "started"
+    want_enabled, want_running = state in ("enabled", "started"), state == "started"
     unit = unit or UnitState.default()
     starts = want_running and (unit_changed or not unit["active"])
+    stops = state == "stopped" and (unit["active"] or unit["crash_looping"])
     if unit_changed or unit["enabled"] != want_enabled:
         systemd.service(name=f"Unit {TRAIN_UNIT}: {'enabled' if want_enabled else 'disabled'}", service=TRAIN_UNIT,
-                        enabled=want_enabled, running=None)     # starting is below
+                        enabled=want_enabled, running=None)     # starting and stopping are below
+    if stops:
+        # a running or crash-looping unit (activating (auto-restart)): `stop` ends both; a re-run finds
+        # it inactive and disabled and queues nothing
+        server.shell(name=f"Unit {TRAIN_UNIT}: stopped (train_unit_state=stopped; it was "
+                          f"{'crash-looping' if unit['crash_looping'] else 'running'})",
+                     commands=[f"systemctl stop {shlex.quote(TRAIN_UNIT)}"])
     if starts:
         # (re)start, whatever state the last run left: a unit that crash-looped into its start limit
         # is reset first. Whether it then trains is the wait's to say, below.
@@ -310,7 +323,7 @@ def wait_until_training(state, host, settings: LabSettings, seconds: float = STA
     while True:
         poll += 1
         run = host.get_fact(TrainingRun, poll=poll, **args)
-        unit_state, words = unit_summary(run["unit"])
+        unit_state, words = unit_summary(run["unit"], run.get("history", ""))
         if PREFLIGHT_PASSED in run["journal"]:
             host.log_styled(f"{TRAIN_UNIT}: past its preflight, training ({words})", log_func=logger.info)
             return True

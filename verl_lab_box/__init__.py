@@ -5,9 +5,12 @@
 - ``gpu.py``: the GPU reader (nvidia-smi, NVML), the GPU fact's command and parser;
 - ``checkpoints.py``: verl's saves under the checkpoint folder and the disk a run needs (the
   preflight's check beside the launcher, the train stage's fact's command and parser);
+- ``vllm_share.py``: vLLM 0.8.5's share arithmetic, the plan's and the launcher's (which sizes the
+  share again at start for what other processes hold on the GPUs);
 - ``hf_snapshot.py``: a pinned Hugging Face snapshot, fetched, verified, swapped in;
 - ``gsm8k.py``: GSM8K in verl's RL format (run with the env's python: it needs pyarrow);
 - ``env_prove.py``: the Python env's proofs (run by the env's python).
+- ``nvidia_driver.py``: the NVIDIA driver's install, hold, load verdict and proof (the driver stage).
 
 What a module needs beyond the standard library (pyarrow, torch, verl, NVML, huggingface_hub)
 is imported inside the function that runs where it exists (tests/unit/test_box_package.py).

@@ -66,6 +66,16 @@ GPU_NAME_TABLE: tuple[tuple[str, str], ...] = (
     ("p40", "6.1"),
     ("p4", "6.1"),
     ("gtx 1080", "6.1"),
+    # GPUs the pinned stack refuses (tasks/gpu_support.py); their old drivers' nvidia-smi lacks compute_cap
+    ("m40", "5.2"),
+    ("m60", "5.2"),
+    ("k80", "3.7"),
+    ("k40m", "3.5"),
+    ("k40c", "3.5"),
+    ("k20m", "3.5"),
+    ("k20x", "3.5"),
+    ("b200", "10.0"),
+    ("rtx 5090", "12.0"),
 )
 
 # What nvidia-smi prints when something is wrong, mapped to a short cause.
@@ -350,3 +360,64 @@ def read_nvml() -> GpuInventory:
     if not gpus:
         return GpuInventory(problem="NVML lists no GPU", source="nvml")
     return GpuInventory(gpus=tuple(gpus), source="nvml")
+
+
+# ---- what is held on the GPUs before training starts (the launcher's preflight) --------------
+# memory.used + memory.free is the total CUDA (and vLLM) counts: drivers that report
+# memory.reserved apart leave it out of both (verl_lab_box/vllm_share.py).
+MEMORY_FIELDS = ("index", "memory.total", "memory.used", "memory.free")
+# plain nvidia-smi's process table: both compute (C) and graphics (G) processes, which
+# --query-compute-apps leaves out (a display server's Xorg and gnome-shell are G). Rows look like
+#   |    0   N/A  N/A            1634      G   /usr/lib/xorg/Xorg                        590MiB |
+# (GPU, GI, CI, PID, type, name, memory; drivers before MIG have no GI/CI columns).
+_PROCESS_ROW = re.compile(r"^\|\s+(\d+)\s+(?:\S+\s+\S+\s+)?(\d+)\s+(C\+G|C|G)\s+(.+?)\s+(?:(\d+)MiB|N/A)\s*\|$")
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    index: int
+    total_mib: int
+    used_mib: int
+    free_mib: int
+
+    @property
+    def cuda_total_mib(self) -> int:
+        return self.used_mib + self.free_mib
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    gpu: int
+    pid: int
+    kind: str                    # "C" compute, "G" graphics, "C+G"
+    name: str
+    used_mib: int | None         # None: the driver does not say (N/A)
+
+
+def memory_command() -> str:
+    return query_command(MEMORY_FIELDS)
+
+
+def parse_memory(text: str) -> list[GpuMemory]:
+    """``memory_command()``'s answer; ValueError on anything else (a failing nvidia-smi)."""
+    out = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if not line.strip() or parts[0].lower() == "index":
+            continue
+        if len(parts) != len(MEMORY_FIELDS):
+            raise ValueError(f"nvidia-smi printed {line.strip()!r}, not {', '.join(MEMORY_FIELDS)}")
+        index, total, used, free = (int(p) for p in parts)
+        out.append(GpuMemory(index, total, used, free))
+    return out
+
+
+def parse_processes(text: str) -> list[GpuProcess]:
+    """The processes plain ``nvidia-smi`` lists under "Processes:" (empty when it lists none)."""
+    found = []
+    for line in text.splitlines():
+        m = _PROCESS_ROW.match(line.rstrip())
+        if m:
+            gpu, pid, kind, name, mib = m.groups()
+            found.append(GpuProcess(int(gpu), int(pid), kind, name.strip(), int(mib) if mib else None))
+    return found

@@ -2,10 +2,17 @@
 """verl-lab training launcher: verl PPO on this box, as the box's plan says.
 
 Shipped unchanged by tasks/train.py (from verl_lab_box/train_launcher.py) to
-``<train_dir>/train-launcher``, beside the box's ``plan.json`` and ``verl_lab_gpu.py`` (the GPU
-reader, verl_lab_box/gpu.py). Everything it knows comes from plan.json's ``launch`` section:
-host, paths, the planned GPU and predicted peak memory, and the verl overrides each with its
-reason (``"overrides": [{"override": ..., "why": ...}]``). Do not edit: re-run deploy/train.py.
+``<train_dir>/train-launcher``, beside the box's ``plan.json``, ``verl_lab_gpu.py`` (the GPU
+reader, verl_lab_box/gpu.py) and ``verl_lab_vllm_share.py`` (vLLM's share arithmetic,
+verl_lab_box/vllm_share.py). Everything it knows comes from plan.json's ``launch`` section:
+host, paths, the planned GPU and predicted peak memory, vLLM's share and what it was sized from,
+and the verl overrides each with its reason (``"overrides": [{"override": ..., "why": ...}]``).
+Do not edit: re-run deploy/train.py.
+
+Before a vLLM plan runs, the preflight sizes vLLM's share again for the GPUs as they are then
+(``check_vllm_share``): what other processes hold on them, under the plan's engine's accounting,
+and passes the share that keeps the plan's KV cache as the override (``--no-preflight`` runs the
+plan's share as it is).
 
     train-launcher --check             preflight: GPU, driver, env, data, model; what it would run
     train-launcher --print-overrides   the Hydra overrides, one per line
@@ -30,10 +37,11 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLAN_NAME = "plan.json"
-# The GPU reader: shipped beside the launcher as verl_lab_gpu.py; in the repo, its sibling gpu.py.
-GPU_READERS = ("verl_lab_gpu.py", "gpu.py")
-# The checkpoint disk check: verl_lab_checkpoints.py beside the launcher; in the repo, checkpoints.py.
-CHECKPOINT_READERS = ("verl_lab_checkpoints.py", "checkpoints.py")
+# Box modules shipped beside the launcher (first name), or its siblings in the repo (second name).
+GPU_READERS = ("verl_lab_gpu.py", "gpu.py")                       # the GPU reader
+VLLM_SHARE = ("verl_lab_vllm_share.py", "vllm_share.py")          # vLLM's share arithmetic
+CHECKPOINT_READERS = ("verl_lab_checkpoints.py", "checkpoints.py")  # the checkpoint disk check
+SHARE_KEY = "actor_rollout_ref.rollout.gpu_memory_utilization"
 
 
 class PlanError(Exception):
@@ -70,12 +78,22 @@ class Launch:
             self.model_dir = paths["model_dir"]
             # verl.trainer.main_ppo overrides, each with the plan's reason
             self.overrides = [str(o["override"]) for o in launch["overrides"]]
+            # vLLM's share and what it was sized from (None: the HF rollout, or a plan before it was recorded)
+            self.vllm = launch.get("vllm") or None
             # the predicted save and what is kept (tasks/checkpoints.py); None in older plans
             self.checkpoints = launch.get("checkpoints")
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"{plan_file}: its launch section is incomplete ({type(exc).__name__}: {exc})") from None
         self.plan_file = plan_file
         self.planned_overrides = plan.get("overrides")
+        self.share = None        # the share the preflight sized for the GPUs as they are (check_vllm_share)
+        self.extra = []          # overrides given by hand after `--`
+
+    def run_overrides(self, extra=()):
+        """The plan's overrides, with the share the preflight sized where it did, then ``extra``."""
+        out = [f"{SHARE_KEY}={self.share}" if self.share is not None and o.startswith(SHARE_KEY + "=") else o
+               for o in self.overrides]
+        return out + list(extra)
 
 
 def load_launch(plan_file):
@@ -116,30 +134,66 @@ class Report:
         return [name for status, name, _ in self.results if status == "FAIL"]
 
 
-def sibling_module(alias, names, what):
-    """A verl_lab_box module shipped beside this launcher (the first of ``names`` found there; no
-    package on the box), imported once as ``alias``."""
-    if alias in sys.modules:
-        return sys.modules[alias]
+def box_module(names, module_name):
+    """A box module loaded from beside this launcher (no package on the box): ``names`` are its
+    shipped name and its name in the repo."""
+    if module_name in sys.modules:
+        return sys.modules[module_name]
     for name in names:
         path = os.path.join(HERE, name)
         if os.path.isfile(path):
-            spec = importlib.util.spec_from_file_location(alias, path)
+            spec = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(spec)
-            sys.modules[alias] = module      # its dataclasses look their module up
+            sys.modules[module_name] = module      # its dataclasses look their module up
             spec.loader.exec_module(module)
             return module
-    raise ImportError(f"no {what} ({' or '.join(names)}) beside {os.path.abspath(__file__)}: re-run deploy/train.py")
+    raise ImportError(f"no {' or '.join(names)} beside {os.path.abspath(__file__)}: re-run deploy/train.py")
 
 
 def gpu_module():
-    """verl_lab_box/gpu.py, loaded from beside this launcher."""
-    return sibling_module("verl_lab_gpu", GPU_READERS, "GPU reader")
+    """verl_lab_box/gpu.py, the GPU reader."""
+    return box_module(GPU_READERS, "verl_lab_gpu")
+
+
+def vllm_share_module():
+    """verl_lab_box/vllm_share.py, vLLM's share arithmetic (the plan's own)."""
+    return box_module(VLLM_SHARE, "verl_lab_vllm_share")
 
 
 def checkpoints_module():
-    """verl_lab_box/checkpoints.py, loaded from beside this launcher."""
-    return sibling_module("verl_lab_checkpoints", CHECKPOINT_READERS, "checkpoint disk check")
+    """verl_lab_box/checkpoints.py, the checkpoint disk check."""
+    return box_module(CHECKPOINT_READERS, "verl_lab_checkpoints")
+
+
+def gpus_at_launch(count):
+    """What each of the first ``count`` GPUs holds now (nvidia-smi's memory query and its process
+    table: compute and graphics processes), as vllm_share.GpuAtLaunch; ValueError where nvidia-smi
+    does not answer the query."""
+    gpu, share = gpu_module(), vllm_share_module()
+    memory = gpu.parse_memory(subprocess.run(["sh", "-c", gpu.memory_command()], capture_output=True,
+                                             text=True).stdout)
+    if len(memory) < count:
+        raise ValueError(f"nvidia-smi's memory query lists {len(memory)} GPU(s), the plan uses {count}")
+    table = subprocess.run(["sh", "-c", "nvidia-smi"], capture_output=True, text=True).stdout
+    processes = gpu.parse_processes(table)
+    return [share.GpuAtLaunch(m.index, m.cuda_total_mib, m.used_mib,
+                              tuple((p.pid, p.name, p.used_mib) for p in processes if p.gpu == m.index))
+            for m in memory[:count]]
+
+
+def holders(gpus):
+    """Who holds memory on ``gpus``, largest first: "GPU 0: 1008 MiB in use by /usr/bin/python3 (pid 77102, 1006 MiB)"."""
+    words = []
+    for g in gpus:
+        procs = sorted(g.processes, key=lambda p: -(p[2] or 0))
+        listed = ", ".join(f"{name} (pid {pid}, {'?' if mib is None else mib} MiB)" for pid, name, mib in procs)
+        words.append(f"GPU {g.index}: {g.in_use_mib} MiB in use" + (f" by {listed}" if listed else ""))
+    return "; ".join(words)
+
+
+LESS_MEMORY = ("stop them, or plan for less and re-run deploy/train.py: a smaller workload.train_batch_size (fewer "
+               "sequences at once), or workload.rollout = 'hf' in host data (the HF rollout, no vLLM share: "
+               "`python -m tasks.plan ... --rollout hf` shows its peak)")
 
 
 def check_gpu(rep, launch):
@@ -172,10 +226,49 @@ def check_gpu(rep, launch):
     if any(f is None for f in free):
         rep.skip("gpu memory", "nvidia-smi reports no free memory")
     elif min(free) < peak:
-        rep.fail("gpu memory", f"{min(free)} MiB free on a GPU, the plan's predicted peak is {peak} MiB "
-                               "(another process holds GPU memory: nvidia-smi shows which)")
+        try:
+            held = holders(gpus_at_launch(count))
+        except (OSError, ValueError) as exc:
+            held = f"nvidia-smi does not say which process ({exc})"
+        rep.fail("gpu memory", f"{min(free)} MiB free on a GPU, the plan's predicted peak is {peak} MiB; held before "
+                               f"training: {held}: {LESS_MEMORY}")
     else:
         rep.ok("gpu memory", f"{min(free)} MiB free >= predicted peak {peak} MiB")
+
+
+def check_vllm_share(rep, launch):
+    """vLLM's share sized again for the GPUs as they are now (verl_lab_box/vllm_share.py): under V1
+    it counts what other processes hold, so it grows by that; under V0 it does not; both multiply
+    it by the total CUDA counts (nvidia-smi's used + free). The share that keeps the plan's KV cache
+    becomes the override; above 1.0 (vLLM refuses it) the check fails."""
+    if not launch.vllm:
+        rep.skip("vllm share", "the plan's share is passed as it is: plan.json has no vllm section (written by an "
+                               "older deploy/train.py: re-run it)" if "actor_rollout_ref.rollout.name=vllm" in
+                 launch.overrides else "the plan's rollout is not vLLM")
+        return
+    if any(e.lstrip("+").startswith(SHARE_KEY + "=") for e in launch.extra):
+        rep.skip("vllm share", f"{SHARE_KEY} is given by hand after --: not sized again")
+        return
+    try:
+        gpus = gpus_at_launch(launch.gpu_count)
+    except (OSError, ValueError) as exc:
+        rep.skip("vllm share", f"nvidia-smi's memory query failed ({exc}): the plan's share "
+                               f"{launch.vllm['share']} is passed as it is")
+        return
+    decision = vllm_share_module().launch_share(launch.vllm, gpus)
+    engine = decision.engine.upper()
+    how = ("V1 counts what other processes hold on the GPU" if decision.engine == "v1" else
+           "V0 counts only vLLM's own memory (what other processes hold does not shrink its KV cache)")
+    cuda = ", ".join(f"GPU {g.index}: {g.cuda_total_mib} MiB" for g in gpus)
+    numbers = (f"{holders(gpus)}; CUDA counts {cuda} (the plan: {launch.vllm['gpu_memory_mib']} MiB); the plan's KV "
+               f"cache {launch.vllm['kv_wanted_mib']:.0f} MiB")
+    if not decision.fits:
+        rep.fail("vllm share", f"{engine}: the plan's KV cache needs a share of {decision.share:.2f}, more than vLLM "
+                               f"takes (1.0): {numbers}: {LESS_MEMORY}")
+        return
+    launch.share = decision.share
+    change = (f"{decision.planned} -> {decision.share}" if decision.changed else f"{decision.share} as planned")
+    rep.ok("vllm share", f"{engine}, {how}: {SHARE_KEY} {change} ({numbers})")
 
 
 def check_driver(rep, launch):
@@ -339,7 +432,7 @@ def check_cluster(rep, launch):
 
 
 def command(launch, extra=()):
-    return [launch.env_python, "-m", "verl.trainer.main_ppo", *launch.overrides, *extra]
+    return [launch.env_python, "-m", "verl.trainer.main_ppo", *launch.run_overrides(extra)]
 
 
 def plan_failed(plan_file, problem):
@@ -355,14 +448,15 @@ def preflight(launch, extra=()):
     print(f"verl-lab preflight on {host}: {launch.gpu_count} x {launch.gpu_name} planned (plan from "
           f"{launch.plan_source})", flush=True)
     rep = Report()
-    for check in (check_gpu, check_driver, check_host_ram, check_env, check_data, check_dirs, check_disk,
-                  check_cluster):
+    launch.extra = list(extra)
+    for check in (check_gpu, check_vllm_share, check_driver, check_host_ram, check_env, check_data, check_dirs,
+                  check_disk, check_cluster):
         try:
             check(rep, launch)
         except Exception as exc:  # a check that breaks is a failed check, not a traceback
-            rep.fail(check.__name__[len("check_"):], f"{type(exc).__name__}: {exc}")
+            rep.fail(check.__name__[len("check_"):].replace("_", " "), f"{type(exc).__name__}: {exc}")
     print(f"would run (in {launch.work_dir}):\n  {launch.env_python} -m verl.trainer.main_ppo \\\n    "
-          + " \\\n    ".join(shlex.quote(o) for o in [*launch.overrides, *extra]), flush=True)
+          + " \\\n    ".join(shlex.quote(o) for o in launch.run_overrides(extra)), flush=True)
     if rep.failed:
         print(f"verl-lab preflight FAILED on {host}: {len(rep.failed)} of {len(rep.results)} checks failed "
               f"({', '.join(rep.failed)})", file=sys.stderr, flush=True)

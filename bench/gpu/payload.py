@@ -61,7 +61,7 @@ LIMIT_MIB = 56  # the call's 64 MiB less the tracked tree (~2 MiB) and some room
 DEFAULT_CACHE = Path.home() / ".cache" / "verl-lab-gpu-payload"
 DEFAULT_SDIST = Path("/root/.cache/verl-lab-test/sdist/verl-0.5.0.tar.gz")
 PATCH_DIR = "files/patches/verl-0.5.0"
-DEFAULT_TREES = ("today=7d6e4b8", "current=WORKTREE")
+DEFAULT_TREES = ("today=7d6e4b8", "speed-before=aa9f1e3", "current=WORKTREE")   # ppo_profiles.py's code refs
 INDEX = "https://pypi.org/simple"
 PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                  "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",

@@ -15,7 +15,9 @@ its wheel is far over a call's carry limit) are planned and run with the HF roll
 run only (``rollout_engine='hf'``); their record says so. The current code's launcher is the
 static verl_lab_box/train_launcher.py reading the profile's plan.json; ``today`` profiles take
 the launcher (rendered from that tree's template) with the project's code and verl patches as
-of ``--today-ref`` (a git worktree), for a before/after comparison in one session. ``seed`` runs the hand recipe the project replaces.
+of ``--today-ref`` (a git worktree), ``speed-before`` profiles as of ``SPEED_BEFORE_REF``, for a
+before/after comparison in one session (the payload's verl tree of that name holds the patches as
+of the same ref). ``seed`` runs the hand recipe the project replaces.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 OUT_DEFAULT = REPO / ".gpu" / "profiles"
 TODAY_REF = "7d6e4b8"            # main before the training-path fixes (issue 14)
+SPEED_BEFORE_REF = "aa9f1e3"     # main before the 8-12 GB cards' speed work (issue 29): code "speed-before"
 OUTSIDE_TORCH_MIB = 1311         # CUDA context etc. per process on the H200 (docs/training-runs.md)
 STEPS = 5
 # Every run: no checkpoint (12 GB of fp32 states, ~18 s, not what is measured) and validation
@@ -46,7 +49,7 @@ class Profile:
     compute_capability: str
     memory_mib: int
     capped: bool = True                  # cap the allocator at memory_mib - OUTSIDE_TORCH_MIB
-    code: str = "current"                # "current" | "today": which planning code and patches
+    code: str = "current"                # "current" | "today" | "speed-before": which planning code and patches
     rollout_engine: str = "auto"         # "hf" where the plan would use vLLM
     steps: int = STEPS
     validate: bool = True
@@ -55,7 +58,10 @@ class Profile:
     plan_memory_mib: int | None = None   # plan for this much memory (else memory_mib), then ...
     overrides: tuple[str, ...] = ()      # ... run it with these Hydra overrides after the plan's
     model: str | None = None             # workload.model (a catalog model); None: the default 0.5B
+    rollout: str | None = None           # workload.rollout (the product's setting, through the settings)
     resume_after: int | None = None      # run to this step saving a checkpoint, then again: it resumes
+    probe_profile: str = ""              # VERL_LAB_PROFILE: the worker calls the probe profiles (phase[:N],...)
+    env: tuple[tuple[str, str], ...] = ()    # more environment for the run (the launcher passes it to Ray's workers)
 
     @property
     def cap_mib(self) -> int | None:
@@ -67,6 +73,21 @@ GRPO_FSDP2 = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "
               "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
               "actor_rollout_ref.actor.entropy_coeff=0", "algorithm.use_kl_in_reward=False",
               "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.offload_policy=True")
+
+# issue 29: the 8-12 GB cards' plans as they were before the speed work (code "speed-before": the planning code
+# and verl patches of SPEED_BEFORE_REF) and as they are now, one at a time, 2 steps each (prompts/s over step 2,
+# validation off); the probe profiles step 1's update and ref pass (step 2 runs unprofiled)
+SPEED_PROBE_PROFILE = "update_actor,compute_ref_log_prob"
+SPEED_CARDS = (("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, "auto", "GTX 1080 (8 GiB)"),
+               ("rtx3060", "NVIDIA GeForce RTX 3060", "8.6", 12288, "hf", "RTX 3060 (12 GiB)"),
+               ("rtx2080ti", "NVIDIA GeForce RTX 2080 Ti", "7.5", 11264, "hf", "RTX 2080 Ti (11 GiB)"))
+SPEED_PROFILES = [
+    Profile(f"{name}-{when}", gpu, cc, mib, code="speed-before" if when == "before" else "current",
+            rollout_engine=engine, steps=2, validate=False, probe_profile=SPEED_PROBE_PROFILE,
+            stands_for=f"{label}, the plan {'before the speed work' if when == 'before' else 'as it is now'}"
+                       + ("; HF rollout instead of the plan's vLLM, for this run only" if engine == "hf" else ""))
+    for when in ("before", "after") for name, gpu, cc, mib, engine, label in SPEED_CARDS
+]
 
 PROFILES = [
     Profile("p40", "Tesla P40", "6.1", 24576, stands_for="Tesla P40 (24 GiB), the plan as built now"),
@@ -118,14 +139,40 @@ PROFILES = [
             model="Qwen/Qwen2.5-1.5B-Instruct",
             stands_for="A100 80 GB with Qwen2.5-1.5B-Instruct (workload.model), the product's plan; HF rollout "
                        "instead of the plan's vLLM, for this run only"),
+    # workload.rollout = 'hf' (the user's escape hatch from vLLM) as the product plans it for a vLLM-capable
+    # card: through the setting, not the harness's rollout_engine, so the run proves that path
+    Profile("rtx3090-rollout-hf", "NVIDIA GeForce RTX 3090", "8.6", 24576, rollout="hf", steps=3, validate=False,
+            stands_for="RTX 3090 (24 GiB) with workload.rollout = 'hf': the product's plan for the HF rollout on a "
+                       "card vLLM could run on"),
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
             stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),
+    *SPEED_PROFILES,
+    # issue 29, a candidate measured before the plan chose it: the RTX 2080 Ti's plan as it is with every FSDP2
+    # gather-once knob of patches 0007-0008 on (its micro-batches fit them: update 5202 + 2 x 1885 MiB of the
+    # 9953 cap) and torch's CPU threads for the offloaded AdamW step and gradient sums (Ray gives an actor 1)
+    Profile("rtx2080ti-gathered", "NVIDIA GeForce RTX 2080 Ti", "7.5", 11264, rollout_engine="hf", steps=2,
+            validate=False, probe_profile=SPEED_PROBE_PROFILE, env=(("OMP_NUM_THREADS", "8"),),
+            overrides=("+actor_rollout_ref.rollout.gather_once=True", "+actor_rollout_ref.actor.fsdp_config.gather_once=True",
+                       "+actor_rollout_ref.ref.fsdp_config.gather_once=True",
+                       "+actor_rollout_ref.actor.fsdp_config.accumulate_grads_unsharded=True"),
+            stands_for="RTX 2080 Ti (11 GiB), its plan with the HF rollout and patches 0007-0008's knobs on "
+                       "(gather once per pass and per mini-batch, gradients reduced once per mini-batch), "
+                       "OMP_NUM_THREADS=8"),
 ]
 BY_NAME = {p.name: p for p in PROFILES}
 
 
 def lab_root(profile: Profile) -> str:
     return f"/tmp/vl/{profile.name}"
+
+
+def settings_data(profile: dict) -> dict:
+    """The host data a profile (its record, or ``asdict`` of it) is planned with: its lab_root and
+    step cap, and the ``workload`` keys it sets (model, rollout)."""
+    root = profile.get("lab_root") or f"/tmp/vl/{profile['name']}"
+    workload = {k: profile[k] for k in ("model", "rollout") if profile.get(k)}
+    return {"lab_root": root, "env_prefix": f"{root}/env", "train_steps": profile.get("steps", STEPS),
+            **({"workload": workload} if workload else {})}
 
 
 def seed_overrides(profile: Profile) -> list[str]:
@@ -170,10 +217,7 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
     except ImportError:                  # trees before the stages had one name each
         from tasks.training import TrainingLayout, training_wanted, training_workload
 
-    root = lab_root(profile)
-    settings = load_settings(profile.name, {"lab_root": root, "env_prefix": f"{root}/env",
-                                            "train_steps": profile.steps,
-                                            **({"workload": {"model": profile.model}} if profile.model else {})})
+    settings = load_settings(profile.name, settings_data(asdict(profile)))
     target = GpuTarget(profile.gpu_name, profile.compute_capability, profile.plan_memory_mib or profile.memory_mib, 1)
     workload = training_workload(settings)
     if profile.rollout_engine != "auto":
@@ -201,7 +245,7 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
                                      if o.startswith("data.train_batch_size="))}
 
 
-def _today_tree(ref: str) -> Path:
+def _code_tree(ref: str) -> Path:
     dest = Path(tempfile.gettempdir()) / f"verl-lab-{ref}"
     if not (dest / "tasks" / "plan.py").is_file():
         shutil.rmtree(dest, ignore_errors=True)
@@ -216,14 +260,15 @@ def render(names: list[str], out_root: Path, today_ref: str) -> None:
         out = out_root / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
+        code_ref = {"today": today_ref, "speed-before": SPEED_BEFORE_REF}.get(profile.code, "HEAD")
         record = {**asdict(profile), "cap_mib": profile.cap_mib, "lab_root": lab_root(profile),
-                  "verl_tree": "today" if profile.code == "today" else "current",
-                  "extra_overrides": list(RUN_OVERRIDES), "code_ref": today_ref if profile.code == "today" else "HEAD"}
+                  "verl_tree": profile.code, "env": dict(profile.env), "probe_profile": profile.probe_profile,
+                  "extra_overrides": list(RUN_OVERRIDES), "code_ref": code_ref}
         if profile.seed_recipe:
             record.update(kind="overrides", overrides=seed_overrides(profile), plan=None)
             (out / "train").mkdir()
         else:
-            code_root = _today_tree(today_ref) if profile.code == "today" else REPO
+            code_root = REPO if code_ref == "HEAD" else _code_tree(code_ref)
             res = subprocess.run([sys.executable, __file__, "render-one", name, str(out), "--code-root", str(code_root)],
                                  capture_output=True, text=True, cwd=code_root)
             if res.returncode:

@@ -135,7 +135,43 @@ def summarise(run: Path) -> dict:
         "validation": val, "testing_s": _mean(list(steps.values()), "timing_s/testing"),
         "plan": {k: plan.get(k) for k in ("micro_batches", "offload", "gradient_checkpointing", "rollout")},
         "as_ran": as_ran.get("workload") if as_ran else None,
+        "step_phases": step_phases(probe),
+        "threads": next((r for r in probe if r.get("event") == "threads"), None),
+        "profiles": read_profiles(run / "probe"),
     }
+    return out
+
+
+def step_phases(probe: list[dict]) -> dict[str, dict]:
+    """Each training phase's seconds and the actor's wall-clock splits (forward, optimizer step) over its calls
+    after the first (the first warms up, and the probe may have profiled it): the mean per call."""
+    by_phase: dict[str, list[dict]] = {}
+    for r in probe:
+        if r.get("event") == "phase" and r.get("phase") in PHASE_ORDER:
+            by_phase.setdefault(r["phase"], []).append(r)
+    out = {}
+    for phase, records in by_phase.items():
+        later = records[1:] or records
+        splits: dict[str, float] = {}
+        for r in later:
+            for k, v in (r.get("splits") or {}).items():
+                splits[k] = splits.get(k, 0.0) + v / len(later)
+        out[phase] = {"calls": len(later), "seconds": round(statistics.mean(r["seconds"] for r in later), 2),
+                      **{k: round(v, 2) for k, v in splits.items()}}
+    return out
+
+
+def read_profiles(folder: Path) -> list[dict]:
+    """The probe's profile tables (VERL_LAB_PROFILE): per profiled call, its time per category."""
+    out = []
+    for f in sorted(folder.glob("profile-*.json")):
+        try:
+            table = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        out.append({"phase": table.get("phase"), "call": table.get("call"), "wall_s": table.get("wall_s"),
+                    "categories": table.get("categories") or {}, "top_self_cpu": (table.get("top_self_cpu") or [])[:8],
+                    "top_self_device": (table.get("top_self_device") or [])[:8]})
     return out
 
 
@@ -177,15 +213,13 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
     sys.path.insert(0, str(REPO))
     from dataclasses import replace
 
+    from bench.gpu.ppo_profiles import settings_data
     from tasks.plan import GpuTarget, MemoryChoice, choose_precision, default_estimator, workload_for
     from tasks.settings import load_settings
 
-    root = profile["lab_root"]
-    settings = load_settings(profile["name"], {"lab_root": root, "env_prefix": f"{root}/env",
-                                               "train_steps": profile.get("steps", 5),
-                                               **({"workload": {"model": profile["model"]}} if profile.get("model") else {})})
+    settings = load_settings(profile["name"], settings_data(profile))
     gpu = GpuTarget(profile["gpu_name"], profile["compute_capability"], profile["memory_mib"], 1)
-    workload = replace(workload_for(settings), rollout_engine=profile.get("rollout_engine", "auto"),
+    workload = replace(workload_for(settings), rollout_engine=profile.get("rollout") or profile.get("rollout_engine", "auto"),
                        train_batch_size=plan["train_batch_size"])
     mb = plan["micro_batches"]
     offload = dict(plan["offload"])
@@ -245,11 +279,16 @@ def _batch_from_overrides(profile: dict):
     return None
 
 
+def _header(head: str) -> list[str]:
+    """A markdown table's first two lines."""
+    return [head, "|" + "---|" * (head.count("|") - 1)]
+
+
 def markdown(rows: list[dict]) -> str:
     head = ("| profile | cap MiB | predicted peak MiB | measured peak MiB (allocated + outside torch) | "
             "measured / predicted | held MiB (reserved + outside torch) | s/step | prompts/s | tokens/s | "
             "log-prob gap max | OOM |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = _header(head)
     for r in rows:
         lines.append(f"| {r['profile']} | {r['cap_mib'] or '-'} | {r['predicted_peak_mib'] or '-'} | "
                      f"{r['measured_peak_mib'] or '-'} | {r['ratio_measured_to_predicted'] or '-'} | "
@@ -272,16 +311,65 @@ def phase_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def speed_markdown(rows: list[dict]) -> str:
+    """Each card's plan before and after (profiles NAME-before, NAME-after of one session): prompts/s over steps
+    2.., the ratio, the whole-run peak against the prediction and the cap, and the log-prob gap."""
+    by_name = {r["profile"]: r for r in rows}
+    lines = _header("| card | prompts/s before | prompts/s after | after / before | s/step before / after | "
+                    "peak / predicted MiB (after) | ratio | cap MiB | held MiB (after) | log-prob gap before / after | "
+                    "OOM |")
+    for name in sorted({n.rsplit("-", 1)[0] for n in by_name if n.endswith(("-before", "-after"))}):
+        b, a = by_name.get(f"{name}-before", {}), by_name.get(f"{name}-after", {})
+        ratio = round(a["prompts_per_s"] / b["prompts_per_s"], 2) if a.get("prompts_per_s") and b.get("prompts_per_s") else "-"
+        gap = lambda r: r.get("logprob_gap_max") if r.get("logprob_gap_max") is not None else "-"   # noqa: E731
+        lines.append(f"| {name} | {b.get('prompts_per_s') or '-'} | {a.get('prompts_per_s') or '-'} | **{ratio}** | "
+                     f"{b.get('s_per_step') or '-'} / {a.get('s_per_step') or '-'} | "
+                     f"{a.get('measured_peak_mib') or '-'} / {a.get('predicted_peak_mib') or '-'} | "
+                     f"{a.get('ratio_measured_to_predicted') or '-'} | {a.get('cap_mib') or '-'} | "
+                     f"{a.get('measured_held_mib') or '-'} | {gap(b)} / {gap(a)} | "
+                     f"{'yes' if b.get('oom') or a.get('oom') else 'no'} |")
+    return "\n".join(lines)
+
+
+def time_markdown(rows: list[dict]) -> str:
+    """Where a step's time goes: each phase's seconds over calls 2.. with the actor's splits, and the profiled
+    calls' categories (ms; CPU ranges are inclusive CPU time, copies and kernels device time)."""
+    lines = ["| profile | phase | s | forward s (calls) | optimizer step s (calls) |", "|---|---|---|---|---|"]
+    for r in rows:
+        for phase in PHASE_ORDER:
+            p = (r.get("step_phases") or {}).get(phase)
+            if p:
+                lines.append(f"| {r['profile']} | {phase} | {p['seconds']} | "
+                             f"{p.get('forward_s', '-')} ({p.get('forward_calls', '-')}) | "
+                             f"{p.get('optimizer_step_s', '-')} ({p.get('optimizer_step_calls', '-')}) |")
+    lines += ["", "| profile | profiled call | wall s | category: ms (count) |", "|---|---|---|---|"]
+    for r in rows:
+        for prof in r.get("profiles") or []:
+            cats = sorted(prof["categories"].items(), key=lambda kv: -(kv[1].get("ms") or 0))
+            text = "; ".join(f"{k}: {v['ms']:.0f}" + (f" ({v['count']})" if v.get("count") else "") for k, v in cats[:9])
+            lines.append(f"| {r['profile']} | {prof['phase']}:{prof['call']} | {prof['wall_s']} | {text} |")
+    threads = [f"{r['profile']}: {r['threads']['torch_threads']} (OMP_NUM_THREADS {r['threads']['omp_num_threads']}, "
+               f"{r['threads']['cpus_allowed']} CPUs)" for r in rows if r.get("threads")]
+    if threads:
+        lines += ["", "torch CPU threads in the worker: " + "; ".join(threads)]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", type=Path)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--speed", action="store_true", help="markdown: the before/after table and where the time goes")
     args = ap.parse_args(argv)
     rows = [summarise(d) for d in sorted(args.runs.iterdir()) if d.is_dir() and (d / "console.log").is_file()]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if args.markdown:
+    if args.speed:
+        print(speed_markdown(rows))
+        print()
+        print(time_markdown(rows))
+    elif args.markdown:
         print(markdown(rows))
         print()
         print(phase_markdown(rows))

@@ -123,6 +123,9 @@ def main(argv=None) -> int:
     env.pop("RAY_ADDRESS", None)
     if profile.get("cap_mib"):
         env["VERL_LAB_GPU_CAP_MIB"] = str(profile["cap_mib"])
+    if profile.get("probe_profile"):
+        env["VERL_LAB_PROFILE"] = profile["probe_profile"]
+    env.update(profile.get("env") or {})
     cmd = [c for c in command(profile, root, env) if c]
     # a resume profile runs twice in the same lab_root: to step N saving a checkpoint there, then
     # the whole run again, which resumes from it (the plan's resume_mode=auto)

@@ -41,14 +41,22 @@ class BoxLogs(FactBase[dict[str, str]]):
 class TrainingRun(FactBase[dict]):
     """How the training unit is doing, for deploy/status.py: ``{"unit": {systemctl show property:
     value}, "markers": {stage: {key: value} | None}, "journal": text of the unit's current run (its
-    step lines and last ``lines`` lines), "plan": plan.json | None, "preflight": the launcher's
-    ``--check`` output, run as the train user only when the unit never ran, else ""}``; the
-    default, nothing read: no unit, no markers, no journal, no plan, no preflight.
+    step lines and last ``lines`` lines), "history": systemd's own journal lines about the unit this
+    boot (Started, Main process exited, Failed with result, Deactivated successfully ...), "plan":
+    plan.json | None, "preflight": the launcher's ``--check`` output, run as the train user only
+    when the unit never ran, else ""}``; the default, nothing read: no unit, no markers, no journal,
+    no history, no plan, no preflight.
+
+    systemd forgets a run: a unit that is not enabled is unloaded once inactive (its start time,
+    restarts and result read 0 again), and ``reset-failed`` turns a failed result into success. The
+    journal keeps it: "current run" is the unit's invocation, or, where systemd has none, the last
+    one the journal has this boot; "never ran" needs systemd and the journal both to say so
+    (``tasks.status.unit_summary`` reads the history).
     """
 
     @staticmethod
     def default() -> dict:
-        return {"unit": {}, "markers": {}, "journal": "", "plan": None, "preflight": ""}
+        return {"unit": {}, "markers": {}, "journal": "", "history": "", "plan": None, "preflight": ""}
 
     def command(self, unit: str, markers: dict, plan_path: str, launcher: str, user: str, python: str,
                 lines: int = 400, poll: int = 0, steps: bool = True) -> str:
@@ -65,13 +73,22 @@ class TrainingRun(FactBase[dict]):
         parts += [
             f"echo '{SECTION}journal'",
             f"inv=$(systemctl show -p InvocationID --value {u} 2>/dev/null)",
+            # systemd forgot the run (an unloaded unit), or its last invocation printed nothing (a start
+            # refused by the start limit): the last invocation of the unit that printed, this boot
+            f"if [ -z \"$inv\" ] || [ -z \"$(journalctl _SYSTEMD_INVOCATION_ID=\"$inv\" -n 1 -o cat --no-pager"
+            f" 2>/dev/null)\" ]; then inv=$(journalctl -u {u} -b -o export --no-pager 2>/dev/null"
+            " | sed -n 's/^_SYSTEMD_INVOCATION_ID=//p' | tail -n 1); fi",
             f"if [ -n \"$inv\" ]; then journalctl _SYSTEMD_INVOCATION_ID=\"$inv\" --no-pager -o cat 2>/dev/null"
             f" | awk -v n={int(lines)} '{keep}{{ tail[NR % n] = $0 }}"
             f" END {{ for (i = NR - n + 1; i <= NR; i++) if (i > 0 && (i in tail)) print tail[i] }}'; fi",
+            f"echo '{SECTION}history'",
+            f"journalctl _PID=1 UNIT={u} -b -o cat --no-pager 2>/dev/null | tail -n 60",
             f"echo '{SECTION}plan'", f"(cat {q(plan_path)} 2>/dev/null || true)",
             f"echo '{SECTION}preflight'",
             f"if [ \"$(systemctl show -p ExecMainStartTimestampMonotonic --value {u} 2>/dev/null)\" = 0 ]"
-            f" && [ \"$(systemctl show -p NRestarts --value {u} 2>/dev/null)\" = 0 ] && [ -f {q(launcher)} ]; then"
+            f" && [ \"$(systemctl show -p NRestarts --value {u} 2>/dev/null)\" = 0 ]"
+            f" && ! journalctl _PID=1 UNIT={u} -b -o cat --no-pager 2>/dev/null | grep -q '^Started '"
+            f" && [ -f {q(launcher)} ]; then"
             f" timeout 300 runuser -u {q(user)} -- {q(python)} {q(launcher)} --check 2>&1 | grep -v ' \\\\$' | tail -n 40; fi",
         ]
         return "; ".join(([f": poll {int(poll)}"] if poll else []) + parts)
@@ -86,6 +103,7 @@ class TrainingRun(FactBase[dict]):
             found = dict(line.partition("=")[::2] for line in sections.pop(name) if "=" in line)
             markers[name[len("marker:"):]] = found or None
         return {"unit": unit, "markers": markers, "journal": "\n".join(sections.get("journal", [])) + "\n",
+                "history": "\n".join(sections.get("history", [])),
                 "plan": _plan(sections.get("plan", [])), "preflight": "\n".join(sections.get("preflight", []))}
 
 def _sections(output) -> dict[str, list[str]]:

@@ -72,9 +72,12 @@ def test_unit_that_never_ran_is_said_so_with_what_its_preflight_says(lab, failed
     assert "FAIL" in quiet["preflight"]["output"]
     assert reports[FORCED]["unit"] in ("failed", "crash-looping")
     assert "unit: never ran (installed, never started); the launcher's preflight says:" in res.output
+    # the headline says it: never ran, its preflight fails (not "no failure found")
+    assert quiet["verdict"] == "never ran: preflight fails" and f"== {QUIET}: never ran: preflight fails" in res.output
+    assert reports[FORCED]["verdict"] == "failed" and "no failure found" not in res.output
 
 
 def test_text_report_names_host_cause_and_fix(lab, failed_unit):
     res = lab.deploy("deploy/doctor.py", mode="text")
-    assert f"== {FORCED}: FAILED" in res.output
+    assert f"== {FORCED}: failed" in res.output
     assert "[plan-gpu-mismatch]" in res.output and "fix: re-run deploy/train.py" in res.output

@@ -1,7 +1,8 @@
 """One lab box: a copy of the cached Debian rootfs booted with systemd-nspawn, sharing the
 machine's network, reached over ssh on its own port of 127.0.0.1.
 
-A box is stopped with ``systemctl poweroff`` over ssh (with a timeout), then by the nspawn PID
+A box rebooted from inside (``systemctl reboot``) is started again on the same root, as a host
+comes back from a reboot. A box is stopped with ``systemctl poweroff`` over ssh (with a timeout), then by the nspawn PID
 recorded at boot (checked against the process start time, so a reused PID is never hit),
 then its remaining processes are found by their root directory, never by name.
 """
@@ -13,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from typing import Any, Mapping
 from tests.lab.gpus import DEFAULT_DRIVER, GPUS, cards_for, gpu as gpu_model, standin_nvidia_smi
 
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+NSPAWN_REBOOTED = 133      # systemd-nspawn's exit status when the container rebooted
 
 
 class BoxError(RuntimeError):
@@ -109,6 +112,8 @@ class Box:
         self.pid: int | None = None
         self.pid_start: int | None = None
         self.proc: subprocess.Popen | None = None
+        self._stopping = False
+        self.reboots = 0
         self.console = box_dir / "console.log"
         self.log = log
 
@@ -170,6 +175,11 @@ class Box:
 
     def start(self) -> None:
         Path("/run/systemd/nspawn").mkdir(parents=True, exist_ok=True)
+        self._stopping = False
+        self._spawn()
+        threading.Thread(target=self._restart_on_reboot, name=f"box-{self.name}-reboots", daemon=True).start()
+
+    def _spawn(self) -> None:
         out = open(self.console, "ab")
         self.proc = subprocess.Popen(
             ["systemd-nspawn", "--register=no", "--keep-unit", "--quiet", "--link-journal=no",
@@ -179,6 +189,18 @@ class Box:
         self.pid = self.proc.pid
         time.sleep(0.05)
         self.pid_start = proc_start_time(self.pid)
+
+    def _restart_on_reboot(self) -> None:
+        """A box rebooted from inside (``systemctl reboot``) ends its systemd-nspawn with status 133,
+        as systemd-nspawn(1) documents; start it again on the same root, as systemd-nspawn@.service's
+        RestartForceExitStatus=133 does for a machine, so the box comes back like a rebooted host."""
+        while True:
+            proc = self.proc
+            if proc is None or proc.wait() != NSPAWN_REBOOTED or self._stopping:
+                return
+            self.reboots += 1
+            self.log(f"lab: box {self.name} rebooted (boot {self.reboots + 1}); starting it again")
+            self._spawn()
 
     def wait_ready(self, timeout: float = 90) -> None:
         """Wait for sshd, then for systemd to finish booting (running or degraded)."""
@@ -255,6 +277,7 @@ class Box:
 
     # ------------------------------------------------------------------ destroy
     def stop(self, timeout: float = 20) -> None:
+        self._stopping = True
         stop_box(self.record(), timeout=timeout, ssh=self.ssh_command(), proc=self.proc, log=self.log)
         self.pid = None
 

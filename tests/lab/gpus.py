@@ -30,11 +30,13 @@ class GpuModel:
     @property
     def arch(self) -> str:
         major = int(self.compute_cap.split(".")[0])
-        return {6: "pascal", 7: "volta" if self.compute_cap == "7.0" else "turing",
+        return {3: "kepler", 6: "pascal", 7: "volta" if self.compute_cap == "7.0" else "turing",
                 8: "ampere" if self.compute_cap in ("8.0", "8.6") else "ada", 9: "hopper"}[major]
 
 
 GPUS: dict[str, GpuModel] = {g.key: g for g in (
+    # Kepler: its last driver branch is R470, CUDA 11.8 needs R520 (the driver stage refuses it)
+    GpuModel("k80", "Tesla K80", "3.7", 11441, 149, 3),
     GpuModel("p40", "Tesla P40", "6.1", 24576, 250, 154),
     GpuModel("p100", "Tesla P100-PCIE-16GB", "6.0", 16384, 250, 104),
     GpuModel("v100", "Tesla V100-SXM2-32GB", "7.0", 32768, 300, 268),

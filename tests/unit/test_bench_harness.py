@@ -96,3 +96,32 @@ def test_touch_free_memory_leaves_what_it_is_asked_to_keep(tmp_path):
     assert touch_free_memory(keep_mib=2048, meminfo=meminfo) == 3
     meminfo.write_text("MemFree:           1024 kB\n")
     assert touch_free_memory(keep_mib=2048, meminfo=meminfo) == 0
+
+
+def test_the_rollout_hf_profile_renders_the_products_plan_for_workload_rollout_hf(tmp_path):
+    """Profile rtx3090-rollout-hf (for the lead's GPU run): rendered here, on CPU, through the
+    product's setting (host data workload.rollout = 'hf', not the harness's rollout_engine): the
+    launcher's plan.json is an HF-rollout plan for the RTX 3090 with its reasons, train.env pins no
+    vLLM engine, and ppo_results' estimate of that profile is the plan's own prediction."""
+    import sys
+
+    from bench.gpu import ppo_profiles
+    from bench.gpu.ppo_results import estimate_as_ran
+
+    ppo_profiles.render(["rtx3090-rollout-hf"], tmp_path, ppo_profiles.TODAY_REF)
+    out = tmp_path / "rtx3090-rollout-hf"
+    record = json.loads((out / "profile.json").read_text())
+    assert record["kind"] == "launcher" and record["rollout"] == "hf" and record["rollout_engine"] == "auto"
+    assert record["cap_mib"] == 24576 - ppo_profiles.OUTSIDE_TORCH_MIB and record["plan"]["rollout"] == "hf"
+    assert "trainer.test_freq=-1" in record["extra_overrides"]
+    plan = json.loads((out / "train" / "plan.json").read_text())
+    assert plan["gpu"]["name"] == "NVIDIA GeForce RTX 3090" and plan["rollout"] == "hf"
+    assert plan["vllm_gpu_memory_utilization"] is None and plan["launch"]["predicted_peak_mib"] == plan["predicted_peak_mib"]
+    launch = [o["override"] for o in plan["launch"]["overrides"]]
+    assert "actor_rollout_ref.rollout.name=hf" in launch and "trainer.total_training_steps=3" in launch
+    assert any("workload.rollout = 'hf'" in r["why"] for r in plan["reasons"] if r["setting"] == "rollout")
+    env = (out / "train" / "train.env").read_text()
+    assert "VLLM_USE_V1" not in env and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env
+    assert ppo_profiles.settings_data(record)["workload"] == {"rollout": "hf"}
+    sys.path.insert(0, str(ppo_profiles.REPO))
+    assert estimate_as_ran(record)["peak_mib"] == plan["predicted_peak_mib"]

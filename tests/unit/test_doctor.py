@@ -265,3 +265,91 @@ def test_oom_advice_on_the_cpu_offload_rung_names_no_fsdp1_offload():
     assert analyse_oom(lines, grpo)["plan_would_change"] == "actor_param_offload"     # no critic step on GRPO
     ppo = {"offload": {"ref_param_offload": True, "actor_optimizer_offload": True}}
     assert analyse_oom(lines, ppo)["plan_would_change"] == "critic_optimizer_offload"
+
+
+# ------------------------------------------------------------------ the headline and the CLI's inputs
+
+REAL_RUN = Path(__file__).resolve().parents[1] / "fixtures" / "verl_logs" / "p40-plan-h200.log"
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "tasks.doctor", *map(str, args)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda d: d / "missing.log", "cannot read log {p}: No such file or directory"),
+    (lambda d: d, "log {p} is a directory, not a file"),
+    (lambda d: (d / "empty.log").write_text("") and d / "empty.log" or d / "empty.log", "no log ({p} empty)"),
+    (lambda d: (d / "junk.log").write_bytes(bytes(range(256)) * 4) and d / "junk.log" or d / "junk.log",
+     "no training run in the log: no verl step, preflight or failure line in it"),
+])
+def test_cli_inputs_it_cannot_judge_exit_2_without_a_traceback(tmp_path, make, words):
+    path = make(tmp_path)
+    res = _cli(path)
+    assert res.returncode == 2, res
+    assert words.format(p=path) in res.stderr and "Traceback" not in res.stderr + res.stdout
+    assert "no failure found" not in res.stdout
+
+
+@pytest.mark.parametrize("plan,words", [
+    ("{not json", "is not JSON (Expecting property name enclosed in double quotes, line 1)"),
+    ("[1, 2]", "is JSON but not a plan"),
+    (None, "cannot read --plan"),
+])
+def test_cli_plan_that_is_not_a_plan_json(tmp_path, plan, words):
+    path = tmp_path / "plan.json"
+    if plan is not None:
+        path.write_text(plan)
+    res = _cli("--plan", path, REAL_RUN)
+    assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr, res
+
+
+def test_cli_headlines_tell_a_run_that_ended_well_from_the_rest(tmp_path):
+    ended = _cli(REAL_RUN)          # a real verl 0.5.0 run to its last step (GPU call 1)
+    assert ended.returncode == 0 and ended.stdout.startswith("== local: no failure found"), ended
+    cut = tmp_path / "cut.log"
+    text = REAL_RUN.read_text()
+    cut.write_text(text[:text.index("step:3 - ")])
+    res = _cli(cut)
+    assert res.returncode == 0 and res.stdout.startswith("== local: no failure so far: the run has not ended"), res
+    failed = tmp_path / "failed.log"
+    failed.write_text(text[:text.index("step:3 - ")] + "torch.OutOfMemoryError: CUDA out of memory. Tried to "
+                      "allocate 1.50 GiB.\n")
+    res = _cli(failed)
+    assert res.returncode == 1 and res.stdout.startswith("== local: failed"), res
+
+
+@pytest.mark.parametrize("unit,preflight,expect", [
+    ("never-ran", "  FAIL  env python: missing\nverl-lab preflight FAILED on box", "never ran: preflight fails"),
+    ("never-ran", "verl-lab preflight passed on box", "never ran: preflight passes"),
+    ("never-ran", "", "never ran"),
+    ("failed", "", "failed"), ("crash-looping", "", "failed"), ("running", "", "running"),
+    ("finished", "", "no failure found"), ("stopped", "", "stopped before its end, no failure in its log"),
+    ("not-installed", "", "no training unit"),
+])
+def test_the_headline_of_a_box(unit, preflight, expect):
+    from tasks.doctor import render, verdict
+
+    diag = diagnose("box", {"journal": ""})
+    diag.verdict = verdict(diag, unit, preflight)
+    assert diag.verdict == expect and render(diag).startswith(f"== box: {expect}")
+
+
+def test_a_finished_or_stopped_unit_with_a_failure_in_its_journal_is_failed():
+    from tasks.doctor import verdict
+
+    diag = diagnose("box", {"journal": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB."})
+    assert verdict(diag, "finished") == verdict(diag, "stopped") == "failed"
+
+
+def test_never_ran_headline_is_not_no_failure_found():
+    """deploy/doctor.py's never-ran box: the stage logs are clean, the preflight fails: the headline says so."""
+    from tasks.doctor import never_ran
+
+    check = "  FAIL  data marker: /opt/verl-lab/markers/data.done missing\nverl-lab preflight FAILED on box\n"
+    preflight, _ = never_ran("box", check)
+    assert preflight.verdict == "never ran: preflight fails"

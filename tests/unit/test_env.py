@@ -73,6 +73,19 @@ def test_vllm_only_from_compute_capability_7(gpu, cc, install):
         assert plan.expect["vllm"] == "0.8.5"
 
 
+def test_workload_rollout_hf_builds_the_env_without_vllm():
+    """The escape hatch for a box whose vLLM wheel will not load: no vLLM and no xformers in its env
+    (another env stamp: the env is rebuilt beside the old one, swapped in after its proofs)."""
+    auto = envstage.plan_env(settings(), gpus("NVIDIA GeForce RTX 3090", "8.6"), BUILD)
+    hf = envstage.plan_env(settings(workload={"rollout": "hf"}), gpus("NVIDIA GeForce RTX 3090", "8.6"), BUILD)
+    assert auto.vllm and auto.xformers
+    assert not hf.vllm and not hf.xformers and hf.vllm_reason.startswith("workload.rollout = 'hf'")
+    assert hf.expect["vllm"] is None and hf.expect["vllm_skip"] == hf.vllm_reason and hf.stamp != auto.stamp
+    assert not any("xformers" in c for c in hf.constraints)
+    vllm = envstage.plan_env(settings(workload={"rollout": "vllm"}), gpus("Tesla T4", "7.5"), BUILD)
+    assert vllm.vllm and vllm.stamp == envstage.plan_env(settings(), gpus("Tesla T4", "7.5"), BUILD).stamp
+
+
 def test_vllm_skipped_without_gpu_and_arch_list_falls_back():
     plan = envstage.plan_env(settings(), decide_gpu(settings(), GpuInventory(problem="no nvidia-smi")), BUILD)
     assert plan.vllm is False and "no usable NVIDIA GPU" in plan.vllm_reason

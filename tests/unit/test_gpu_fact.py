@@ -81,7 +81,8 @@ def test_not_available_fields():
     ("Tesla T4", "7.5"), ("NVIDIA GeForce RTX 2080 Ti", "7.5"), ("GeForce RTX 2080 Ti", "7.5"),
     ("NVIDIA GeForce RTX 3090", "8.6"), ("NVIDIA A10", "8.6"), ("NVIDIA GeForce RTX 4090", "8.9"),
     ("NVIDIA L40S", "8.9"), ("NVIDIA A100-SXM4-80GB", "8.0"), ("NVIDIA A100-PCIE-40GB", "8.0"),
-    ("NVIDIA H100 80GB HBM3", "9.0"), ("NVIDIA H200", "9.0"),
+    ("NVIDIA H100 80GB HBM3", "9.0"), ("NVIDIA H200", "9.0"), ("Tesla K80", "3.7"), ("Tesla K40m", "3.5"),
+    ("Tesla M40 24GB", "5.2"), ("NVIDIA B200", "10.0"), ("NVIDIA GeForce RTX 5090", "12.0"),
 ])
 def test_name_table(name, cc):
     assert compute_capability_from_name(name) == cc

@@ -1,7 +1,12 @@
-"""The GPU harness's correctness figure, shown on CPU: the probe (bench/gpu/probe/sitecustomize.py)
-records the HF rollout's own log-probs of the tokens it samples, and they agree with the actor's
-log-probs once patch 0004 is in, and not before. This is what makes the log-prob gap reported in
-docs/training-runs.md mean what it says; the GPU runs themselves are not repeated here.
+"""The GPU harness's probe (bench/gpu/probe/sitecustomize.py), its code paths run on CPU.
+
+* The correctness figure: the probe records the HF rollout's own log-probs of the tokens it samples, and they agree
+  with the actor's log-probs once patch 0004 is in, and not before. This is what makes the log-prob gap reported in
+  docs/training-runs.md mean what it says.
+* Where the time goes: verl's own ActorRolloutRefWorker (the GTX 1080 plan's offload rung, shrunk:
+  tests/unit/test_fsdp2_gather.py) runs under the probe with ``VERL_LAB_PROFILE``: the chosen calls' profile tables
+  (torch.profiler on CPU) and every call's wall-clock splits and the process's threads come out, and they count
+  what the worker did. The GPU's own rows (H2D/D2H copies, kernels) exist only on a GPU: not shown here.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tasks import verl_source
+from tests.unit.test_fsdp2_gather import LOG_PROB_MICRO, MINI_BATCHES, MICRO_PER_MINI, RUN, _result, plan_overrides, tiny_model
 from tests.unit.test_hf_rollout import PATCH, _tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,3 +44,54 @@ def test_probe_measures_the_rollout_actor_gap(verl_python, tmp_path, tree):
         assert found["gap"] < 1e-4, found
     else:
         assert found["gap"] > 0.1, found
+
+
+PROFILED = "generate_sequences,update_actor,compute_log_prob:2,compute_values,bad:x"
+
+
+@pytest.fixture(scope="module")
+def profiled_run(verl_python, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("probe-profile")
+    root = _tree(tmp / "tree", [p for p in verl_source.patch_files()])
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps({"overrides": plan_overrides(tiny_model(tmp / "model"))}))
+    probe_dir = tmp / "probe"
+    env = {**os.environ, "PYTHONPATH": f"{PROBE}{os.pathsep}{root}", "VERL_LAB_PROBE_DIR": str(probe_dir),
+           "VERL_LAB_PROFILE": PROFILED}
+    result = _result(verl_python, root, "run", spec, tmp / "out.pt", env=env)
+    records = [json.loads(line) for f in probe_dir.glob("probe-*.jsonl") for line in f.read_text().splitlines()]
+    profiles = {p.name.split("-", 1)[1].rsplit("-", 1)[0]: (json.loads(p.read_text()), p.stat().st_size)
+                for p in probe_dir.glob("profile-*.json")}
+    return result, records, profiles
+
+
+def test_probe_profiles_the_chosen_calls_only(profiled_run):
+    _, _, profiles = profiled_run
+    # phase:N picks the N-th call; a phase the worker never runs and a malformed item profile nothing
+    assert sorted(profiles) == ["compute_log_prob-2", "generate_sequences-1", "update_actor-1"]
+    for name, (table, size) in profiles.items():
+        assert size < 64 * 1024, name                      # small enough to come back in runs.tgz
+        assert table["wall_s"] > 0 and table["top_self_cpu"], name
+
+
+def test_probe_profile_counts_what_the_update_did(profiled_run):
+    result, _, profiles = profiled_run
+    table = profiles["update_actor-1"][0]["categories"]
+    moves = result["moves"]["update_actor"]
+    assert table["fsdp post_backward_reduce"]["count"] == moves["reductions"] > 0
+    assert table["optimizer_step"]["count"] == MINI_BATCHES
+    assert table["cpu_only_aten_ops"]["ms"] > 0            # the offloaded AdamW step and gradient sums run on the CPU
+
+
+def test_probe_splits_and_threads(profiled_run):
+    _, records, _ = profiled_run
+    threads = [r for r in records if r["event"] == "threads"]
+    assert len(threads) == 1 and threads[0]["torch_threads"] >= 1 and threads[0]["cpu_count"] >= 1
+    phases = {(r["phase"], r["call"]): r for r in records if r["event"] == "phase"}
+    update = phases[("update_actor", 1)]
+    assert update["splits"]["forward_calls"] == MINI_BATCHES * MICRO_PER_MINI
+    assert update["splits"]["optimizer_step_calls"] == MINI_BATCHES
+    assert 0 < update["splits"]["forward_s"] + update["splits"]["optimizer_step_s"] < update["seconds"]
+    assert update["profiled"] is True and "profiled" not in phases[("compute_log_prob", 1)]
+    assert phases[("compute_log_prob", 1)]["splits"] == {**phases[("compute_log_prob", 1)]["splits"],
+                                                         "forward_calls": LOG_PROB_MICRO}

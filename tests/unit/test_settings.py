@@ -91,3 +91,48 @@ def test_pyinfra_keys_are_never_taken_for_near_misses():
     assert {"ssh_user", "ssh_key", "_sudo", "docker_identifier"} <= set(keys)
     for key in keys:
         assert load_settings("b", {key: None}).host == "b", key
+
+
+def test_every_problem_of_a_host_is_listed_at_once():
+    """Not only the first: a user fixes them all in one go (each line: host, key, value, fix)."""
+    data = {"mirror_profle": "cn", "artifact_mode": "torrent", "lab_root": "relative", "train_user": "root",
+            "train_steps": 0, "workload": {"epochs": 0, "algoritm": "grpo", "max_response_length": "256"},
+            "gpu_override": {"name": "", "compute_capability": "x", "memory_mib": 0}}
+    with pytest.raises(SettingsError) as err:
+        load_settings("gpu-box-7", data)
+    keys = [p.key for p in err.value.problems]
+    assert keys == ["mirror_profle", "workload.algoritm", "workload.max_response_length", "workload.epochs",
+                    "artifact_mode", "lab_root", "train_user", "train_steps", "gpu_override", "gpu_override",
+                    "gpu_override"], keys
+    lines = str(err.value).splitlines()
+    assert len(lines) == len(keys) and all(line.startswith("host gpu-box-7: ") and ". Fix: " in line
+                                           for line in lines), lines
+    assert "'torrent' is not one of relay, direct" in str(err.value)
+    assert "compute_capability 'x' is not like 8.6" in str(err.value) and "memory_mib 0 is not" in str(err.value)
+    # the first problem's fields stay where a single error kept them
+    assert (err.value.host, err.value.key) == ("gpu-box-7", "mirror_profle")
+
+
+def test_one_bad_value_is_one_problem():
+    with pytest.raises(SettingsError) as err:
+        load_settings("b", {"artifact_mode": "torrent"})
+    assert len(err.value.problems) == 1 and str(err.value).count("\n") == 0
+
+
+def test_the_inventory_check_lists_every_problem_of_every_host(monkeypatch):
+    from pyinfra.api import Inventory
+
+    from tasks import hostdata
+
+    for name, value in (("_CHECKED", False), ("_CACHE", {}), ("_CLUSTERS", {})):
+        monkeypatch.setattr(hostdata, name, value)
+    inv = Inventory((["box1", "box2", ("box3", {"train_steps": -1})], {}),
+                    bad=(["box1", "box3"], {"artifact_mode": "torrent"}))
+    with pytest.raises(hostdata.InventoryError) as exc:
+        hostdata.check_inventory(list(inv))
+    lines = str(exc.value).splitlines()
+    assert lines[0] == "verl-lab: the inventory has errors; nothing was changed on any host:"
+    assert "  host box1: artifact_mode: 'torrent' is not one of relay, direct." in "\n".join(lines)
+    assert [line.split(":")[0:2] for line in lines if "box3" in line] == [["  host box3", " artifact_mode"],
+                                                                          ["  host box3", " train_steps"]]
+    assert not any("box2" in line for line in lines)

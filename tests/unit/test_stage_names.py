@@ -15,7 +15,7 @@ from tasks.facts.files import Marker
 from tasks.settings import LEGACY_STAGE_NAMES, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
-STAGES = ("cuda", "env", "data", "train")
+STAGES = ("driver", "cuda", "env", "data", "train")
 
 
 @pytest.mark.parametrize("stage", STAGES)

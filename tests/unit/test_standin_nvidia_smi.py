@@ -86,7 +86,7 @@ def test_every_gpu_answers_the_provisioner_query(smi, key):
 def test_table_and_expected_names():
     names = {k: (g.name, g.memory_mib, g.compute_cap) for k, g in GPUS.items()}
     assert names == {
-        "p40": ("Tesla P40", 24576, "6.1"), "p100": ("Tesla P100-PCIE-16GB", 16384, "6.0"),
+        "k80": ("Tesla K80", 11441, "3.7"), "p40": ("Tesla P40", 24576, "6.1"), "p100": ("Tesla P100-PCIE-16GB", 16384, "6.0"),
         "v100": ("Tesla V100-SXM2-32GB", 32768, "7.0"), "t4": ("Tesla T4", 15360, "7.5"),
         "rtx2080ti": ("NVIDIA GeForce RTX 2080 Ti", 11264, "7.5"),
         "rtx3090": ("NVIDIA GeForce RTX 3090", 24576, "8.6"), "rtx4090": ("NVIDIA GeForce RTX 4090", 24564, "8.9"),

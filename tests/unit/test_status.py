@@ -139,3 +139,49 @@ def test_a_box_row_from_the_real_log():
     lines = table.splitlines()
     assert lines[1].startswith("p40-box") and " 5/5 " in lines[1] and "verl.gen2" in lines[1]
     assert lines[2].startswith("new-box") and "not-installed" in lines[2] and lines[3].strip() == "unit: never ran"
+
+
+# systemd's own lines about the unit this boot, as a lab box printed them (tests/fixtures/facts/logs.TrainingRun)
+FAILED_RUN = """Started verl-lab-train.service - verl-lab PPO training (1 x Tesla T4).
+verl-lab-train.service: Main process exited, code=exited, status=1/FAILURE
+verl-lab-train.service: Failed with result 'exit-code'.
+Stopped verl-lab-train.service - verl-lab PPO training (1 x Tesla T4)."""
+FORGOTTEN = {"LoadState": "loaded", "ActiveState": "inactive", "SubState": "dead", "Result": "success",
+             "NRestarts": "0", "ExecMainStartTimestampMonotonic": "0"}
+
+
+@pytest.mark.parametrize("history,state", [
+    ("", "never-ran"),
+    (FAILED_RUN, "failed"),
+    ("Started ok.\nverl-lab-train.service: Deactivated successfully.", "finished"),
+    ("Started x.\nStopping x...\nverl-lab-train.service: Deactivated successfully.\nStopped x.", "stopped"),
+    # an earlier run failed, the last one ended well: the last run counts
+    (FAILED_RUN + "\nStarted again.\nverl-lab-train.service: Deactivated successfully.", "finished"),
+])
+def test_a_run_systemd_forgot_is_read_from_its_journal(history, state):
+    """A unit that is not enabled is unloaded once inactive: systemd then says what it says of a unit
+    that never ran. The journal's history of the unit does not forget (e2e: tests/e2e/test_refusals.py)."""
+    got, words = status.unit_summary(FORGOTTEN, history)
+    assert got == state
+    if state == "failed":
+        assert "its last run this boot: verl-lab-train.service: Failed with result 'exit-code'" in words
+
+
+def test_reset_failed_is_not_finished():
+    """reset-failed (a deploy's restart does it first) turns a failed result into success."""
+    reset = {**FORGOTTEN, "ExecMainStartTimestampMonotonic": "2894492527"}
+    assert status.unit_summary(reset)[0] == "finished"          # what systemd alone says
+    assert status.unit_summary(reset, FAILED_RUN)[0] == "failed"
+
+
+@pytest.mark.parametrize("case,state", [("forgotten-failed", "failed"), ("reset-failed", "failed"),
+                                        ("never-ran", "never-ran"), ("crash-looping", "crash-looping"),
+                                        ("training", "running")])
+def test_recorded_boxes_states(case, state):
+    from tests.unit.test_facts_table import FIXTURES
+
+    fact = json.loads((FIXTURES / "logs.TrainingRun" / f"{case}.json").read_text())["fact"]
+    assert status.unit_summary(fact["unit"], fact["history"])[0] == state
+    if case in ("forgotten-failed", "reset-failed"):
+        # the run's own lines come back although systemd has no invocation (or an empty one) for it
+        assert "FAIL  data marker" in fact["journal"] and fact["preflight"] == ""

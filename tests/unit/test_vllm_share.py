@@ -20,6 +20,8 @@ memory for the cache blocks".
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tasks.memory import ModelShape
@@ -76,11 +78,15 @@ def _profile_activation_mib(shape: ModelShape, dtype: str, tokens: int, seqs: in
     return (layer + sampler) / MIB
 
 
-def _kv_cache(plan, engine: str, shape: ModelShape) -> tuple[float, float, dict]:
-    """(KV cache MiB vLLM grants, MiB one step's sequences need, the simulated state)."""
+def _kv_cache(plan, engine: str, shape: ModelShape, total_mib: int | None = None, others_mib: float = 0.0,
+              share: float | None = None) -> tuple[float, float, dict]:
+    """(KV cache MiB vLLM grants, MiB one step's sequences need, the simulated state). ``total_mib``:
+    the total CUDA counts (default: the plan's GPU memory); ``others_mib``: what other processes
+    hold on the GPU the whole time (device memory torch did not allocate); ``share``: another share
+    than the plan's."""
     ov = overrides_of(plan)
-    gpu = SimulatedGpu(plan.gpu.memory_mib)
-    gpu.non_torch = CONTEXT_MIB * MIB
+    gpu = SimulatedGpu(total_mib or plan.gpu.memory_mib)
+    gpu.non_torch = int((CONTEXT_MIB + others_mib) * MIB)
     P_a, P_c = shape.params("actor"), shape.params("critic")
     model_bytes = _bytes(ov["actor_rollout_ref.actor.fsdp_config.model_dtype"])
     # verl's init order (ray_trainer.init_workers): critic, then the actor, then vLLM
@@ -88,7 +94,7 @@ def _kv_cache(plan, engine: str, shape: ModelShape) -> tuple[float, float, dict]
         gpu.alloc(_bytes(ov["critic.model.fsdp_config.model_dtype"]) * P_c / MIB)
     if not ov["actor_rollout_ref.actor.fsdp_config.param_offload"]:
         gpu.alloc(model_bytes * P_a / MIB)
-    share = ov["actor_rollout_ref.rollout.gpu_memory_utilization"]
+    share = share or ov["actor_rollout_ref.rollout.gpu_memory_utilization"]
     rdtype = ov["actor_rollout_ref.rollout.dtype"]
     # vLLM worker init: empty_cache + reset_peak_memory_stats, then V0's baseline snapshot
     gpu.peak = gpu.allocated
@@ -166,3 +172,76 @@ def test_the_old_shares_leave_no_kv_cache_under_v1(share, shape):
                       for o in plan.overrides]
     kv, need, _ = _kv_cache(plan, "v1", shape)
     assert kv < 0 < need
+
+
+# ---- the GPU as it is at launch: what other processes hold (verl_lab_box/vllm_share.py) -------------
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
+
+
+def at_launch(capture: str):
+    """The GPUs of a recorded nvidia-smi (tests/fixtures/nvidia-smi/) as the launcher reads them."""
+    from tests.unit.test_launch_share import sections
+    from verl_lab_box.gpu import parse_memory, parse_processes
+    from verl_lab_box.vllm_share import GpuAtLaunch
+
+    out = sections(FIXTURES / capture)
+    procs = parse_processes(out["nvidia-smi"])
+    return [GpuAtLaunch(m.index, m.cuda_total_mib, m.used_mib,
+                        tuple((p.pid, p.name, p.used_mib) for p in procs if p.gpu == m.index))
+            for m in parse_memory(out["nvidia-smi --query-gpu=index,memory.total,memory.used,memory.free "
+                                      "--format=csv,noheader,nounits"])]
+
+
+def test_what_other_processes_hold_shrinks_v1s_kv_cache_not_v0s(shape):
+    """vLLM's own profilers replayed: a display server's 812 MiB comes off V1's KV cache whole; V0
+    snapshots it at its start and it cancels. Both multiply the share by CUDA's total."""
+    plan = make_plan(GpuTarget("NVIDIA GeForce RTX 3090", "8.6", 24576), workload())
+    (g,) = at_launch("rtx3090-display.txt")
+    assert (g.cuda_total_mib, g.in_use_mib) == (24250, 812)
+    for engine in ("v1", "v0"):
+        idle, _, _ = _kv_cache(plan, engine, shape, total_mib=g.cuda_total_mib)
+        busy, _, _ = _kv_cache(plan, engine, shape, total_mib=g.cuda_total_mib, others_mib=g.in_use_mib)
+        assert idle - busy == pytest.approx(812 if engine == "v1" else 0, abs=1)
+
+
+@pytest.mark.parametrize("capture, name, cc, mem, planned, launched", [
+    ("rtx3090-display.txt", "NVIDIA GeForce RTX 3090", "8.6", 24576, 0.42, 0.46),
+    ("t4-other-job.txt", "Tesla T4", "7.5", 15360, 0.3, 0.3),
+])
+def test_the_launch_share_keeps_the_plans_kv_cache_on_the_gpu_as_it_is(capture, name, cc, mem, planned, launched,
+                                                                        shape):
+    """The launcher's share (vllm_share.launch_share, from plan.json's vllm section and a recorded
+    nvidia-smi): vLLM's replayed accounting grants the KV cache one step's sequences need at it,
+    with the other processes present; under V1 the plan's own share would no longer (the display
+    server's memory and CUDA's smaller total come off it); the launch share is the smallest that
+    gives the plan's KV cache (0.01 less does not)."""
+    from verl_lab_box.vllm_share import kv_cache_mib, launch_share
+
+    plan = make_plan(GpuTarget(name, cc, mem), workload())
+    vllm = plan.to_dict()["vllm"]
+    gpus = at_launch(capture)
+    decision = launch_share(vllm, gpus)
+    assert (decision.planned, decision.share, decision.fits) == (planned, launched, True)
+    g = gpus[0]
+    kv, need, _ = _kv_cache(plan, vllm["engine"], shape, total_mib=g.cuda_total_mib, others_mib=g.in_use_mib,
+                            share=decision.share)
+    assert kv >= need
+    args = (vllm["engine"], g.cuda_total_mib, vllm["own_mib"], vllm["held_at_start_mib"], g.in_use_mib)
+    assert kv_cache_mib(args[0], decision.share, *args[1:]) >= vllm["kv_wanted_mib"]
+    if decision.changed:
+        assert kv_cache_mib(args[0], decision.share - 0.01, *args[1:]) < vllm["kv_wanted_mib"]
+        assert kv_cache_mib(args[0], planned, *args[1:]) < vllm["kv_wanted_mib"]
+
+
+def test_the_plan_and_the_launcher_share_one_arithmetic(shape):
+    """tasks/memory.py's vllm_memory sizes the plan's share with verl_lab_box/vllm_share.py: on an idle GPU
+    of the plan's size, the launcher's arithmetic gives the plan's own share back."""
+    from verl_lab_box.vllm_share import GpuAtLaunch, launch_share
+
+    for name, cc, mem, _ in PLANS:
+        plan = make_plan(GpuTarget(name, cc, mem), workload())
+        vllm = plan.to_dict()["vllm"]
+        assert vllm["share"] == plan.memory.vllm_gpu_memory_utilization
+        again = launch_share({**vllm, "share": 0.0}, [GpuAtLaunch(0, mem, 0)])
+        assert again.share == vllm["share"], (name, again)

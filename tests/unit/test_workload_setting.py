@@ -3,6 +3,8 @@ plan makes of it (tasks/plan.py ``workload_for``)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tasks.plan import GpuTarget, make_plan, workload_for
@@ -17,7 +19,7 @@ def test_default_is_one_epoch_of_the_ladder_with_no_step_cap():
     s = load_settings("box1", {})
     assert s.train_steps is None and s.workload == WORKLOAD_DEFAULTS
     assert WORKLOAD_DEFAULTS == {"algorithm": "auto", "model": None, "train_batch_size": 256, "ppo_mini_batch_size": 64,
-                                 "max_prompt_length": 256, "max_response_length": 256, "epochs": 1}
+                                 "max_prompt_length": 256, "max_response_length": 256, "epochs": 1, "rollout": "auto"}
     assert s.model_artifact == "qwen_model" and workload_for(s).experiment_name == "qwen2.5-0.5b-gsm8k"
     ov = overrides(s)
     assert ov["trainer.total_epochs"] == 1 and "trainer.total_training_steps" not in ov
@@ -40,13 +42,17 @@ def test_workload_values_reach_the_plan():
     ({"algorithm": "dpo"}, "workload.algorithm", "set it to auto"),
     ({"algoritm": "grpo"}, "workload.algoritm", "did you mean workload.algorithm?"),
     ({"epoch": 2}, "workload.epoch", "did you mean workload.epochs?"),
-    ({"colour": "red"}, "workload.colour", "use one of algorithm, model, train_batch_size"),
+    ({"temperature": 0.7}, "workload.temperature", "use one of algorithm, model, train_batch_size"),
     ({"epochs": 0}, "workload.epochs", "positive integer (default 1)"),
     ({"max_response_length": "256"}, "workload.max_response_length", "positive integer (default 256)"),
     ({"train_batch_size": True}, "workload.train_batch_size", "positive integer"),
     ({"train_batch_size": 32}, "workload.ppo_mini_batch_size", "at most workload.train_batch_size"),
     ({"model": "Qwen/Qwen2.5-7B-Instruct"}, "workload.model", "Qwen/Qwen2.5-3B-Instruct (qwen_3b_model), Qwen/Qwen2.5-0.5B-Instruct (qwen_model)"),
     ({"model": 3}, "workload.model", "needs a catalog entry (repo, revision, sha256)"),
+    ({"rollout": "sglang"}, "workload.rollout", "set it to auto (vLLM where the GPU runs it, else the HF rollout), "
+                                                "vllm (vLLM, on compute capability >= 7.0 only) or hf"),
+    ({"rollout": "HF"}, "workload.rollout", "'HF' is not one of auto, vllm, hf"),
+    ({"rollot": "hf"}, "workload.rollot", "did you mean workload.rollout?"),
 ])
 def test_bad_workload_values_name_host_key_and_fix(workload, key, fix):
     with pytest.raises(SettingsError) as err:
@@ -128,3 +134,56 @@ def test_a_model_the_gpu_cannot_train_is_refused_naming_those_that_fit():
     plan = plan_naming_models_that_fit(lambda w: make_plan(GpuTarget("NVIDIA H200", "9.0", 143771), w),
                                        workload_for(s), s.catalog, s.model_artifact)
     assert plan.workload.model_config["num_hidden_layers"] == 36
+
+
+RTX3090 = GpuTarget("NVIDIA GeForce RTX 3090", "8.6", 24576)
+T4 = GpuTarget("Tesla T4", "7.5", 15360)
+P40 = GpuTarget("Tesla P40", "6.1", 24576)
+
+
+def test_workload_rollout_hf_plans_the_hf_rollout_on_a_vllm_card():
+    """The escape hatch: the plan, its memory estimate, micro-batches and reasons follow the HF
+    rollout; nothing of vLLM is left in it (no share, no engine pin, no max_num_seqs)."""
+    auto, hf = (make_plan(RTX3090, workload_for(load_settings("b", {"workload": {"rollout": r}}))) for r in ("auto", "hf"))
+    assert (auto.precision.rollout, hf.precision.rollout) == ("vllm", "hf")
+    ov = {o.key: o.value for o in hf.overrides}
+    assert ov["actor_rollout_ref.rollout.name"] == "hf" and ov["actor_rollout_ref.rollout.dtype"] == "bfloat16"
+    assert not [k for k in ov if "gpu_memory_utilization" in k or "engine_kwargs.vllm" in k or "max_num_batched" in k]
+    assert ov["actor_rollout_ref.rollout.micro_batch_size"] == hf.memory.rollout_micro_batch
+    assert "VLLM_USE_V1" not in hf.env and hf.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert hf.memory.vllm_gpu_memory_utilization is None and "vllm_kv_wanted" not in hf.estimate.breakdown
+    assert "rollout" in hf.estimate.breakdown and hf.estimate.breakdown["rollout"] != auto.estimate.breakdown["rollout"]
+    why = {r.setting: r.why for r in hf.reasons}
+    assert "workload.rollout = 'hf'" in why["rollout"] and "sequences per HF generate() call" in why["rollout_micro_batch"]
+    name_why = next(o.why for o in hf.overrides if o.key == "actor_rollout_ref.rollout.name")
+    assert name_why == "workload.rollout = 'hf' asks for it"
+    assert make_plan(P40, workload_for(load_settings("b", {"workload": {"rollout": "hf"}}))).precision.rollout == "hf"
+
+
+def test_workload_rollout_vllm_is_vllm_from_7_0_and_refused_below_with_the_reason():
+    from tasks.plan import PlanError, rollout_refusal
+
+    vllm = load_settings("b", {"workload": {"rollout": "vllm"}})
+    t4 = make_plan(T4, workload_for(vllm))
+    assert t4.precision.rollout == "vllm" and t4.env["VLLM_USE_V1"] == "0"
+    assert "workload.rollout = 'vllm'" in next(r.why for r in t4.reasons if r.setting == "rollout")
+    assert rollout_refusal("vllm", T4) is None and rollout_refusal("hf", P40) is None and rollout_refusal("auto", P40) is None
+    with pytest.raises(PlanError) as err:
+        make_plan(P40, workload_for(vllm))
+    assert str(err.value) == ("workload.rollout = 'vllm': vLLM 0.8.5 needs compute capability >= 7.0, and Tesla P40 has "
+                              "6.1. Change: set workload.rollout to 'auto' or 'hf' (the HF-transformers rollout runs "
+                              "on every GPU)")
+    assert err.value.key == "workload.rollout"
+    assert rollout_refusal("sglang", T4)[0] == "'sglang' is not one of auto, vllm, hf"
+
+
+def test_plan_cli_takes_the_rollout(capsys):
+    from tasks.plan import main
+
+    args = ["--json", "--gpu-name", RTX3090.name, "--compute-capability", "8.6", "--gpu-memory-mib", "24576"]
+    assert main(args + ["--rollout", "hf"]) == 0
+    assert json.loads(capsys.readouterr().out)["rollout"] == "hf"
+    assert main(args) == 0 and json.loads(capsys.readouterr().out)["rollout"] == "vllm"
+    assert main(["--gpu-name", "Tesla P40", "--compute-capability", "6.1", "--gpu-memory-mib", "24576",
+                 "--rollout", "vllm"]) == 2
+    assert "no plan: workload.rollout = 'vllm': vLLM 0.8.5 needs compute capability >= 7.0" in capsys.readouterr().err

@@ -15,6 +15,22 @@ PYTHONPATH. Measurement only; it changes no training behaviour except the memory
     it sampled (recorded from the probability rows the sampler drew from) and the actor's
     log-probs of the same tokens (``logprob_gap_max``), over the response mask.
 
+  - once per process, at its first ``init_model``: torch's CPU threads (intra-op, inter-op),
+    ``OMP_NUM_THREADS`` and the CPUs the process may use (the CPU-offload rung's AdamW step and
+    gradient accumulation run on them);
+  - on every phase record, cheap wall-clock splits of the actor's work inside it (``splits``):
+    seconds in ``_forward_micro_batch`` (the forwards, with their FSDP gathers), in
+    ``_optimizer_step`` (gradient clipping and the AdamW step), and their counts; the backward is
+    the update's rest.
+* ``VERL_LAB_PROFILE``: a comma-separated list of ``phase`` or ``phase:N`` (the N-th call, default
+  1), e.g. ``update_actor,generate_sequences``: that call runs under ``torch.profiler`` (CPU and
+  CUDA activities) and its table of where the time went is written as
+  ``profile-<phase>-<N>-<pid>.json`` beside the probe records (``profile_table``): time per
+  category (H2D/D2H copies, GPU kernels, FSDP all-gathers and reductions, the optimizer step,
+  CPU-only operator time) and the heaviest operators by self CPU and by self device time. A
+  profiled call is slower than an unprofiled one: compare its seconds only with the splits of
+  other calls.
+
 The rollout's log-probs are attached to the HF rollout's output as ``rollout_log_probs``, the
 key verl 0.5.0's trainer already compares (``training/rollout_probs_diff_max``).
 """
@@ -31,6 +47,7 @@ import time
 
 _PROBE_DIR = os.environ.get("VERL_LAB_PROBE_DIR")
 _CAP_MIB = os.environ.get("VERL_LAB_GPU_CAP_MIB")
+_PROFILE = os.environ.get("VERL_LAB_PROFILE", "")
 _LOCK = threading.Lock()
 _MIB = 1024 * 1024
 
@@ -124,6 +141,7 @@ def _outside_torch_mib(torch) -> float | None:
 
 
 _CENSUS_CALLS = {"update_actor": 2, "update_critic": 1}     # census at the start of the first calls
+_THREADS_WRITTEN: list = []
 
 
 def _census(torch, label: str) -> dict:
@@ -150,8 +168,159 @@ def _census(torch, label: str) -> dict:
             "allocated_mib": round(torch.cuda.memory_allocated() / _MIB, 1), "tensors": big[:40]}
 
 
+# ------------------------------------------------------------------ where the time goes
+
+def profile_requests(spec: str) -> dict[str, set[int]]:
+    """``VERL_LAB_PROFILE``'s calls to profile: phase -> call numbers (1-based)."""
+    wanted: dict[str, set[int]] = {}
+    for item in spec.replace(" ", "").split(","):
+        phase, _, n = item.partition(":")
+        if not phase or (n and not n.isdigit()):
+            if item:
+                print(f"verl-lab probe: VERL_LAB_PROFILE item {item!r} ignored (phase or phase:N)", file=sys.stderr)
+            continue
+        wanted.setdefault(phase, set()).add(int(n) if n else 1)
+    return wanted
+
+
+_PROFILE_CALLS = profile_requests(_PROFILE)
+_SPLITS: dict[str, float] = {}        # the actor's wall-clock splits of the phase call running now
+_FSDP_LABEL = "FSDP::"
+
+
+def _ms(us) -> float:
+    return round(float(us or 0.0) / 1000.0, 3)
+
+
+def _row_times(row) -> tuple[float, float, float, float]:
+    """(cpu total, self cpu, device total, self device) in microseconds, across torch versions
+    (``cuda_*`` became ``device_*`` in torch 2.4)."""
+    def get(*names):
+        for name in names:
+            value = getattr(row, name, None)
+            if value is not None:
+                return float(value)
+        return 0.0
+    return (get("cpu_time_total"), get("self_cpu_time_total"),
+            get("device_time_total", "cuda_time_total"), get("self_device_time_total", "self_cuda_time_total"))
+
+
+def _category(name: str, on_device: bool) -> str | None:
+    """Where an operator's time belongs in the summary; None: only in the top lists."""
+    if on_device:
+        if "HtoD" in name:
+            return "h2d_copy"
+        if "DtoH" in name:
+            return "d2h_copy"
+        if name.startswith("Memcpy") or name.startswith("Memset"):
+            return "device_copy_other"
+        return "gpu_kernels"
+    if name.startswith(_FSDP_LABEL):
+        return "fsdp " + name.split(" (", 1)[0][len(_FSDP_LABEL):]     # FSDP::all_gather (model.layers.3)
+    if name.startswith("Optimizer.step#"):
+        return "optimizer_step"
+    if name.startswith("Optimizer.zero_grad#"):
+        return "optimizer_zero_grad"
+    return None
+
+
+def profile_table(rows, wall_s: float, top: int = 25) -> dict:
+    """Where the time of one profiled call went, from ``torch.profiler``'s ``key_averages()``:
+    per category (time in ms; CPU ranges such as ``fsdp all_gather`` and ``optimizer_step`` are
+    inclusive CPU time, copies and kernels are device time), the CPU time of operators that ran
+    no device work (CPU compute: the offloaded AdamW step, gradient accumulation on the host), and
+    the heaviest operators by self CPU and by self device time."""
+    categories: dict[str, dict] = {}
+    table = []
+    cpu_only_ms = 0.0
+    for row in rows:
+        name = str(row.key)
+        cpu_total, self_cpu, dev_total, self_dev = _row_times(row)
+        on_device = "cuda" in str(getattr(row, "device_type", "")).lower()
+        entry = {"name": name[:120], "count": int(row.count), "cpu_ms": _ms(cpu_total), "self_cpu_ms": _ms(self_cpu),
+                 "device_ms": _ms(dev_total), "self_device_ms": _ms(self_dev), "on_device": on_device}
+        table.append(entry)
+        cat = _category(name, on_device)
+        if cat is not None:
+            c = categories.setdefault(cat, {"ms": 0.0, "count": 0})
+            c["ms"] = round(c["ms"] + (entry["self_device_ms"] if on_device else entry["cpu_ms"]), 3)
+            c["count"] += entry["count"]
+        if not on_device and dev_total == 0 and name.startswith("aten::"):
+            cpu_only_ms += entry["self_cpu_ms"]
+    categories["cpu_only_aten_ops"] = {"ms": round(cpu_only_ms, 3), "count": None}
+    by_cpu = sorted((e for e in table if not e["on_device"]), key=lambda e: -e["self_cpu_ms"])[:top]
+    by_dev = sorted((e for e in table if e["self_device_ms"] > 0), key=lambda e: -e["self_device_ms"])[:top]
+    return {"wall_s": round(wall_s, 3), "categories": dict(sorted(categories.items())),
+            "top_self_cpu": by_cpu, "top_self_device": by_dev}
+
+
+def _start_profile(torch):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False)
+    prof.__enter__()
+    return prof
+
+
+def _finish_profile(prof, role: str, name: str, call: int, wall_s: float) -> None:
+    prof.__exit__(None, None, None)
+    record = {"event": "profile", "role": role, "phase": name, "call": call,
+              **profile_table(prof.key_averages(), wall_s)}
+    if not _PROBE_DIR:
+        return
+    try:
+        os.makedirs(_PROBE_DIR, exist_ok=True)
+        path = os.path.join(_PROBE_DIR, f"profile-{name}-{call}-{os.getpid()}.json")
+        with open(path, "w") as fh:
+            json.dump({"pid": os.getpid(), "t": round(time.time(), 3), **record}, fh, indent=1)
+    except OSError as exc:
+        print(f"verl-lab probe: cannot write the profile: {exc}", file=sys.stderr)
+
+
+def _threads(torch) -> dict:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = None
+    return {"event": "threads", "torch_threads": torch.get_num_threads(),
+            "torch_interop_threads": torch.get_num_interop_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(), "cpus_allowed": cpus}
+
+
+def _timed(label: str, method):
+    """The actor's method, its wall-clock seconds (device work included) added to ``_SPLITS``."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        import torch
+
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.time()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            if cuda:
+                torch.cuda.synchronize()
+            _SPLITS[label + "_s"] = round(_SPLITS.get(label + "_s", 0.0) + time.time() - start, 4)
+            _SPLITS[label + "_calls"] = _SPLITS.get(label + "_calls", 0) + 1
+
+    return wrapper
+
+
+def _patch_actor(module) -> None:
+    cls = module.DataParallelPPOActor
+    for name, label in (("_forward_micro_batch", "forward"), ("_optimizer_step", "optimizer_step")):
+        if name in cls.__dict__:
+            setattr(cls, name, _timed(label, cls.__dict__[name]))
+
+
 def _phase_wrapper(role: str, name: str, method):
     calls = {"n": 0}
+    profiled = _PROFILE_CALLS.get(name, set())
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -159,12 +328,18 @@ def _phase_wrapper(role: str, name: str, method):
 
         ok = torch.cuda.is_available() and torch.cuda.is_initialized()
         calls["n"] += 1
-        if ok and calls["n"] <= _CENSUS_CALLS.get(name, 0):
-            _write(_census(torch, f"{role}.{name} start {calls['n']}"))
+        call = calls["n"]
+        if name == "init_model" and not _THREADS_WRITTEN:
+            _THREADS_WRITTEN.append(True)
+            _write(_threads(torch))
+        if ok and call <= _CENSUS_CALLS.get(name, 0):
+            _write(_census(torch, f"{role}.{name} start {call}"))
         if ok:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
+        _SPLITS.clear()
+        prof = _start_profile(torch) if call in profiled else None
         start = time.time()
         oom = None
         try:
@@ -177,12 +352,22 @@ def _phase_wrapper(role: str, name: str, method):
                 pass
             raise
         finally:
-            record = {"event": "phase", "role": role, "phase": name, "seconds": round(time.time() - start, 3)}
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 try:
                     torch.cuda.synchronize()
                 except Exception:  # noqa: BLE001 - after an OOM the stream may be unusable
                     pass
+            seconds = time.time() - start
+            record = {"event": "phase", "role": role, "phase": name, "call": call, "seconds": round(seconds, 3)}
+            if _SPLITS:
+                record["splits"] = dict(_SPLITS)
+            if prof is not None:
+                record["profiled"] = True
+                try:
+                    _finish_profile(prof, role, name, call, seconds)
+                except Exception as exc:  # noqa: BLE001 - a probe never breaks the run
+                    _write({"event": "profile_error", "phase": name, "error": f"{type(exc).__name__}: {exc}"})
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
                 record.update({
                     "allocated_before_mib": round(before / _MIB, 1) if ok else None,
                     "peak_allocated_mib": round(torch.cuda.max_memory_allocated() / _MIB, 1),
@@ -287,6 +472,7 @@ def _patch_hf_rollout(module) -> None:
 
 def _install() -> None:
     hooks = {"verl.workers.fsdp_workers": _patch_workers,
+             "verl.workers.actor.dp_actor": _patch_actor,
              "verl.workers.rollout.hf_rollout": _patch_hf_rollout}
     if _CAP_MIB:
         hooks["torch"] = _cap_torch

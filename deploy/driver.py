@@ -1,0 +1,13 @@
+"""The NVIDIA driver alone: `pyinfra inventory/lab.py deploy/driver.py --data driver=install`.
+
+With driver = "check" (the default) it asks and changes nothing: the CUDA stage checks the driver.
+"""
+
+from tasks.base import base_layout
+from tasks.driver import install_driver
+from tasks.hostdata import check_inventory, settings_for
+
+check_inventory()
+settings = settings_for()
+# the host's GPUs, read once by the base stage; the driver alone needs no training plan
+install_driver(settings, base_layout(settings, trains=False))

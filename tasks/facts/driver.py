@@ -1,0 +1,39 @@
+"""The driver fact: what the driver stage (``driver = "install"``) decides from, in one command.
+
+The command and its parser are box-side code (``verl_lab_box/nvidia_driver.py``, which reads the
+box the same way when its ``verdict`` runs there); this module is the pyinfra fact around them.
+"""
+
+from __future__ import annotations
+
+from pyinfra.api import FactBase
+
+from verl_lab_box.nvidia_driver import fact_command, parse_fact_output
+
+
+class DriverState(FactBase[dict]):
+    """The NVIDIA driver side of a box: the running kernel, Secure Boot, signs of NVIDIA's .run
+    installer, the installed NVIDIA packages (name, source package, version, installed, held), the
+    stage's apt pin (``pin``), the loaded module (/proc/driver/nvidia/version), nouveau, the module
+    built for the running kernel (modinfo) and DKMS's status, the NVIDIA display controllers on
+    the PCI bus (lspci, or sysfs ids), whether the training unit (``unit``) is active, and the text
+    of each apt sources file but ``skip_sources`` (the stage's own)::
+
+        {"kernel": "6.1.0-26-amd64", "secure_boot": {"state": "disabled", "said": "SecureBoot disabled"},
+         "runfile": {"uninstaller": None, "installer_version": None, "libs": {path: owner package or None}},
+         "packages": [{"name", "source", "version", "installed", "held"}], "pin": {"packages", "version"} | None,
+         "loaded": "535.261.03" | None, "nouveau": False, "built": {"module", "version"} | None,
+         "dkms": [lines], "pci": [{"slot", "name", "device"}], "unit_active": False, "sources": {path: text}}
+
+    The default (no output): nothing known, the same dict with empty values.
+    """
+
+    @staticmethod
+    def default() -> dict:
+        return parse_fact_output("")
+
+    def command(self, pin: str, unit: str, skip_sources: str = "") -> str:
+        return fact_command(pin, unit, skip_sources)
+
+    def process(self, output) -> dict:
+        return parse_fact_output("\n".join(output))

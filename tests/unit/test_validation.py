@@ -1,0 +1,106 @@
+"""The checks before any box changes (tasks/validation.py): the training plan of every host whose
+GPU host data gives, the data stage's plan of every host, all problems of all hosts at once; the
+plan a box's own GPU gets at its first fact pass (plan_problem)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks import hostdata
+from tasks.cluster import check_clusters
+from tasks.plan import GpuTarget
+from tasks.settings import load_settings
+from tasks.validation import inventory_problems, plan_problem, training_plan
+
+T4_8GB = {"name": "Tesla T4", "compute_capability": "7.5", "memory_mib": 8192, "count": 1}
+TINY = {"name": "NVIDIA T400 4GB", "compute_capability": "7.5", "memory_mib": 4096, "count": 1}
+K80 = {"name": "Tesla K80", "compute_capability": "3.7", "memory_mib": 11441, "count": 2}
+A100 = {"name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0", "memory_mib": 81920, "count": 1}
+
+
+def problems_of(data: dict) -> list:
+    settings = {host: load_settings(host, d) for host, d in data.items()}
+    clusters, _ = check_clusters(settings)
+    return inventory_problems(settings, clusters)
+
+
+def test_a_model_the_override_cannot_train_is_refused_naming_what_fits():
+    (p,) = problems_of({"box3b": {"gpu_override": T4_8GB, "workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}}})
+    assert (p.host, p.key) == ("box3b", "workload")
+    assert p.problem.startswith("1 x Tesla T4 (compute capability 7.5, 8192 MiB, from gpu_override): "
+                                "qwen2.5-3b-gsm8k (GRPO) does not fit 1 x Tesla T4 (8192 MiB)")
+    assert "Models of the catalog that fit, largest first: " in p.fix and "set workload.model" in p.fix
+    assert str(p).startswith("host box3b: workload: 1 x Tesla T4") and ". Fix: use a GPU with more memory" in str(p)
+
+
+def test_a_small_override_is_refused_with_the_shortfall():
+    (p,) = problems_of({"tiny": {"gpu_override": TINY}})
+    assert p.key == "workload" and "short by" in p.problem and "No model of the catalog fits" in p.fix
+
+
+def test_an_unsupported_gpu_override_is_refused_under_its_key():
+    (p,) = problems_of({"kepler": {"gpu_override": K80}})
+    assert (p.host, p.key) == ("kepler", "gpu_override")
+    assert "2 x Tesla K80 (compute capability 3.7" in p.problem and "R470" in p.problem
+    assert p.fix.startswith("train on GPUs of compute capability 5.0 to 9.x")
+
+
+def test_hosts_whose_gpu_only_the_box_knows_wait_for_their_fact_pass():
+    assert problems_of({"box1": {}, "a100": {"gpu_override": A100}}) == []
+
+
+def test_the_data_stage_plan_is_checked_for_every_host():
+    bad = {"gsm8k": {"files": {"main/x.parquet": {"size": 1, "sha256": "0" * 64}}}}
+    (p,) = problems_of({"box1": {"catalog_overrides": bad}})
+    assert (p.host, p.key) == ("box1", "catalog_overrides.gsm8k.files") and "train split" in p.problem
+
+
+def test_a_cluster_is_planned_by_every_member_only_where_host_data_gives_each_gpu():
+    lab1 = {"name": "lab1", "head": "h"}
+    both = {"h": {"cluster": lab1, "cluster_address": "10.0.0.5", "gpu_override": A100},
+            "w": {"cluster": lab1, "gpu_override": K80}}
+    found = problems_of(both)
+    assert sorted(p.host for p in found) == ["h", "w"], found
+    assert all(p.problem.startswith("its cluster's GPUs (h: 1 x NVIDIA A100-SXM4-80GB (compute capability 8.0, "
+                                    "81920 MiB); w: 2 x Tesla K80") and "R470" in p.problem for p in found), found
+    # a member whose GPU only its box knows: the cluster is planned at the fact pass, not here
+    assert problems_of({**both, "w": {"cluster": lab1}}) == []
+
+
+def test_plan_problem_at_the_fact_pass():
+    s = load_settings("box1", {"workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}})
+    p = plan_problem(s, GpuTarget("Tesla T4", "7.5", 8192), "nvidia-smi")
+    assert p.key == "workload" and "from nvidia-smi" in p.problem
+    none = plan_problem(s, None, "none", "no usable NVIDIA GPU: nvidia-smi is not installed")
+    assert none.key == "GPU (nvidia-smi)" and none.problem.startswith("no usable NVIDIA GPU") and "gpu_override" in none.fix
+    assert plan_problem(load_settings("b", {}), GpuTarget("NVIDIA H200", "9.0", 143771), "nvidia-smi") is None
+    k80 = plan_problem(s, GpuTarget("Tesla K80", "3.7", 11441, 2), "nvidia-smi")
+    assert k80.key == "GPU (nvidia-smi)" and "R470" in k80.problem
+    missing = plan_problem(s, GpuTarget("NVIDIA H200", "9.0", 143771), "nvidia-smi",
+                           cluster_targets={"box1": GpuTarget("NVIDIA H200", "9.0", 143771), "box2": None})
+    assert missing.key == "cluster" and "no GPU target on box2" in missing.problem
+
+
+def test_the_plan_checked_is_the_plan_placed():
+    s = load_settings("b", {})
+    gpu = GpuTarget("Tesla P40", "6.1", 24576)
+    assert training_plan(s, gpu).to_dict() == training_plan(s, gpu).to_dict()
+    assert training_plan(s, gpu).override_lines[0].startswith("data.train_files=/opt/verl-lab/data/gsm8k/")
+
+
+def test_the_inventory_check_lists_settings_and_plan_problems_of_every_host_at_once(monkeypatch):
+    from pyinfra.api import Inventory
+
+    for name, value in (("_CHECKED", False), ("_CACHE", {}), ("_CLUSTERS", {})):
+        monkeypatch.setattr(hostdata, name, value)
+    inv = Inventory(([("box3b", {"gpu_override": T4_8GB, "workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}}),
+                      ("kepler", {"gpu_override": K80}),
+                      ("typos", {"train_steps": 0, "artifact_mode": "torrent"}),
+                      ("fine", {})], {}))
+    with pytest.raises(hostdata.InventoryError) as exc:
+        hostdata.check_inventory(list(inv))
+    lines = str(exc.value).splitlines()
+    assert lines[0] == "verl-lab: the inventory has errors; nothing was changed on any host:"
+    assert [line.split(":")[0].strip() for line in lines[1:]] == ["host typos", "host typos", "host box3b",
+                                                                  "host kepler"], lines
+    assert not any("fine" in line for line in lines)
