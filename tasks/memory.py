@@ -381,8 +381,12 @@ DECODE_PREV_LOGITS = 8.0
 
 
 def generate_peak(shape: ModelShape, batch: int = 1, prompt_len: int = 128, new_tokens: int = 128,
-                  dtype: str = "bf16", attn: str = "sdpa") -> Estimate:
+                  dtype: str = "bf16", attn: str = "sdpa", residual_dtype: str | None = None) -> Estimate:
     """Peak allocated memory of HF ``model.generate`` (greedy), weights included.
+
+    ``residual_dtype``: the dtype of the residual stream (the embedding's output, the norms, the residual adds)
+    when it differs from the matmuls' (``dtype``): generating under half-precision autocast over fp32 weights
+    keeps it fp32 (verl's HF rollout on fp32 plans with an fp16 rollout: GPU call 13, and the T4 profile).
 
     Two moments: the prefill (the prompt's KV cache of every layer, plus the MLP of the last
     layer over all prompt tokens, or eager's score matrix), and the last decode step (the whole
@@ -404,7 +408,8 @@ def generate_peak(shape: ModelShape, batch: int = 1, prompt_len: int = 128, new_
     Tp = batch * prompt_len
     # prefill MLP: silu(gate), up and their product alive together, with the residual stream,
     # the norm output and their neighbours (measured: 4 hidden-sized tensors)
-    prefill_tmp = (3 * w * s.ffn + 4 * w * s.hidden) * Tp
+    r = _bytes(residual_dtype or dtype)
+    prefill_tmp = (3 * w * s.ffn + 4 * r * s.hidden) * Tp
     if attn == "eager":
         E = batch * s.heads * prompt_len * prompt_len
         # masked scores (w), softmax(dtype=fp32) output (4) and, for bf16 input, the fp32 copy
@@ -541,6 +546,13 @@ class VerlWorkload:
     # inferred: verl 0.5.0 puts vLLM to sleep (weights to host, KV cache freed) between
     # rollouts. False charges vLLM's share to every phase.
     vllm_sleep: bool = True
+    # patches 0007-0008, with actor_offload_policy: the whole model gathered once (in its compute dtype) for
+    # HF generation, for the actor's log-prob pass and each update mini-batch, for the ref's pass; the update's
+    # gradients accumulated unsharded (fp32) through a mini-batch
+    rollout_gather_once: bool = False
+    actor_gather_once: bool = False
+    ref_gather_once: bool = False
+    accumulate_grads_unsharded: bool = False
 
     def __post_init__(self):
         _bytes(self.train_dtype)
@@ -557,6 +569,13 @@ class VerlWorkload:
                 raise ValueError(f"{name} must be >= 1")
         if self.actor_offload_policy and self.use_critic:
             raise ValueError("actor_offload_policy has no critic: verl 0.5.0 cannot FSDP2-wrap it")
+        if self.gathers_once and not self.actor_offload_policy:
+            raise ValueError("the gather-once knobs (patches 0007-0008) are planned only with actor_offload_policy")
+
+    @property
+    def gathers_once(self) -> bool:
+        return self.rollout_gather_once or self.actor_gather_once or self.ref_gather_once \
+            or self.accumulate_grads_unsharded
 
 
 def _transient(est: Estimate) -> float:
@@ -587,6 +606,9 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     update also their gradients (the root's, the tied embedding's, lives through the backward),
     and no full half-precision copy. Measured (GPU call 7, fp32, HF rollout): the actor's
     log-prob pass peaks after the root is released, the ref's (no entropy) while it is held.
+    With patches 0007-0008's knobs a pass holds the whole model (compute dtype) instead of the
+    units (``rollout_gather_once``, ``actor_gather_once`` for the actor's log-prob pass and update,
+    ``ref_gather_once``), and ``accumulate_grads_unsharded`` adds every gradient in fp32 to the update.
     """
     wl = workload
     s = shape
@@ -647,6 +669,12 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     # offload: the ref's pass (no entropy) holds the root and its fp32 logits (measured); the actor's peaks in
     # the entropy, after the root is released (measured)
     ref_pass = gathered + 4.0 * s.vocab * lp_micro * seq / MIB if offp else None
+    actor_pass_floor = ref_pass         # the actor's pass holds at least what the ref's does
+    # patches 0007-0008: a pass gathered once holds the whole model in its compute dtype from start to end
+    # (inferred: FSDP2 keeps every unit's unsharded parameters; to be measured on the GPU)
+    whole = _bytes(wl.train_dtype) * s.params("actor") / MIB     # unsharded: the whole model on every GPU
+    if wl.ref_gather_once:
+        ref_pass = whole + 4.0 * s.vocab * lp_micro * seq / MIB
     # the critic's value pass: one layer's activations and the hidden states (inferred)
     values_pass = lp_micro * seq * (4.0 * s.hidden * 4 + 3.0 * 4 * s.ffn) / MIB \
         + (2.0 * P_c / MIB if wl.train_dtype != "fp32" else 0.0)
@@ -655,22 +683,31 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         rollout = wl.vllm_rollout_mib if wl.vllm_rollout_mib is not None \
             else wl.vllm_gpu_memory_utilization * wl.gpu_memory_mib
     else:
+        # autocast over fp32 weights (an fp32 plan generating in half precision) keeps the residual stream fp32
         gen = generate_peak(s, wl.rollout_batch, wl.prompt_len, wl.response_len, wl.rollout_dtype,
-                            wl.attn)
+                            wl.attn, residual_dtype=wl.train_dtype if wl.train_dtype == "fp32" else None)
         # the actor's FSDP module generates: its params are already resident; generating in
         # half precision holds one half copy of every weight (FSDP's mixed-precision compute
         # copy, or autocast's casts over fp32 params: measured +1237 MiB on the T4 profile)
-        rollout = gen.peak_mib - gen.breakdown["weights"] + gathered \
+        rollout = gen.peak_mib - gen.breakdown["weights"] + (whole if wl.rollout_gather_once else gathered) \
             + (_bytes(wl.rollout_dtype) * s.params("actor") / MIB if wl.rollout_dtype != "fp32" else 0.0)
         if wl.actor_param_offload:
             rollout += params_a   # HF rollout needs the actor's params on the GPU
     always = rollout if (wl.rollout == "vllm" and not wl.vllm_sleep) else 0.0
     resident = res_actor + res_critic + res_ref + always
     overhead = CUDA_CONTEXT_MIB + VERL_PROCESS_OVERHEAD_MIB
-    logprob_pass = max(logprob_pass, ref_pass) if offp else logprob_pass + gathered
+    if wl.actor_gather_once:
+        logprob_pass = whole + logprob_pass
+    else:
+        logprob_pass = max(logprob_pass, actor_pass_floor) if offp else logprob_pass + gathered
     grads_a = 4.0 * (s.embed_params + s.layer_params) / MIB if offp else grads_a   # offload: the units' in flight
     values_pass += gathered if wl.use_critic else 0.0
-    actor_act += 0.0 if lean_update else gathered
+    if wl.actor_gather_once:
+        actor_act += whole
+    else:
+        actor_act += 0.0 if lean_update else gathered
+    if wl.accumulate_grads_unsharded:   # every gradient, unsharded, in fp32 until the mini-batch's last backward
+        actor_act += 4.0 * s.params("actor") / MIB
     critic_act += gathered if wl.use_critic else 0.0
 
     phases = {

@@ -89,6 +89,25 @@ RUNGS: tuple[tuple[str, str, int | None, bool, str], ...] = (
                                                          "tokens: many GSM8K answers lose their '#### n' (score 0)"),
 )
 ALGORITHMS = ("auto", "ppo", "grpo")
+# The CPU-offload rung's speed knobs (files/patches/verl-0.5.0/0007-0009): MemoryChoice field -> (override, why)
+OFFLOAD_KNOBS: dict[str, tuple[str, str]] = {
+    "rollout_gather_once": ("actor_rollout_ref.rollout.gather_once",
+                            "HF generation gathers the FSDP2 actor once per call and holds it (patch 0007): verl "
+                            "0.5.0 gathers every unit from host memory again for every generated token"),
+    "actor_gather_once": ("actor_rollout_ref.actor.fsdp_config.gather_once",
+                          "the actor's log-prob pass and each update mini-batch gather it once and hold it (patches "
+                          "0007-0008): verl 0.5.0 gathers every unit again for every micro-batch, twice in an update"),
+    "ref_gather_once": ("actor_rollout_ref.ref.fsdp_config.gather_once",
+                        "the ref's log-prob pass gathers it once and holds it (patch 0007)"),
+    "accumulate_grads_unsharded": ("actor_rollout_ref.actor.fsdp_config.accumulate_grads_unsharded",
+                                   "gradients add up unsharded on the GPU and go to the host once per mini-batch "
+                                   "(patch 0008): verl 0.5.0 copies them out after every micro-batch and sums them "
+                                   "on the host"),
+    "fused_adamw": ("actor_rollout_ref.actor.optim.fused",
+                    "torch's fused AdamW steps the actor's parameters on the host in one kernel (patch 0009): verl "
+                    "0.5.0's AdamW runs torch's per-tensor loop over the CPU-offloaded DTensors (16x slower "
+                    "single-threaded, measured on CPU: docs/plan.md)"),
+}
 # verl 0.5.0's GSM8K GRPO example (examples/grpo_trainer/run_qwen2-7b.sh): the KL to the reference in the loss
 GRPO_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
     ("actor_rollout_ref.actor.kl_loss_coef", 0.001, "verl's GSM8K GRPO example"),
@@ -225,6 +244,12 @@ class MemoryChoice:
     vllm_gpu_memory_utilization: float | None = None
     grad_ckpt: bool = False             # gradient checkpointing of actor and critic
     rollout_tp: int = 1                 # vLLM tensor parallel size (GPUs one rollout engine spans)
+    # the CPU-offload rung's speed knobs (patches 0007-0009: OFFLOAD_KNOBS)
+    rollout_gather_once: bool = False
+    actor_gather_once: bool = False
+    ref_gather_once: bool = False
+    accumulate_grads_unsharded: bool = False
+    fused_adamw: bool = False
 
 
 @dataclass(frozen=True)
@@ -287,6 +312,7 @@ class TrainingPlan:
             "attn_implementation": self.precision.attn_implementation,
             "use_torch_compile": self.precision.use_torch_compile,
             "offload": dict(self.memory.offload),
+            "offload_knobs": {k: getattr(self.memory, k) for k in OFFLOAD_KNOBS},
             "gradient_checkpointing": self.memory.grad_ckpt,
             "micro_batches": {
                 "actor": self.memory.actor_micro_batch,
@@ -438,12 +464,10 @@ def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
     best_failure: MemoryEstimate | None = None
     tried = 0
     found: tuple[MemoryChoice, MemoryEstimate] | None = None
-    if workload.actor_offload_policy:   # fewer micro-batches = fewer PCIe round trips: larger first, even with checkpointing
-        level = {k: k == "ref_param_offload" for k in OFFLOAD_LADDER}
-        candidates = [(ckpt, level, micro) for micro in _micro_choices(mini_per_gpu) for ckpt in (False, True)]
-    else:
-        candidates = [(ckpt, level, micro) for ckpt in (False, True) for level in offload_levels(workload, precision)
-                      for micro in _micro_choices(mini_per_gpu)]
+    if workload.actor_offload_policy:
+        return search_offload(gpu, workload, precision, estimator)
+    candidates = [(ckpt, level, micro) for ckpt in (False, True) for level in offload_levels(workload, precision)
+                  for micro in _micro_choices(mini_per_gpu)]
     # vLLM across several GPUs only where one GPU cannot hold the rollout (TP costs an all-reduce per layer)
     tps = rollout_tp_choices(gpu, workload) if precision.rollout == "vllm" else [1]
     for tp, (ckpt, level, micro) in ((tp, c) for tp in tps for c in candidates):
@@ -482,6 +506,88 @@ def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
     return choice, est, _memory_reasons(gpu, workload, precision, choice, est, tried)
 
 
+def offload_seconds(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice) -> dict[str, float]:
+    """The speed model's seconds per phase of one step of ``choice`` on the CPU-offload rung (tasks/speed.py)."""
+    from tasks.memory import ModelShape
+    from tasks.speed import OffloadStep, offload_step_seconds
+
+    n = workload.rollout_n
+    return offload_step_seconds(OffloadStep(
+        params=ModelShape.from_config(dict(workload.model_config)).params("actor"),
+        train_dtype=precision.train_dtype, sequences=workload.train_batch_size * n // gpu.count,
+        mini_batch=workload.ppo_mini_batch_size * n // gpu.count, micro_batch=choice.actor_micro_batch,
+        log_prob_micro_batch=choice.log_prob_micro_batch,
+        rollout_chunk=choice.rollout_micro_batch if precision.rollout == "hf" else 0,
+        prompt_len=workload.max_prompt_length, response_len=workload.max_response_length, grad_ckpt=choice.grad_ckpt,
+        rollout_dtype=_MEM_DTYPE[precision.rollout_dtype], **{k: getattr(choice, k) for k in OFFLOAD_KNOBS}))
+
+
+def search_offload(gpu: GpuTarget, workload: Workload, precision: Precision,
+                   estimator: Estimator) -> tuple[MemoryChoice, MemoryEstimate, list[Reason]]:
+    """The CPU-offload rung (FSDP2 + CPUOffloadPolicy): phase by phase, the choice the speed model ranks fastest
+    (tasks/speed.py: host-device copies, host-side sums, the host's AdamW, recomputation) among those the memory
+    estimate fits. The phases' memory is independent (the peak is the largest), so each is chosen with the
+    earlier ones fixed and the later ones at their smallest: the update (patch 0008's gathering and unsharded
+    accumulation, checkpointing, micro-batch; the actor's gathering also holds in its log-prob pass), then the
+    log-prob passes (the ref's gathering, the micro-batch), then the HF rollout (its gathering, the chunk; vLLM:
+    the most sequences that fit). Ties go to the larger batch, then to no checkpointing."""
+    # vLLM across several GPUs only where one GPU cannot hold the rollout (TP costs an all-reduce per layer)
+    tps = rollout_tp_choices(gpu, workload) if precision.rollout == "vllm" else [1]
+    for tp in tps:
+        try:
+            return _search_offload_tp(gpu, workload, precision, estimator, tp)
+        except PlanError as exc:
+            if tp == tps[-1] or not hasattr(exc, "short_mib"):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _search_offload_tp(gpu: GpuTarget, workload: Workload, precision: Precision, estimator: Estimator,
+                       tp: int) -> tuple[MemoryChoice, MemoryEstimate, list[Reason]]:
+    mini_per_gpu = workload.ppo_mini_batch_size * workload.rollout_n // gpu.count
+    batch_per_gpu = workload.train_batch_size * workload.rollout_n // gpu.count
+    level = {k: k == "ref_param_offload" for k in OFFLOAD_LADDER}
+    tried = 0
+    best_failure: MemoryEstimate | None = None
+
+    def fastest(options: list[MemoryChoice], phases: tuple[str, ...], size: Callable[[MemoryChoice], int]):
+        nonlocal tried, best_failure
+        fits = []
+        for option in options:
+            est = estimator(gpu, workload, precision, option)
+            tried += 1
+            if est.fits:
+                seconds = offload_seconds(gpu, workload, precision, option)
+                fits.append((sum(seconds[p] for p in phases), -size(option), option.grad_ckpt, option, est))
+            elif best_failure is None or est.peak_mib < best_failure.peak_mib:
+                best_failure = est
+        if not fits:
+            raise _no_fit(gpu, workload, best_failure)
+        return min(fits, key=lambda f: f[:3])[3:]
+
+    start = MemoryChoice(offload=level, actor_micro_batch=1, log_prob_micro_batch=1, critic_micro_batch=1,
+                         rollout_micro_batch=1, grad_ckpt=True, rollout_tp=tp)
+    choice, est = fastest([replace(start, actor_micro_batch=m, critic_micro_batch=m, grad_ckpt=ckpt, actor_gather_once=g,
+                                   accumulate_grads_unsharded=a, fused_adamw=f)
+                           for m in _micro_choices(mini_per_gpu) for ckpt in (False, True)
+                           for g in (True, False) for a in (True, False) for f in (True, False)],
+                          ("update", "actor_log_prob"), lambda c: c.actor_micro_batch)
+    choice, est = fastest([replace(choice, log_prob_micro_batch=m, ref_gather_once=g)
+                           for m in _divisors(batch_per_gpu, FORWARD_MICRO_CHOICES) for g in (True, False)],
+                          ("actor_log_prob", "ref_log_prob"), lambda c: c.log_prob_micro_batch)
+    if precision.rollout == "hf":
+        choice, est = fastest([replace(choice, rollout_micro_batch=m, rollout_gather_once=g)
+                               for m in rollout_chunk_choices(workload, gpu) for g in (True, False)],
+                              ("rollout",), lambda c: c.rollout_micro_batch)
+    else:   # vLLM: its share follows the sequences it runs at once; the speed model does not count vLLM
+        choice, est = fastest([replace(choice, rollout_micro_batch=m)
+                               for m in _divisors(batch_per_gpu, ROLLOUT_CHUNK_CHOICES)],
+                              (), lambda c: c.rollout_micro_batch)
+    if est.vllm_gpu_memory_utilization is not None:
+        choice = replace(choice, vllm_gpu_memory_utilization=est.vllm_gpu_memory_utilization)
+    return choice, est, _memory_reasons(gpu, workload, precision, choice, est, tried)
+
+
 def _no_fit(gpu: GpuTarget, workload: Workload, best_failure: MemoryEstimate) -> PlanError:
     short = best_failure.peak_mib - best_failure.budget_mib
     phases = {k: v for k, v in best_failure.breakdown.items() if k.startswith("phase_")}
@@ -507,8 +613,8 @@ def _memory_reasons(gpu, workload, precision, choice, est, tried) -> list[Reason
     on = [k for k in OFFLOAD_LADDER if choice.offload.get(k)]
     policy = workload.actor_offload_policy
     reasons = [Reason("gradient_checkpointing", choice.grad_ckpt,
-                      ("it lets a larger update micro-batch fit (fewer PCIe round trips of the offloaded weights and "
-                       "gradients)" if policy else "without it no offload level and micro-batch fits the budget")
+                      ("the speed model ranks the fastest update that fits with it (tasks/speed.py)" if policy
+                       else "without it no offload level and micro-batch fits the budget")
                       + " (it recomputes each layer in the backward pass: about a third more update compute)"
                       if choice.grad_ckpt else
                       "the estimate fits without it (it would recompute every layer in the backward pass)"),
@@ -521,11 +627,21 @@ def _memory_reasons(gpu, workload, precision, choice, est, tried) -> list[Reason
                        "offloads are taken in ladder order, fewest first"))]
     reasons.append(Reason("micro_batches", f"actor {choice.actor_micro_batch}, critic {choice.critic_micro_batch}, "
                                            f"log-prob/values {choice.log_prob_micro_batch}",
-                          f"updates: the largest micro-batch (of {', '.join(map(str, MICRO_BATCH_CHOICES))}) dividing "
-                          "the per-GPU mini-batch that fits"
-                          + (", with gradient checkpointing if that fits a larger one: each micro-batch moves the "
-                             "weights in and the gradients out over PCIe" if policy else "")
-                          + f"; no-gradient passes: the largest that still fits ({tried} candidates estimated)"))
+                          (f"the fastest the speed model ranks among those that fit (of {', '.join(map(str, MICRO_BATCH_CHOICES))} "
+                           "dividing the per-GPU mini-batch; tasks/speed.py): without the gather-once knobs every "
+                           "micro-batch moves the weights in and the gradients out over PCIe, with them once per "
+                           "mini-batch" if policy else
+                           f"updates: the largest micro-batch (of {', '.join(map(str, MICRO_BATCH_CHOICES))}) dividing "
+                           "the per-GPU mini-batch that fits; no-gradient passes: the largest that still fits")
+                          + f" ({tried} candidates estimated)"))
+    if policy:
+        seconds = offload_seconds(gpu, workload, precision, choice)
+        plain = offload_seconds(gpu, workload, precision, replace(choice, **{k: False for k in OFFLOAD_KNOBS}))
+        knobs = [k for k in OFFLOAD_KNOBS if getattr(choice, k)]
+        reasons.append(Reason("offload_speed_knobs", ", ".join(knobs) or "none",
+                              f"speed model: {seconds['step']:.0f} s a step on the device's H200 (update "
+                              f"{seconds['update']:.0f} s), {plain['step']:.0f} s with none of them at these batches "
+                              "(tasks/speed.py; each knob's memory is in the estimate)"))
     reasons.append(Reason("rollout_micro_batch", choice.rollout_micro_batch,
                           ("sequences per HF generate() call" if precision.rollout == "hf" else
                            "sequences vLLM runs at once (its KV cache and sampler are sized for them)")
@@ -635,6 +751,12 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
             "(actor_rollout_ref.ref.strategy interpolates it, and verl builds the ref with the actor's strategy)")
         add("actor_rollout_ref.actor.fsdp_config.offload_policy", True, "CPUOffloadPolicy: the actor's params, "
             "gradients and AdamW states on the CPU, the AdamW step there (FSDP2 only; verl 0.5.0 always offloads the ref)")
+        for field_name, (key, why) in OFFLOAD_KNOBS.items():
+            if field_name == "rollout_gather_once" and precision.rollout != "hf":
+                continue
+            on = getattr(choice, field_name)
+            add(key, on, why if on else "off: the memory estimate does not fit it beside this phase's batch, or the "
+                                        "speed model ranks it slower (tasks/speed.py)")
     for name in OFFLOAD_LADDER:
         on = bool(choice.offload.get(name))
         if w.actor_offload_policy and name.startswith("actor"):
@@ -840,6 +962,7 @@ def _verl_workload(gpu: GpuTarget, workload: Workload, precision: Precision, cho
         actor_offload_policy=workload.actor_offload_policy,
         critic_param_offload=bool(off.get("critic_param_offload")),
         critic_optimizer_offload=bool(off.get("critic_optimizer_offload")),
+        **{k: getattr(choice, k) for k in OFFLOAD_KNOBS if k != "fused_adamw"},    # no GPU memory of its own
     )
 
 
@@ -1035,7 +1158,12 @@ def gpu_table(workload: Workload) -> str:
             rows.append(f"| {gpu} | {cc} | {mem} | no plan: short by {exc.short_mib} MiB | | | | | | | |")
             continue
         d = p.to_dict()
-        off = "actor + ref: FSDP2 offload_policy" if p.workload.actor_offload_policy else \
+        knobs = d["offload_knobs"]
+        once = [k.split("_")[0] for k, v in knobs.items() if v and k.endswith("gather_once")]
+        off = ("actor + ref: FSDP2 offload_policy" + (f"; gathered once: {', '.join(once)}" if once else "")
+               + ("; gradients reduced once" if knobs["accumulate_grads_unsharded"] else "")
+               + ("; fused AdamW" if knobs["fused_adamw"] else "")) \
+            if p.workload.actor_offload_policy else \
             (", ".join(k.replace("_offload", "") for k, v in d["offload"].items() if v) or "none")
         mb = d["micro_batches"]
         critic = mb["critic"] if p.workload.uses_critic else "-"

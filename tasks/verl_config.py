@@ -34,6 +34,14 @@ ADDED_KEYS: dict[str, str] = {
     "actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs": "actor_rollout_ref.rollout.engine_kwargs.vllm",
     # HFRollout reads config.get("micro_batch_size", batch_size)
     "actor_rollout_ref.rollout.micro_batch_size": "actor_rollout_ref.rollout",
+    # the project's patches 0007-0008: HFRollout reads config.get("gather_once"), DataParallelPPOActor its
+    # config's fsdp_config.get("gather_once") / .get("accumulate_grads_unsharded")
+    "actor_rollout_ref.rollout.gather_once": "actor_rollout_ref.rollout",
+    **{f"actor_rollout_ref.{role}.fsdp_config.gather_once": f"actor_rollout_ref.{role}.fsdp_config"
+       for role in ("actor", "ref")},
+    "actor_rollout_ref.actor.fsdp_config.accumulate_grads_unsharded": "actor_rollout_ref.actor.fsdp_config",
+    # the project's patch 0009: fsdp_workers builds the actor's AdamW with fused=True on optim_config.get("fused")
+    "actor_rollout_ref.actor.optim.fused": "actor_rollout_ref.actor.optim",
 }
 
 # Keys that exist (or can be created) but do nothing in 0.5.0: a plan must never emit them.

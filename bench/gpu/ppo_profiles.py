@@ -76,8 +76,8 @@ GRPO_FSDP2 = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "
 
 # issue 29: the 8-12 GB cards' plans as they were before the speed work (code "speed-before": the planning code
 # and verl patches of SPEED_BEFORE_REF) and as they are now, one at a time, 2 steps each (prompts/s over step 2,
-# validation off); the probe profiles step 1's update and ref pass (step 2 runs unprofiled)
-SPEED_PROBE_PROFILE = "update_actor,compute_ref_log_prob"
+# validation off); the probe profiles windows of step 1's generation and update (step 2 runs unprofiled)
+SPEED_PROBE_PROFILE = "generate_sequences@6,update_actor@4"    # windows: 6 decoding steps, 4 update micro-batches
 SPEED_CARDS = (("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, "auto", "GTX 1080 (8 GiB)"),
                ("rtx3060", "NVIDIA GeForce RTX 3060", "8.6", 12288, "hf", "RTX 3060 (12 GiB)"),
                ("rtx2080ti", "NVIDIA GeForce RTX 2080 Ti", "7.5", 11264, "hf", "RTX 2080 Ti (11 GiB)"))
@@ -147,17 +147,24 @@ PROFILES = [
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
             stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),
     *SPEED_PROFILES,
-    # issue 29, a candidate measured before the plan chose it: the RTX 2080 Ti's plan as it is with every FSDP2
-    # gather-once knob of patches 0007-0008 on (its micro-batches fit them: update 5202 + 2 x 1885 MiB of the
-    # 9953 cap) and torch's CPU threads for the offloaded AdamW step and gradient sums (Ray gives an actor 1)
+    # issue 29, the knobs measured on their own: the RTX 2080 Ti's plan as it was before the speed work (its
+    # batches pinned: update micro-batch 8 with checkpointing, log-prob 8, chunk 256; they fit the knobs: update
+    # 5202 + 2 x 1885 MiB of the 9953 cap) with every speed knob of patches 0007-0009 on, and torch's
+    # CPU threads for the offloaded AdamW step and gradient sums (Ray gives an actor without num_cpus one)
     Profile("rtx2080ti-gathered", "NVIDIA GeForce RTX 2080 Ti", "7.5", 11264, rollout_engine="hf", steps=2,
             validate=False, probe_profile=SPEED_PROBE_PROFILE, env=(("OMP_NUM_THREADS", "8"),),
-            overrides=("+actor_rollout_ref.rollout.gather_once=True", "+actor_rollout_ref.actor.fsdp_config.gather_once=True",
+            overrides=("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                       "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+                       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+                       "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+                       "+actor_rollout_ref.rollout.micro_batch_size=256",
+                       "+actor_rollout_ref.rollout.gather_once=True", "+actor_rollout_ref.actor.fsdp_config.gather_once=True",
                        "+actor_rollout_ref.ref.fsdp_config.gather_once=True",
-                       "+actor_rollout_ref.actor.fsdp_config.accumulate_grads_unsharded=True"),
-            stands_for="RTX 2080 Ti (11 GiB), its plan with the HF rollout and patches 0007-0008's knobs on "
-                       "(gather once per pass and per mini-batch, gradients reduced once per mini-batch), "
-                       "OMP_NUM_THREADS=8"),
+                       "+actor_rollout_ref.actor.fsdp_config.accumulate_grads_unsharded=True",
+                       "+actor_rollout_ref.actor.optim.fused=True"),
+            stands_for="RTX 2080 Ti (11 GiB), its plan before the speed work (micro-batches pinned) with the HF "
+                       "rollout and patches 0007-0009's knobs on (gather once per pass and per mini-batch, "
+                       "gradients reduced once per mini-batch, fused AdamW), OMP_NUM_THREADS=8"),
 ]
 BY_NAME = {p.name: p for p in PROFILES}
 

@@ -59,16 +59,37 @@ def read_probe(folder: Path) -> list[dict]:
     return records
 
 
-def summarise(run: Path) -> dict:
-    name = run.name
+def read_run(run: Path) -> tuple[dict, dict[int, dict[str, float]]]:
+    """A run folder's profile (its own profile.json, else .gpu/profiles/) and verl's per-step metrics."""
     prof_file = run / "profile.json"
     if not prof_file.is_file():
-        prof_file = REPO / ".gpu" / "profiles" / name / "profile.json"
-    profile = json.loads(prof_file.read_text()) if prof_file.is_file() else {"name": name}
-    plan = profile.get("plan") or {}
+        prof_file = REPO / ".gpu" / "profiles" / run.name / "profile.json"
+    profile = json.loads(prof_file.read_text()) if prof_file.is_file() else {"name": run.name}
     console = (run / "console.log").read_text(errors="replace") if (run / "console.log").is_file() else ""
+    return profile, parse_steps(console)
+
+
+def step_speed(profile: dict, steps: dict[int, dict[str, float]]) -> dict:
+    """s/step over steps 2.. (step 1 warms up; all steps when there is one) less the validation verl counts in
+    the step that validates (``timing_s/testing``); prompts/s = train batch / s/step; tokens/s = generated tokens
+    per step / s/step."""
+    plan = profile.get("plan") or {}
+    later = [s for n, s in steps.items() if n >= 2 and "timing_s/step" in s] or list(steps.values())
+    s_step = statistics.mean(s["timing_s/step"] - s.get("timing_s/testing", 0.0)
+                             for s in later if "timing_s/step" in s) if later else None
+    batch = plan.get("train_batch_size") or _batch_from_overrides(profile)
+    resp = statistics.mean(s["response_length/mean"] for s in later if "response_length/mean" in s) if later else None
+    return {"s_per_step": round(s_step, 2) if s_step else None, "gen_s_per_step": _mean(later, "timing_s/gen"),
+            "prompts_per_s": round(batch / s_step, 3) if s_step and batch else None,
+            "tokens_per_s": round(batch * resp / s_step, 1) if s_step and batch and resp else None,
+            "train_batch_size": batch, "response_length_mean": round(resp, 1) if resp else None}
+
+
+def summarise(run: Path) -> dict:
+    name = run.name
+    profile, steps = read_run(run)
+    plan = profile.get("plan") or {}
     result = json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}
-    steps = parse_steps(console)
     probe = read_probe(run / "probe")
     phases: dict[str, dict] = {}
     for r in probe:
@@ -96,12 +117,6 @@ def summarise(run: Path) -> dict:
     predicted = as_ran["peak_mib"] if as_ran else plan.get("predicted_peak_mib")
     predicted = round(predicted) if predicted is not None else None
     breakdown = as_ran["breakdown"] if as_ran else (plan.get("breakdown") or {})
-    later = [s for n, s in steps.items() if n >= 2 and "timing_s/step" in s] or list(steps.values())
-    # verl's timing_s/step of a step that validated includes the validation (timing_s/testing)
-    s_step = statistics.mean(s["timing_s/step"] - s.get("timing_s/testing", 0.0)
-                             for s in later if "timing_s/step" in s) if later else None
-    batch = plan.get("train_batch_size") or _batch_from_overrides(profile)
-    resp = statistics.mean(s["response_length/mean"] for s in later if "response_length/mean" in s) if later else None
     gaps = [r for r in probe if r.get("event") == "logprob_gap"]
     gens = [r for r in probe if r.get("event") == "generate" and r.get("sampled")]
     val = {k: v for s in steps.values() for k, v in s.items() if k.startswith("val-")}
@@ -121,13 +136,9 @@ def summarise(run: Path) -> dict:
         "phases": {k: {**v, "seconds": round(statistics.mean(v["seconds"]), 2),
                        "predicted_mib": breakdown.get(PLAN_PHASE.get(k, ""))}
                    for k, v in sorted(phases.items())},
-        "s_per_step": round(s_step, 2) if s_step else None,
-        "gen_s_per_step": _mean(later, "timing_s/gen"),
-        "prompts_per_s": round(batch / s_step, 3) if s_step and batch else None,
-        "tokens_per_s": round(batch * resp / s_step, 1) if s_step and batch and resp else None,
+        **step_speed(profile, steps),
         "gen_tokens_per_s": round(statistics.mean(g["prompts"] * (g["new_tokens"] or 0) / g["seconds"] for g in gens), 1)
         if gens else None,
-        "train_batch_size": batch, "response_length_mean": round(resp, 1) if resp else None,
         "logprob_gap_max": max((g["logprob_gap_max"] for g in gaps), default=None),
         "prob_gap_max": max((g["prob_gap_max"] for g in gaps), default=None),
         "verl_rollout_probs_diff_max": max((s["training/rollout_probs_diff_max"] for s in steps.values()
@@ -169,7 +180,8 @@ def read_profiles(folder: Path) -> list[dict]:
             table = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        out.append({"phase": table.get("phase"), "call": table.get("call"), "wall_s": table.get("wall_s"),
+        out.append({"phase": table.get("phase"), "call": table.get("call"), "forwards": table.get("forwards"),
+                    "wall_s": table.get("wall_s"),
                     "categories": table.get("categories") or {}, "top_self_cpu": (table.get("top_self_cpu") or [])[:8],
                     "top_self_device": (table.get("top_self_device") or [])[:8]})
     return out
@@ -204,8 +216,8 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
     made before a calibration are compared with the model as it is now. Where the run folder
     holds the plan (``plan.json``), the workload is rebuilt from the overrides verl got
     (``ran_overrides``): the algorithm (GRPO: no critic), rollout.n, the KL loss (the ref),
-    FSDP2 with CPUOffloadPolicy, the batch and mini-batch, lengths, the rollout engine, the
-    micro-batches and HF chunk, gradient checkpointing and each FSDP1 offload; otherwise from the
+    FSDP2 with CPUOffloadPolicy and patches 0007-0008's knobs, the batch and mini-batch, lengths, the
+    rollout engine, the micro-batches and HF chunk, gradient checkpointing and each FSDP1 offload; otherwise from the
     profile's plan (micro-batches, offloads, checkpointing, rollout) on the default PPO workload."""
     plan = profile.get("plan")
     if not plan:
@@ -214,7 +226,7 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
     from dataclasses import replace
 
     from bench.gpu.ppo_profiles import settings_data
-    from tasks.plan import GpuTarget, MemoryChoice, choose_precision, default_estimator, workload_for
+    from tasks.plan import OFFLOAD_KNOBS, GpuTarget, MemoryChoice, choose_precision, default_estimator, workload_for
     from tasks.settings import load_settings
 
     settings = load_settings(profile["name"], settings_data(profile))
@@ -225,6 +237,7 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
     offload = dict(plan["offload"])
     grad_ckpt = bool(plan.get("gradient_checkpointing", True))
     actor_mb, lp_mb, critic_mb, rollout_mb = mb["actor"], mb["log_prob"], mb["critic"], mb["rollout"]
+    knobs = {k: bool((plan.get("offload_knobs") or {}).get(k)) for k in OFFLOAD_KNOBS}
     ran = ran_overrides(profile, run)
     if ran is not None:
         a, r = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
@@ -249,6 +262,7 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
                    "ref_param_offload": true("actor_rollout_ref.ref.fsdp_config.param_offload"),
                    "critic_param_offload": not grpo and true("critic.model.fsdp_config.param_offload"),
                    "critic_optimizer_offload": not grpo and true("critic.model.fsdp_config.optimizer_offload")}
+        knobs = {k: workload.actor_offload_policy and true(key) for k, (key, _) in OFFLOAD_KNOBS.items()}
     if workload.actor_offload_policy and workload.uses_critic:
         # PPO with the critic on FSDP2 CPU offload (GPU call 6): verl 0.5.0 could not build it; no estimate
         return {"peak_mib": None, "breakdown": {}, "workload": None}
@@ -256,7 +270,8 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
     rollout_mb = min(rollout_mb, workload.train_batch_size * workload.rollout_n)
     precision, _ = choose_precision(gpu, False, workload.rollout_engine)
     choice = MemoryChoice(offload=offload, actor_micro_batch=actor_mb, log_prob_micro_batch=lp_mb,
-                          critic_micro_batch=critic_mb, rollout_micro_batch=rollout_mb, grad_ckpt=grad_ckpt)
+                          critic_micro_batch=critic_mb, rollout_micro_batch=rollout_mb, grad_ckpt=grad_ckpt,
+                          **knobs)
     est = default_estimator(gpu, workload, precision, choice)
     return {"peak_mib": est.peak_mib, "breakdown": dict(est.breakdown),
             "workload": {"algorithm": workload.algorithm, "rollout_n": workload.rollout_n,
@@ -264,7 +279,8 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
                          "train_batch_size": workload.train_batch_size, "rollout": precision.rollout,
                          "micro_batches": {"actor": actor_mb, "critic": critic_mb if workload.uses_critic else None,
                                            "log_prob": lp_mb, "rollout": rollout_mb},
-                         "gradient_checkpointing": grad_ckpt, "offload": offload}}
+                         "gradient_checkpointing": grad_ckpt, "offload": offload,
+                         "offload_knobs": {k: v for k, v in knobs.items() if v}}}
 
 
 def _mean(steps: list[dict], key: str):
@@ -334,24 +350,42 @@ def speed_markdown(rows: list[dict]) -> str:
 def time_markdown(rows: list[dict]) -> str:
     """Where a step's time goes: each phase's seconds over calls 2.. with the actor's splits, and the profiled
     calls' categories (ms; CPU ranges are inclusive CPU time, copies and kernels device time)."""
-    lines = ["| profile | phase | s | forward s (calls) | optimizer step s (calls) |", "|---|---|---|---|---|"]
+    splits = ("forward", "backward", "optimizer_step", "adamw_step")
+    lines = _header("| profile | phase | s | " + " | ".join(f"{k.replace('_', ' ')} s (calls)" for k in splits) + " |")
     for r in rows:
         for phase in PHASE_ORDER:
             p = (r.get("step_phases") or {}).get(phase)
             if p:
-                lines.append(f"| {r['profile']} | {phase} | {p['seconds']} | "
-                             f"{p.get('forward_s', '-')} ({p.get('forward_calls', '-')}) | "
-                             f"{p.get('optimizer_step_s', '-')} ({p.get('optimizer_step_calls', '-')}) |")
+                lines.append(f"| {r['profile']} | {phase} | {p['seconds']} | " + " | ".join(
+                    f"{p.get(k + '_s', '-')} ({p.get(k + '_calls', '-')})" for k in splits) + " |")
     lines += ["", "| profile | profiled call | wall s | category: ms (count) |", "|---|---|---|---|"]
     for r in rows:
         for prof in r.get("profiles") or []:
             cats = sorted(prof["categories"].items(), key=lambda kv: -(kv[1].get("ms") or 0))
             text = "; ".join(f"{k}: {v['ms']:.0f}" + (f" ({v['count']})" if v.get("count") else "") for k, v in cats[:9])
-            lines.append(f"| {r['profile']} | {prof['phase']}:{prof['call']} | {prof['wall_s']} | {text} |")
+            window = f" ({prof['forwards']} forwards)" if prof.get("forwards") else ""
+            lines.append(f"| {r['profile']} | {prof['phase']}:{prof['call']}{window} | {prof['wall_s']} | {text} |")
     threads = [f"{r['profile']}: {r['threads']['torch_threads']} (OMP_NUM_THREADS {r['threads']['omp_num_threads']}, "
                f"{r['threads']['cpus_allowed']} CPUs)" for r in rows if r.get("threads")]
     if threads:
         lines += ["", "torch CPU threads in the worker: " + "; ".join(threads)]
+    return "\n".join(lines)
+
+
+def ratios(runs: Path, names: list[str]) -> str:
+    """prompts/s of each named run and each card's after / before, from the consoles alone (no memory model:
+    this runs on the device machine too, where bench/gpu/run_speed.sh prints it)."""
+    speed = {}
+    lines = []
+    for name in names:
+        profile, steps = read_run(runs / name)
+        speed[name] = step_speed(profile, steps)["prompts_per_s"]
+        lines.append(f"{name:20} steps {sorted(steps)}  s/step (2..) {step_speed(profile, steps)['s_per_step']}  "
+                     f"prompts/s {speed[name]}")
+    for card in sorted({n.rsplit("-", 1)[0] for n in names}):
+        before, after = speed.get(f"{card}-before"), speed.get(f"{card}-after")
+        if before and after:
+            lines.append(f"{card}: after / before = {after / before:.2f}")
     return "\n".join(lines)
 
 
@@ -361,7 +395,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--speed", action="store_true", help="markdown: the before/after table and where the time goes")
+    ap.add_argument("--ratios", nargs="+", metavar="PROFILE",
+                    help="prompts/s of these runs and after / before per card, from the consoles only")
     args = ap.parse_args(argv)
+    if args.ratios:
+        print(ratios(args.runs, args.ratios))
+        return 0
     rows = [summarise(d) for d in sorted(args.runs.iterdir()) if d.is_dir() and (d / "console.log").is_file()]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")

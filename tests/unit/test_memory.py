@@ -404,3 +404,32 @@ def test_process_allowance_is_the_largest_measured_outside_torch():
     assert CUDA_CONTEXT_MIB + VERL_PROCESS_OVERHEAD_MIB + OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB == 1908
     for mem in (8192, 11264, 24576, 81920):
         assert gpu_budget_mib(GpuTarget("X", "6.1", mem)) == mem - max(512, mem // 20) - OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB
+
+
+def test_gather_once_knobs_hold_the_whole_model_where_they_act(shape):
+    """Patches 0007-0008's knobs on the CPU-offload rung: each pass gathered once holds the whole model in its
+    compute dtype (fp32 here) instead of the units FSDP gathers one by one; unsharded accumulation holds every
+    gradient in fp32 through the update; nothing else moves, and the knobs need the offload policy (inferred:
+    to be measured on the GPU)."""
+    base = VerlWorkload(train_dtype="fp32", rollout="hf", rollout_dtype="fp32", use_critic=False, use_ref=True,
+                        grad_ckpt=True, micro_batch=2, log_prob_micro_batch=4, rollout_batch=128,
+                        prompt_len=256, response_len=256, actor_offload_policy=True)
+    mib = 2 ** 20
+    whole, units = 4 * shape.params("actor") / mib, 4 * (shape.embed_params + 2 * shape.layer_params) / mib
+    plain = verl_gpu_budget(shape, base).breakdown
+
+    def grown(**knob):
+        b = verl_gpu_budget(shape, replace(base, **knob)).breakdown
+        return {k: round(b[k] - plain[k], 1) for k in plain if k.startswith("phase_") and b[k] != plain[k]}
+
+    assert grown(rollout_gather_once=True) == {"phase_rollout": round(whole - units, 1)}
+    assert grown(ref_gather_once=True) == {"phase_ref_logprob": round(whole - units, 1)}
+    actor = grown(actor_gather_once=True)
+    assert set(actor) == {"phase_actor_logprob", "phase_actor_update"}
+    assert actor["phase_actor_update"] == round(whole, 1)      # the lean checkpointed update held no units
+    assert grown(accumulate_grads_unsharded=True) == {"phase_actor_update": round(whole, 1)}   # fp32: 4 bytes each
+    bf16 = replace(base, train_dtype="bf16", rollout_dtype="bf16")
+    b0, b1 = (verl_gpu_budget(shape, replace(bf16, rollout_gather_once=g)).breakdown["phase_rollout"] for g in (False, True))
+    assert round(b1 - b0, 1) == round((2 * shape.params("actor") - 2 * (shape.embed_params + 2 * shape.layer_params)) / mib, 1)
+    with pytest.raises(ValueError, match="actor_offload_policy"):
+        VerlWorkload(use_critic=False, actor_gather_once=True)

@@ -12,6 +12,7 @@ import pytest
 from tasks import plan as planmod
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.plan import (
+    OFFLOAD_KNOBS,
     OFFLOAD_LADDER,
     GpuTarget,
     MemoryEstimate,
@@ -20,6 +21,7 @@ from tasks.plan import (
     choose_precision,
     load_model_config,
     make_plan,
+    offload_seconds,
     rollout_tp_choices,
 )
 from tasks.verl_config import ADDED_KEYS, DEAD_KEYS, Override, format_value
@@ -430,25 +432,44 @@ def test_plan_overrides_for_host_defaults():
     assert "trainer.default_local_dir=/opt/verl-lab/train/checkpoints" in lines
 
 
-def test_offload_rung_comes_after_grpo_and_prefers_larger_micro_batches():
+def test_offload_rung_comes_after_grpo_and_ranks_by_the_speed_model():
     """The FSDP2 CPU-offload rung: tried when GRPO on FSDP1 does not fit, at full response length before
-    any cut; its search takes the largest update micro-batch that fits, with gradient checkpointing if
-    that is what lets it fit (each micro-batch moves the weights in and the gradients out over PCIe)."""
+    any cut; its search takes the configuration the speed model (tasks/speed.py) ranks fastest among those the
+    estimate fits. Where the gather-once knobs (patches 0007-0008) do not fit, every micro-batch moves the weights
+    in twice and the gradients out, so the larger micro-batch wins even with checkpointing; where they fit, a
+    mini-batch moves them once whatever its micro-batches, and the recomputation decides: no checkpointing."""
     calls = []
 
-    def est(gpu, wl, prec, choice):
-        calls.append((wl.actor_offload_policy, choice.actor_micro_batch, choice.grad_ckpt))
-        ok = wl.actor_offload_policy and (choice.actor_micro_batch <= 4 if choice.grad_ckpt else choice.actor_micro_batch <= 1)
-        return MemoryEstimate(peak_mib=1000 if ok else 3000, budget_mib=2000, breakdown={"phase_actor_update": 900})
-    p = make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload(), estimator=est)
+    def estimator(knobs_fit: bool):
+        def est(gpu, wl, prec, choice):
+            calls.append((wl.actor_offload_policy, choice.actor_micro_batch, choice.grad_ckpt))
+            knobs = any(getattr(choice, k) for k in OFFLOAD_KNOBS if k != "fused_adamw")   # fused: no GPU memory
+            ok = wl.actor_offload_policy and (knobs_fit or not knobs) \
+                and (choice.actor_micro_batch <= 4 if choice.grad_ckpt else choice.actor_micro_batch <= 1)
+            return MemoryEstimate(peak_mib=1000 if ok else 3000, budget_mib=2000, breakdown={"phase_actor_update": 900})
+        return est
+
+    gpu = GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264)
+    p = make_plan(gpu, workload(), estimator=estimator(False))
     assert p.rung == OFFLOADED and p.workload.max_response_length == 256
     assert (p.memory.actor_micro_batch, p.memory.grad_ckpt) == (4, True)     # not micro-batch 1 without checkpointing
-    offloaded = [c[1:] for c in calls if c[0]]
-    assert offloaded[:5] == [(16, False), (16, True), (8, False), (8, True), (4, False)]
+    assert p.memory.fused_adamw and not any(getattr(p.memory, k) for k in OFFLOAD_KNOBS if k != "fused_adamw")
+    assert {c[1:] for c in calls if c[0]} >= {(m, ckpt) for m in (16, 8, 4, 2, 1) for ckpt in (False, True)}
+    q = make_plan(gpu, workload(), estimator=estimator(True))
+    assert all(getattr(q.memory, k) for k in OFFLOAD_KNOBS)                   # HF rollout: its knob too
+    assert (q.memory.actor_micro_batch, q.memory.grad_ckpt) == (1, False)
+    faster = offload_seconds(gpu, q.workload, q.precision, q.memory)["step"]
+    assert faster < offload_seconds(gpu, p.workload, p.precision, p.memory)["step"]
+    lines = q.override_lines
+    for key, _ in OFFLOAD_KNOBS.values():
+        assert f"+{key}=True" in lines
+    assert f"+{OFFLOAD_KNOBS['rollout_gather_once'][0]}=False" in p.override_lines
     rung = next(r for r in p.reasons if r.setting == "rung")
     assert "CPUOffloadPolicy" in rung.why and "PCIe" in rung.why and "critic" in rung.why and "grpo is short by" in rung.why
     micro = next(r for r in p.reasons if r.setting == "micro_batches")
-    assert "PCIe" in micro.why
+    assert "PCIe" in micro.why and "speed model" in micro.why
+    speed = next(r for r in q.reasons if r.setting == "offload_speed_knobs")
+    assert "s a step" in speed.why and "accumulate_grads_unsharded" in speed.value
     # algorithm = "grpo" gets the offload rung too; "ppo" never does (verl 0.5.0 cannot FSDP2-wrap the critic)
     assert make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload(algorithm="grpo")).rung == OFFLOADED
     with pytest.raises(PlanError, match=r"Rungs tried: ppo short by \d+ MiB \("):

@@ -19,12 +19,13 @@ PYTHONPATH. Measurement only; it changes no training behaviour except the memory
     ``OMP_NUM_THREADS`` and the CPUs the process may use (the CPU-offload rung's AdamW step and
     gradient accumulation run on them);
   - on every phase record, cheap wall-clock splits of the actor's work inside it (``splits``):
-    seconds in ``_forward_micro_batch`` (the forwards, with their FSDP gathers), in
-    ``_optimizer_step`` (gradient clipping and the AdamW step), and their counts; the backward is
-    the update's rest.
+    seconds in ``_forward_micro_batch`` (the forwards, with their FSDP gathers), in ``Tensor.backward``
+    (the backward passes, with FSDP's gradient reductions), in ``_optimizer_step`` (gradient clipping
+    and the AdamW step) and in ``AdamW.step`` alone, and their counts.
 * ``VERL_LAB_PROFILE``: a comma-separated list of ``phase`` or ``phase:N`` (the N-th call, default
-  1), e.g. ``update_actor,generate_sequences``: that call runs under ``torch.profiler`` (CPU and
-  CUDA activities) and its table of where the time went is written as
+  1), each optionally ``@K``, e.g. ``update_actor@4,generate_sequences@6``: that call (with ``@K``: K
+  forwards of its model after the first two, and whatever runs between them) runs under
+  ``torch.profiler`` (CPU and CUDA activities) and its table of where the time went is written as
   ``profile-<phase>-<N>-<pid>.json`` beside the probe records (``profile_table``): time per
   category (H2D/D2H copies, GPU kernels, FSDP all-gathers and reductions, the optimizer step,
   CPU-only operator time) and the heaviest operators by self CPU and by self device time. A
@@ -170,19 +171,23 @@ def _census(torch, label: str) -> dict:
 
 # ------------------------------------------------------------------ where the time goes
 
-def profile_requests(spec: str) -> dict[str, set[int]]:
-    """``VERL_LAB_PROFILE``'s calls to profile: phase -> call numbers (1-based)."""
-    wanted: dict[str, set[int]] = {}
+def profile_requests(spec: str) -> dict[str, dict[int, int | None]]:
+    """``VERL_LAB_PROFILE``'s calls to profile: phase -> {call number (1-based): forwards to profile, None for the
+    whole call}. An item is ``phase``, ``phase:N`` (the N-th call) and either may end in ``@K``: only K forwards
+    of the call's model, after PROFILE_SKIP_FORWARDS (with their backward passes and what runs between them)."""
+    wanted: dict[str, dict[int, int | None]] = {}
     for item in spec.replace(" ", "").split(","):
-        phase, _, n = item.partition(":")
-        if not phase or (n and not n.isdigit()):
+        head, _, window = item.partition("@")
+        phase, _, n = head.partition(":")
+        if not phase or (n and not n.isdigit()) or (window and not window.isdigit()):
             if item:
-                print(f"verl-lab probe: VERL_LAB_PROFILE item {item!r} ignored (phase or phase:N)", file=sys.stderr)
+                print(f"verl-lab probe: VERL_LAB_PROFILE item {item!r} ignored (phase[:N][@K])", file=sys.stderr)
             continue
-        wanted.setdefault(phase, set()).add(int(n) if n else 1)
+        wanted.setdefault(phase, {})[int(n) if n else 1] = int(window) if window else None
     return wanted
 
 
+PROFILE_SKIP_FORWARDS = 2      # a profiling window starts after the call's first forwards (warm-up, gathers)
 _PROFILE_CALLS = profile_requests(_PROFILE)
 _SPLITS: dict[str, float] = {}        # the actor's wall-clock splits of the phase call running now
 _FSDP_LABEL = "FSDP::"
@@ -265,9 +270,9 @@ def _start_profile(torch):
     return prof
 
 
-def _finish_profile(prof, role: str, name: str, call: int, wall_s: float) -> None:
+def _finish_profile(prof, role: str, name: str, call: int, wall_s: float, forwards: int | None = None) -> None:
     prof.__exit__(None, None, None)
-    record = {"event": "profile", "role": role, "phase": name, "call": call,
+    record = {"event": "profile", "role": role, "phase": name, "call": call, "forwards": forwards,
               **profile_table(prof.key_averages(), wall_s)}
     if not _PROBE_DIR:
         return
@@ -278,6 +283,46 @@ def _finish_profile(prof, role: str, name: str, call: int, wall_s: float) -> Non
             json.dump({"pid": os.getpid(), "t": round(time.time(), 3), **record}, fh, indent=1)
     except OSError as exc:
         print(f"verl-lab probe: cannot write the profile: {exc}", file=sys.stderr)
+
+
+# the model each worker call runs its forwards through, for a profiling window
+_CALL_MODULE = {"compute_ref_log_prob": "ref_module_fsdp", "compute_values": "critic_module",
+                "update_critic": "critic_module"}
+
+
+class _ProfileWindow:
+    """torch.profiler over ``forwards`` forwards of ``module`` (a forward pre-hook counts them), after
+    PROFILE_SKIP_FORWARDS: a bounded slice of a long call (an update of tens of micro-batches, a generate() call of
+    hundreds of decoding steps), whose whole profile would cost far more than the call."""
+
+    def __init__(self, torch, module, role: str, name: str, call: int, forwards: int):
+        self.torch, self.role, self.name, self.call, self.forwards = torch, role, name, call, forwards
+        self.seen, self.prof, self.start = 0, None, 0.0
+        self.handle = module.register_forward_pre_hook(self._pre_forward)
+
+    def _pre_forward(self, module, args):
+        self.seen += 1
+        if self.seen == PROFILE_SKIP_FORWARDS + 1:
+            self.prof, self.start = _start_profile(self.torch), time.time()
+        elif self.seen == PROFILE_SKIP_FORWARDS + self.forwards + 1:
+            self.finish()
+
+    def finish(self) -> None:
+        self.handle.remove()
+        if self.prof is not None:
+            if self.torch.cuda.is_available() and self.torch.cuda.is_initialized():
+                self.torch.cuda.synchronize()
+            prof, self.prof = self.prof, None
+            _finish_profile(prof, self.role, self.name, self.call, time.time() - self.start,
+                            forwards=min(self.forwards, self.seen - PROFILE_SKIP_FORWARDS))
+
+
+def _start_profiling(torch, worker, role: str, name: str, call: int, window: int | None):
+    """A whole-call profile (window None) or a window over the call's model's forwards."""
+    module = getattr(worker, _CALL_MODULE.get(name, "actor_module_fsdp"), None)
+    if window is None or module is None or not hasattr(module, "register_forward_pre_hook"):
+        return _start_profile(torch)
+    return _ProfileWindow(torch, module, role, name, call, window)
 
 
 def _threads(torch) -> dict:
@@ -316,11 +361,17 @@ def _patch_actor(module) -> None:
     for name, label in (("_forward_micro_batch", "forward"), ("_optimizer_step", "optimizer_step")):
         if name in cls.__dict__:
             setattr(cls, name, _timed(label, cls.__dict__[name]))
+    import torch
+
+    # the backward passes (with FSDP's gradient reductions in their hooks) and the AdamW step itself (inside
+    # optimizer_step, which also clips the gradients)
+    torch.Tensor.backward = _timed("backward", torch.Tensor.backward)
+    torch.optim.AdamW.step = _timed("adamw_step", torch.optim.AdamW.step)
 
 
 def _phase_wrapper(role: str, name: str, method):
     calls = {"n": 0}
-    profiled = _PROFILE_CALLS.get(name, set())
+    profiled = _PROFILE_CALLS.get(name, {})
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -339,7 +390,7 @@ def _phase_wrapper(role: str, name: str, method):
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         _SPLITS.clear()
-        prof = _start_profile(torch) if call in profiled else None
+        prof = _start_profiling(torch, self, role, name, call, profiled[call]) if call in profiled else None
         start = time.time()
         oom = None
         try:
@@ -364,7 +415,10 @@ def _phase_wrapper(role: str, name: str, method):
             if prof is not None:
                 record["profiled"] = True
                 try:
-                    _finish_profile(prof, role, name, call, seconds)
+                    if isinstance(prof, _ProfileWindow):
+                        prof.finish()
+                    else:
+                        _finish_profile(prof, role, name, call, seconds)
                 except Exception as exc:  # noqa: BLE001 - a probe never breaks the run
                     _write({"event": "profile_error", "phase": name, "error": f"{type(exc).__name__}: {exc}"})
             if torch.cuda.is_available() and torch.cuda.is_initialized():
