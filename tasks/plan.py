@@ -208,6 +208,7 @@ class Workload:
     flash_attn_installed: bool = False
     rollout_engine: str = "auto"         # workload.rollout: "auto" (vLLM where the GPU has it), "vllm", "hf"
     val_rows: int = VAL_ROWS             # rows of val_small.parquet (HF chunks must divide them)
+    train_rows: int | None = None        # prompts of the train split (verl's dataloader needs a whole batch)
     actor_offload_policy: bool = False   # the actor (and ref) on FSDP2 with CPUOffloadPolicy (RUNGS)
 
     @property
@@ -845,10 +846,12 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
         rung_reason = Reason("rung", rung, why + (f" ({before})" if before else ""))
         env, env_reasons = plan_env(precision, gpu)
         cp = checkpoint_plan(w, gpu.count)
-        return TrainingPlan(gpu=gpu, precision=precision, memory=choice, estimate=est, workload=w, rung=rung,
+        plan = TrainingPlan(gpu=gpu, precision=precision, memory=choice, estimate=est, workload=w, rung=rung,
                             overrides=verl_overrides(gpu, w, precision, choice, cp), env=env, checkpoints=cp,
                             reasons=reasons + [rung_reason, *_batch_reasons(workload, w)] + mem_reasons + env_reasons
                             + [Reason(*r) for r in cp.reasons])
+        verl_refusal(plan)
+        return plan
     tried = ", ".join(f"{r} short by {e.short_mib} MiB" for r, e in failed)
     err = PlanError(f"{failed[-1][1].reason} Rungs tried: {tried} (no LoRA rung: not proven on a GPU yet).",
                     fix=failed[-1][1].fix)
@@ -866,6 +869,24 @@ def checkpoint_plan(workload: Workload, world_size: int) -> CheckpointPlan:
                             param_dtype=MASTER_DTYPE, side_files_bytes=workload.model_side_bytes,
                             keep=workload.checkpoint_keep, every=workload.save_freq,
                             total_steps=workload.total_training_steps)
+
+
+def verl_refusal(plan: TrainingPlan) -> None:
+    """PlanError where verl 0.5.0's own checks (tasks/verl_rules.py) refuse the plan's config, with
+    verl's words: a workload verl would stop on is refused before any host changes."""
+    from tasks.verl_rules import violations
+
+    w = plan.workload
+    found = violations({o.key: o.value for o in plan.overrides}, w.model_config, w.train_rows, w.val_rows)
+    if not found:
+        return
+    first, more = found[0], len(found) - 1
+    reason = (f"verl {VERL_VERSION} would refuse this run ({first.where}): \"{first.message}\""
+              + (f" (and {more} more of its checks)" if more else ""))
+    if first.setting.startswith("workload."):
+        raise PlanError(reason, fix=first.fix or f"change {first.setting}", key=first.setting)
+    raise PlanError(reason, fix=f"{first.setting} is the plan's own choice: this is a bug of verl-lab's plan; report "
+                                "it with the workload and the GPU", key="workload")
 
 
 def ladder(workload: Workload, gpu: GpuTarget) -> list[tuple[str, Workload, str]]:
@@ -1077,6 +1098,8 @@ def workload_for(settings, flash_attn_installed: bool = False) -> Workload:
         save_freq=settings.checkpoints["every"],
         checkpoint_keep=settings.checkpoints["keep"],
         rollout_engine=w["rollout"],
+        train_rows=((settings.catalog.artifact(settings.dataset_artifact).get("splits") or {}).get("train") or {})
+        .get("rows"),
     ), settings.catalog.artifact(settings.model_artifact))
 
 

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -228,8 +228,6 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
     target = GpuTarget(profile.gpu_name, profile.compute_capability, profile.plan_memory_mib or profile.memory_mib, 1)
     workload = training_workload(settings)
     if profile.rollout_engine != "auto":
-        from dataclasses import replace
-
         workload = replace(workload, rollout_engine=profile.rollout_engine)
     plan = make_plan(target, workload)
     layout = TrainingLayout(settings=settings, plan=plan, plan_source="gpu_override")
@@ -261,9 +259,15 @@ def _code_tree(ref: str) -> Path:
     return dest
 
 
-def render(names: list[str], out_root: Path, today_ref: str) -> None:
+def render(names: list[str], out_root: Path, today_ref: str, steps: int | None = None, probe: bool = True) -> None:
+    """Render ``names``; ``steps`` replaces each profile's step count (a device call too short for two steps
+    each), ``probe=False`` drops their VERL_LAB_PROFILE windows (the wall-clock splits stay)."""
     for name in names:
         profile = BY_NAME[name]
+        if steps:
+            profile = replace(profile, steps=steps)
+        if not probe:
+            profile = replace(profile, probe_profile="")
         out = out_root / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
@@ -276,8 +280,8 @@ def render(names: list[str], out_root: Path, today_ref: str) -> None:
             (out / "train").mkdir()
         else:
             code_root = REPO if code_ref == "HEAD" else _code_tree(code_ref)
-            res = subprocess.run([sys.executable, __file__, "render-one", name, str(out), "--code-root", str(code_root)],
-                                 capture_output=True, text=True, cwd=code_root)
+            res = subprocess.run([sys.executable, __file__, "render-one", name, str(out), "--code-root", str(code_root),
+                                  "--steps", str(profile.steps)], capture_output=True, text=True, cwd=code_root)
             if res.returncode:
                 raise SystemExit(f"render {name} failed:\n{res.stdout}\n{res.stderr}")
             record.update(kind="launcher", plan=json.loads(res.stdout.strip().splitlines()[-1]))
@@ -302,10 +306,13 @@ def main(argv=None) -> int:
     r.add_argument("--only", default=",".join(p.name for p in PROFILES))
     r.add_argument("--out", type=Path, default=OUT_DEFAULT)
     r.add_argument("--today-ref", default=TODAY_REF)
+    r.add_argument("--steps", type=int, help="train this many steps in every rendered profile (default: each its own)")
+    r.add_argument("--no-profile", action="store_true", help="no torch.profiler windows (VERL_LAB_PROFILE)")
     one = sub.add_parser("render-one")
     one.add_argument("name")
     one.add_argument("out", type=Path)
     one.add_argument("--code-root", type=Path, required=True)
+    one.add_argument("--steps", type=int)
     sub.add_parser("list")
     args = ap.parse_args(argv)
     if args.cmd == "list":
@@ -313,13 +320,15 @@ def main(argv=None) -> int:
             print(f"{p.name:10} cap {p.cap_mib or '-':>6}  {p.stands_for}")
         return 0
     if args.cmd == "render-one":
-        print(json.dumps(render_one(BY_NAME[args.name], args.out, args.code_root)))
+        profile = BY_NAME[args.name]
+        print(json.dumps(render_one(replace(profile, steps=args.steps) if args.steps else profile, args.out,
+                                    args.code_root)))
         return 0
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         ap.error(f"unknown profile(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
-    render(names, args.out, args.today_ref)
+    render(names, args.out, args.today_ref, steps=args.steps, probe=not args.no_profile)
     return 0
 
 

@@ -380,7 +380,8 @@ def ratios(runs: Path, names: list[str]) -> str:
     for name in names:
         profile, steps = read_run(runs / name)
         speed[name] = step_speed(profile, steps)["prompts_per_s"]
-        lines.append(f"{name:20} steps {sorted(steps)}  s/step (2..) {step_speed(profile, steps)['s_per_step']}  "
+        counted = "2.." if any(n >= 2 for n in steps) else "1 (the only one)"
+        lines.append(f"{name:20} steps {sorted(steps)}  s/step (step {counted}) {step_speed(profile, steps)['s_per_step']}  "
                      f"prompts/s {speed[name]}")
     for card in sorted({n.rsplit("-", 1)[0] for n in names}):
         before, after = speed.get(f"{card}-before"), speed.get(f"{card}-after")

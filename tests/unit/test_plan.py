@@ -346,7 +346,8 @@ def test_mixed_box_is_planned_for_its_weakest_gpu():
 
 # Qwen2.5-3B-Instruct's shape (its config.json): 5.9 GiB of bf16 weights for vLLM
 QWEN_3B = {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
-           "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True, "model_type": "qwen2"}
+           "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True, "model_type": "qwen2",
+           "max_position_embeddings": 32768}
 
 
 def test_vllm_tensor_parallel_only_where_one_gpu_cannot_hold_the_rollout():

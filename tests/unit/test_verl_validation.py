@@ -52,9 +52,15 @@ def results(verl_python, verl_root, tmp_path_factory):
               "train_rows": TRAIN_ROWS, "val_rows": 64} for label, gpu, extra in CASES]
     items += [{"label": label, "overrides": lines, "n_gpus": n, "train_rows": TRAIN_ROWS, "val_rows": 64}
               for label, lines, n, _ in _broken()]
-    plans = tmp_path_factory.mktemp("plans") / "plans.json"
+    return run_plan_check(verl_python, root, items, tmp_path_factory.mktemp("plans"))
+
+
+def run_plan_check(verl_python, verl_root, items: list[dict], folder) -> dict:
+    """verl_plan_check.py on ``items`` (each ``{"label", "overrides", "n_gpus", ...}``) in the tree:
+    its answer per label."""
+    plans = folder / "plans.json"
     plans.write_text(json.dumps(items))
-    res = subprocess.run([str(verl_python), str(CHECK), str(plans)], cwd=root, capture_output=True, text=True,
+    res = subprocess.run([str(verl_python), str(CHECK), str(plans)], cwd=verl_root, capture_output=True, text=True,
                          timeout=900)
     found = {}
     for line in res.stdout.splitlines():
