@@ -60,6 +60,7 @@ PLAN_NAME = "plan.json"
 # Box modules shipped beside the launcher (first name), or its siblings in the repo (second name).
 GPU_READERS = ("verl_lab_gpu.py", "gpu.py")                       # the GPU reader
 VLLM_SHARE = ("verl_lab_vllm_share.py", "vllm_share.py")          # vLLM's share arithmetic
+CHECKPOINT_READERS = ("verl_lab_checkpoints.py", "checkpoints.py")  # the checkpoint disk check
 SHARE_KEY = "actor_rollout_ref.rollout.gpu_memory_utilization"
 EXPORTERS = ("verl_lab_export.py", "export.py")                    # the export and its proof
 SCORERS = ("verl_lab_score.py", "gsm8k_score.py")                 # the GSM8K score
@@ -104,6 +105,8 @@ class Launch:
             self.overrides = [str(o["override"]) for o in launch["overrides"]]
             # vLLM's share and what it was sized from (None: the HF rollout, or a plan before it was recorded)
             self.vllm = launch.get("vllm") or None
+            # the predicted save and what is kept (tasks/checkpoints.py); None in older plans
+            self.checkpoints = launch.get("checkpoints")
             # the GSM8K evaluation after a finished run (tasks/evaluation.py); None in older plans
             self.evaluation = launch.get("evaluation")
         except (KeyError, TypeError, ValueError) as exc:
@@ -187,6 +190,11 @@ def gpu_module():
 def vllm_share_module():
     """verl_lab_box/vllm_share.py, vLLM's share arithmetic (the plan's own)."""
     return box_module(VLLM_SHARE, "verl_lab_vllm_share")
+
+
+def checkpoints_module():
+    """verl_lab_box/checkpoints.py, the checkpoint disk check."""
+    return box_module(CHECKPOINT_READERS, "verl_lab_checkpoints")
 
 
 def gpus_at_launch(count):
@@ -399,6 +407,23 @@ def check_dirs(rep, launch):
         rep.ok("train dirs", f"{launch.work_dir}, {launch.checkpoint_dir} writable")
 
 
+def check_disk(rep, launch):
+    """The disk under the checkpoint folder holds the kept saves, the one being written and the
+    export; saves already there count where verl removes or overwrites them."""
+    cp = launch.checkpoints
+    if not cp:
+        rep.skip("checkpoint disk", "the plan predicts no save size (re-run deploy/train.py)")
+        return
+    ck = checkpoints_module()
+    need = ck.disk_need(cp["save_bytes"], cp["max_saves"], cp["export_bytes"], cp["every"], ck.scan(cp["dir"]),
+                        cp.get("saves_in_run"), cp.get("last_step"))
+    if need["fits"]:
+        rep.ok("checkpoint disk", f"{ck.gib(need['free_bytes'])} free under {cp['dir']} >= {ck.gib(need['need_bytes'])} "
+                                  f"for {need['new_saves']} saves of {ck.gib(need['save_bytes'])} and the export")
+    else:
+        rep.fail("checkpoint disk", ck.need_words(need, cp["dir"], cp["keep"]))
+
+
 def check_host_ram(rep, launch, meminfo="/proc/meminfo"):
     """The box's RAM holds what the plan offloads to it (params, gradients, AdamW states, the ref)."""
     need = launch.predicted_host_ram_mib
@@ -457,7 +482,7 @@ def preflight(launch, extra=()):
     rep = Report()
     launch.extra = list(extra)
     for check in (check_gpu, check_vllm_share, check_driver, check_host_ram, check_env, check_data, check_dirs,
-                  check_cluster):
+                  check_disk, check_cluster):
         try:
             check(rep, launch)
         except Exception as exc:  # a check that breaks is a failed check, not a traceback

@@ -149,21 +149,22 @@ PROFILES = [
     Profile("rtx3090-rollout-hf", "NVIDIA GeForce RTX 3090", "8.6", 24576, rollout="hf", steps=3, validate=False,
             stands_for="RTX 3090 (24 GiB) with workload.rollout = 'hf': the product's plan for the HF rollout on a "
                        "card vLLM could run on"),
-    # a run's end product on three rungs (issue 24): 2 steps, a save at each with the plan's retention,
+    # a run's end product on three rungs (issue 24): 3 steps, a save at each (retention shows at the third),
     # then the launcher's export (verl's merger, the proof) and the GSM8K scores of the base model and
     # the export on the payload's 256 test rows (random weights: both score ~0; the pipeline is what runs).
     # Smaller batches than the plans' (a save's size does not depend on the batch) keep three runs in one call;
-    # the two PPO runs keep one save (about 12.5 GB each of fp32 actor and critic with AdamW states): with the
-    # plans' keep + 1 the three side by side would hold about 62 GB at once on the device's 64 GiB disk.
-    Profile("p40-export", "Tesla P40", "6.1", 24576, steps=2, validate=False, export=True,
+    # the two PPO runs keep one save (12.43 GB each predicted: fp32 actor and critic with AdamW states): with the
+    # plans' keep + 1 = 2 on disk the three side by side would hold about 62 GB at once on the device's 64 GiB
+    # disk. The GTX 1080 run keeps the plan's (5.94 GB a save).
+    Profile("p40-export", "Tesla P40", "6.1", 24576, steps=3, validate=False, export=True,
             overrides=("data.train_batch_size=64", *PPO_KEEP_ONE),
             stands_for="Tesla P40 plan (PPO with the critic, FSDP1, fp32, HF rollout) on 64 prompts a step: saves, "
                        "export, proof, GSM8K scores"),
-    Profile("rtx3090-export", "NVIDIA GeForce RTX 3090", "8.6", 24576, rollout_engine="hf", steps=2, validate=False,
+    Profile("rtx3090-export", "NVIDIA GeForce RTX 3090", "8.6", 24576, rollout_engine="hf", steps=3, validate=False,
             export=True, overrides=("data.train_batch_size=64", *PPO_KEEP_ONE),
             stands_for="RTX 3090 plan (PPO with the critic, FSDP1, bf16; HF rollout instead of the plan's vLLM) on 64 "
                        "prompts a step: saves, export, proof, GSM8K scores"),
-    Profile("gtx1080-export", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, validate=False, export=True,
+    Profile("gtx1080-export", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=3, validate=False, export=True,
             overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
             stands_for="GTX 1080 plan (grpo-cpu-offload: GRPO, the actor on FSDP2 CPUOffloadPolicy, fp32, HF rollout) "
                        "on 16 prompts a step: saves, export, proof, GSM8K scores"),

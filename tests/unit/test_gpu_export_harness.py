@@ -45,12 +45,16 @@ def rendered(tmp_path_factory):
 def test_export_profiles_render_the_plans_with_a_save_each_step(rendered, name, rung, dtype, batch):
     profile = json.loads((rendered / name / "profile.json").read_text())
     plan = json.loads((rendered / name / "train" / "plan.json").read_text())
-    assert profile["export"] is True and profile["kind"] == "launcher" and profile["steps"] == 2
+    assert profile["export"] is True and profile["kind"] == "launcher" and profile["steps"] == 3
     assert (plan["rung"], plan["train_dtype"], plan["rollout"]) == (rung, dtype, "hf")
     extra = profile["extra_overrides"]
     assert extra[0] == "trainer.save_freq=1" and "trainer.save_freq=-1" not in extra
     assert f"data.train_batch_size={batch}" in extra and extra[-1] == "trainer.test_freq=-1"
-    assert "trainer.total_training_steps=2" in plan["overrides"]
+    assert "trainer.total_training_steps=3" in plan["overrides"]
+    keep_one = {"trainer.max_actor_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=1"}
+    assert (keep_one <= set(extra)) == (rung == "ppo")         # the disk: see ppo_profiles.py
+    if rung != "ppo":
+        assert "trainer.max_actor_ckpt_to_keep=2" in plan["overrides"]     # the plan's keep + 1
     ev = plan["launch"]["evaluation"]
     assert ev["engine"] == "hf" and ev["test_file"] == f"/tmp/vl/{name}/data/gsm8k/test.parquet"
     assert ev["dtype"] == ("bfloat16" if dtype == "bf16" else "float32") and ev["batch"] >= 64

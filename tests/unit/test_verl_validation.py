@@ -16,9 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
 from tasks.plan import GpuTarget
-from tests.fixtures.standins import env as standin
 from tests.unit.test_verl_compose import _plan, _plans
 
 CHECK = Path(__file__).resolve().parents[1] / "fixtures" / "verl_plan_check.py"
@@ -42,13 +40,9 @@ def _broken():
 
 
 @pytest.fixture(scope="module")
-def verl_root(tmp_path_factory):
+def verl_root(patched_verl_root):
     """verl 0.5.0's sdist with the project's patches applied."""
-    root = standin.verl_tree(tmp_path_factory.mktemp("verl"))
-    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
-    for patch in verl_source.patch_files():
-        subprocess.run(["git", "apply", str(patch)], cwd=root, check=True)
-    return root
+    return patched_verl_root
 
 
 @pytest.fixture(scope="module")
