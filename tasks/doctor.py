@@ -275,7 +275,7 @@ def analyse_vllm_kv(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dic
 # rule id -> what else a finding reads from the lines before it (and the box's plan)
 ANALYSES = {"cuda-oom": analyse_oom, "vllm-v1-kv-cache-short": analyse_vllm_kv,
             "vllm-v0-kv-cache-short": analyse_vllm_kv, "checkpoint-disk-full": analyse_checkpoint_disk,
-            "checkpoint-disk-short": analyse_checkpoint_disk}
+            "checkpoint-files-disk-full": analyse_checkpoint_disk, "checkpoint-disk-short": analyse_checkpoint_disk}
 
 
 def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | None = None,
