@@ -3,8 +3,9 @@
 One row per box once every box has answered: the stages proven (markers), the env generation,
 the training unit's state (never ran, running, crash-looping, failed, finished), step / total,
 the latest score (`critic/score/mean`) and validation score, seconds per step, ETA, the GPU
-memory peak against the plan's prediction, and the doctor's verdict where the unit failed or
-never ran (then with what the launcher's preflight says).
+memory peak against the plan's prediction, the GSM8K score of the base model -> the run's proven
+export (tasks.facts.export.RunExports), and the doctor's verdict where the unit failed or never
+ran (then with what the launcher's preflight says).
 
     --data status_json=lab-status.json    the rows as JSON, in that file (pyinfra's own output
                                           stays on stdout)
@@ -20,6 +21,8 @@ from pathlib import Path
 from pyinfra import host
 
 from tasks.doctor import diagnose, never_ran, render
+from tasks.facts.bundle import ask
+from tasks.facts.export import RunExports
 from tasks.facts.logs import TrainingRun
 from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
 from tasks.settings import TRAIN_UNIT
@@ -27,9 +30,11 @@ from tasks.status import STAGES, _json_safe, box_status, parse_log, render_rows,
 
 check_inventory()
 settings = settings_for()
-run = host.get_fact(TrainingRun, unit=TRAIN_UNIT, markers={s: settings.marker(s) for s in STAGES},
-                    plan_path=f"{settings.train_dir}/plan.json", launcher=f"{settings.train_dir}/train-launcher",
-                    user=settings.train_user, python=settings.launcher_python)
+run, exports = ask(
+    (TrainingRun, {"unit": TRAIN_UNIT, "markers": {s: settings.marker(s) for s in STAGES},
+                   "plan_path": f"{settings.train_dir}/plan.json", "launcher": f"{settings.train_dir}/train-launcher",
+                   "user": settings.train_user, "python": settings.launcher_python}),
+    (RunExports, {"checkpoint_dir": f"{settings.train_dir}/checkpoints"}))
 unit_state, _ = unit_summary(run["unit"], run["history"])
 verdict = None
 if unit_state in ("failed", "crash-looping"):
@@ -37,7 +42,7 @@ if unit_state in ("failed", "crash-looping"):
     verdict = "\n".join(render(diag).splitlines()[1:]) or "the unit failed; the doctor found no cause"
 elif unit_state == "never-ran":
     verdict = never_ran(host.name, run["preflight"], run["plan"])[1]
-row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict, run["history"])
+row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict, run["history"], exports)
 
 out_dir = settings.controller_cache / "status"
 out_dir.mkdir(parents=True, exist_ok=True)
@@ -55,5 +60,6 @@ if rows is not None:
     if plots:
         from tasks.plots import plot_all
 
-        made = plot_all({name: parse_log((out_dir / f"{name}.log").read_text()) for name in rows}, Path(plots))
+        made = plot_all({name: parse_log((out_dir / f"{name}.log").read_text()) for name in rows}, Path(plots),
+                        {name: row["gsm8k"] for name, row in rows.items()})
         print(f"plots: {', '.join(str(p) for p in made) or 'none (no box has finished a step)'}", flush=True)

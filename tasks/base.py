@@ -16,7 +16,6 @@ from tasks.failure import fail_host
 from tasks.facts.files import PasswdEntry, PathStates
 from tasks.facts.gpu import NvidiaGpus
 from tasks.facts.nvidia import CudaHostCompiler
-from tasks.failure import fail_host
 from tasks.placed import place, wanted_dir
 from tasks.plan import rollout_refusal
 from tasks.settings import LabSettings

@@ -171,7 +171,8 @@ def _old_gpus(driver: Mapping) -> list[str]:
 def check_driver(driver: Mapping | None, min_driver: str, allow_no_driver: bool,
                  release: str = "11.8") -> str | None:
     branch_hint = (f"install an NVIDIA driver of branch {min_driver.split('.')[0]} or newer "
-                   f"(Pascal and Volta GPUs need branch {DRIVER_BRANCH_MAX_OLD_GPUS} or older, e.g. 535 or 550)")
+                   f"(Pascal and Volta GPUs need branch {DRIVER_BRANCH_MAX_OLD_GPUS} or older, e.g. 535 or 550), "
+                   "or set driver = 'install' to let the driver stage choose and install it (docs/driver.md)")
     if driver is None:
         if allow_no_driver:
             return None

@@ -222,6 +222,26 @@ def analyse_oom(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dict[st
     return out
 
 
+def analyse_checkpoint_disk(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The plan's checkpoint numbers for a disk that filled: one save on this box, how many are on
+    disk at once, the export, and what one kept save fewer would free."""
+    cp = (plan or {}).get("checkpoints")
+    if not cp:
+        return {"advice": "no plan.json with checkpoint sizes for this box: re-run deploy/train.py."}
+    from verl_lab_box.checkpoints import gib
+
+    save, keep, export = cp["save_bytes_this_box"], cp["keep"], cp["export_bytes"]
+    out = {"save_bytes_this_box": save, "saves_on_disk_at_once": cp["max_ckpt_to_keep"], "export_bytes": export,
+           "disk_bytes_this_box": cp["disk_bytes_this_box"]}
+    out["advice"] = (f"one save here is {gib(save)}; checkpoints keep = {keep} holds {cp['max_ckpt_to_keep']} on disk "
+                     f"at once ({keep} whole + 1 being written), with the export {gib(export)}: "
+                     f"{gib(cp['disk_bytes_this_box'])} before margin. "
+                     + (f"keep = {keep - 1} needs {gib(save)} less." if keep > 1 else
+                        "keep = 1 is the fewest: free space or use a larger disk."))
+    return out
+
+
+
 VLLM_V1_KV = re.compile(r"max seq len \((\d+)\), \(([\d.]+) GiB KV cache is needed, which is larger than the "
                         r"available KV cache memory \((-?[\d.]+) GiB\)")
 VLLM_V0_KV = re.compile(r"The model's max seq len \((\d+)\) is larger than the maximum number of tokens that can be "
@@ -254,7 +274,8 @@ def analyse_vllm_kv(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dic
 
 # rule id -> what else a finding reads from the lines before it (and the box's plan)
 ANALYSES = {"cuda-oom": analyse_oom, "vllm-v1-kv-cache-short": analyse_vllm_kv,
-            "vllm-v0-kv-cache-short": analyse_vllm_kv}
+            "vllm-v0-kv-cache-short": analyse_vllm_kv, "checkpoint-disk-full": analyse_checkpoint_disk,
+            "checkpoint-files-disk-full": analyse_checkpoint_disk, "checkpoint-disk-short": analyse_checkpoint_disk}
 
 
 def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | None = None,

@@ -560,10 +560,10 @@ def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
         return replace(gpu, refused=text)          # deploy/full.py queues nothing after it
     managed = replace(gpu, driver_stage=f"R{plan.choice.branch.branch}, installed and proven by the driver stage "
                                         "before this stage runs")
+    place(placed_files(want, plan), dict(facts.paths))     # a proven box too: a removed blacklist comes back
     if plan.action == "done":
         host.noop(plan.reason)
         return managed
-    place(placed_files(want, plan), dict(facts.paths))
     q = shlex.quote
     run = f"{q(want.python)} {q(want.program)} {{}} --plan {q(want.plan_path)}"
     if plan.action == "install":

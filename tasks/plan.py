@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from verl_lab_box.gsm8k import VAL_ROWS
+from tasks.checkpoints import DEFAULT_EVERY, DEFAULT_KEEP, CheckpointPlan, plan_checkpoints, retention_overrides, \
+    side_files_bytes
 from tasks.gpu_support import refusal as gpu_refusal
 from tasks.verl_config import VERL_VERSION, Override, override_lines
 
@@ -65,6 +67,7 @@ MICRO_BATCH_CHOICES = (16, 8, 4, 2, 1)          # update micro-batches (sequence
 FORWARD_MICRO_CHOICES = (64, 32, 16, 8, 4, 2, 1)  # no-gradient passes: actor log-probs, critic values
 ROLLOUT_CHUNK_CHOICES = (256, 128, 64, 32, 16, 8, 4, 2, 1)   # prompts per HF generate() call
 VLLM_SHARE_MAX = 0.9       # never give vLLM more of the GPU than this
+MASTER_DTYPE = "fp32"      # the actor's and critic's weights (so their AdamW states and saves): model_dtype
 VLLM_SHARE_MIN = 0.05
 
 # The fallback ladder, best training first: (rung, algorithm, response tokens (None: the workload's),
@@ -105,6 +108,17 @@ OFFLOAD_KNOBS: dict[str, tuple[str, str]] = {
                     "0.5.0's AdamW runs torch's per-tensor loop over the CPU-offloaded DTensors (16x slower "
                     "single-threaded, measured on CPU: docs/plan.md)"),
 }
+# Knobs the plan leaves off until a GPU run has measured their memory (issue 29: every new setting's estimate
+# calibrated on the GPU like the others). The update's two (the actor held gathered through each mini-batch,
+# gradients summed unsharded on the GPU: patches 0007-0008) never ran to its end on a GPU: GPU call 13 cut the
+# update under the profiler. Measured: the gathered generation and log-prob passes (call 13, within 4% of the
+# model); the fused AdamW holds no GPU memory. bench/gpu/run_speed.sh measures the rest; then empty this.
+UNMEASURED_KNOBS = frozenset({"actor_gather_once", "accumulate_grads_unsharded"})
+
+
+def knob_values(knob: str) -> tuple[bool, ...]:
+    """The values the plan tries for a speed knob: (True, False), or (False,) while it is unmeasured."""
+    return (False,) if knob in UNMEASURED_KNOBS else (True, False)
 # verl 0.5.0's GSM8K GRPO example (examples/grpo_trainer/run_qwen2-7b.sh): the KL to the reference in the loss
 GRPO_OVERRIDES: tuple[tuple[str, Any, str], ...] = (
     ("actor_rollout_ref.actor.kl_loss_coef", 0.001, "verl's GSM8K GRPO example"),
@@ -198,11 +212,14 @@ class Workload:
     use_kl_loss: bool = False            # True builds the reference model
     algorithm: str = "auto"              # "ppo" | "grpo" | "auto": the ladder (RUNGS)
     total_epochs: int = 1
-    save_freq: int = 10
+    save_freq: int = DEFAULT_EVERY       # steps between checkpoint saves (settings checkpoints.every)
+    checkpoint_keep: int = DEFAULT_KEEP  # whole saves kept at any time (settings checkpoints.keep)
+    model_side_bytes: int = 0            # the model's config and tokenizer files (catalog sizes)
     experiment_name: str = "qwen2.5-0.5b-gsm8k"
     flash_attn_installed: bool = False
     rollout_engine: str = "auto"         # workload.rollout: "auto" (vLLM where the GPU has it), "vllm", "hf"
     val_rows: int = VAL_ROWS             # rows of val_small.parquet (HF chunks must divide them)
+    train_rows: int | None = None        # prompts of the train split (verl's dataloader needs a whole batch)
     actor_offload_policy: bool = False   # the actor (and ref) on FSDP2 with CPUOffloadPolicy (RUNGS)
 
     @property
@@ -287,6 +304,7 @@ class TrainingPlan:
     workload: Workload | None = None     # the rung's workload (algorithm, batch, lengths)
     rung: str = "ppo"
     verl_version: str = VERL_VERSION
+    checkpoints: CheckpointPlan | None = None   # the bytes of a save, what is kept (tasks/checkpoints.py)
 
     @property
     def override_lines(self) -> list[str]:
@@ -325,6 +343,7 @@ class TrainingPlan:
             "override_reasons": [{"override": o.text(), "why": o.why} for o in self.overrides],
             "env": dict(self.env),
             "reasons": [asdict(r) for r in self.reasons],
+            **({"checkpoints": self.checkpoints.to_dict(self.gpu.count)} if self.checkpoints else {}),
         }
 
 
@@ -563,14 +582,15 @@ def _search_offload_tp(gpu: GpuTarget, workload: Workload, precision: Precision,
     choice, est = fastest([replace(start, actor_micro_batch=m, critic_micro_batch=m, grad_ckpt=ckpt, actor_gather_once=g,
                                    accumulate_grads_unsharded=a, fused_adamw=f)
                            for m in _micro_choices(mini_per_gpu) for ckpt in (False, True)
-                           for g in (True, False) for a in (True, False) for f in (True, False)],
+                           for g in knob_values("actor_gather_once") for a in knob_values("accumulate_grads_unsharded")
+                           for f in knob_values("fused_adamw")],
                           ("update", "actor_log_prob"), lambda c: c.actor_micro_batch)
     choice, est = fastest([replace(choice, log_prob_micro_batch=m, ref_gather_once=g)
-                           for m in _divisors(batch_per_gpu, FORWARD_MICRO_CHOICES) for g in (True, False)],
+                           for m in _divisors(batch_per_gpu, FORWARD_MICRO_CHOICES) for g in knob_values("ref_gather_once")],
                           ("actor_log_prob", "ref_log_prob"), lambda c: c.log_prob_micro_batch)
     if precision.rollout == "hf":
         choice, est = fastest([replace(choice, rollout_micro_batch=m, rollout_gather_once=g)
-                               for m in rollout_chunk_choices(workload, gpu) for g in (True, False)],
+                               for m in rollout_chunk_choices(workload, gpu) for g in knob_values("rollout_gather_once")],
                               ("rollout",), lambda c: c.rollout_micro_batch)
     else:   # vLLM: its share follows the sequences it runs at once; the speed model does not count vLLM
         choice, est = fastest([replace(choice, rollout_micro_batch=m)
@@ -648,7 +668,7 @@ def _memory_reasons(gpu, workload, precision, choice, est, tried) -> list[Reason
 # ---------------------------------------------------------------- overrides
 
 def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
-                   choice: MemoryChoice) -> list[Override]:
+                   choice: MemoryChoice, checkpoints: CheckpointPlan | None = None) -> list[Override]:
     o: list[Override] = []
     add = lambda key, value, why: o.append(Override(key, value, why))  # noqa: E731
     w = workload
@@ -681,7 +701,7 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
             add(f"{role}.fsdp_config.mixed_precision.{fld}", val,
                 f"{label} FSDP {fld}: {precision.train_dtype} training on compute capability {gpu.compute_capability}"
                 if fld == "param_dtype" else f"{label} {fld} in fp32 for stable sums")
-        add(f"{role}.fsdp_config.model_dtype", "fp32" if role != "actor_rollout_ref.ref" or precision.train_dtype == "fp32"
+        add(f"{role}.fsdp_config.model_dtype", MASTER_DTYPE if role != "actor_rollout_ref.ref" or precision.train_dtype == "fp32"
             else "bf16",
             f"{label} weights are loaded in this dtype"
             + (" (fp32 master weights; the optimizer must not run in half precision)" if role != "actor_rollout_ref.ref"
@@ -778,9 +798,8 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     add("trainer.experiment_name", w.experiment_name, "names the checkpoint folder")
     add("trainer.default_local_dir", w.checkpoint_dir, "checkpoints under the train dir")
     add("trainer.resume_mode", "auto", "a restarted unit resumes from the last checkpoint")
-    save = max(1, min(w.save_freq, w.total_training_steps or w.save_freq))
-    add("trainer.save_freq", save, "checkpoint often enough that a restart loses little")
-    add("trainer.test_freq", save, "validate at each checkpoint")
+    for key, value, why in retention_overrides(checkpoints or checkpoint_plan(w, gpu.count)):
+        add(key, value, why)
     add("trainer.val_before_train", False, "start training at once")
     return o if w.uses_critic else [x for x in o if not x.key.startswith("critic.")]   # verl builds no critic
 
@@ -838,14 +857,48 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
         before = "; ".join(f"{r} is short by {e.short_mib} MiB" for r, e in failed)
         rung_reason = Reason("rung", rung, why + (f" ({before})" if before else ""))
         env, env_reasons = plan_env(precision, gpu)
-        return TrainingPlan(gpu=gpu, precision=precision, memory=choice, estimate=est, workload=w, rung=rung,
-                            overrides=verl_overrides(gpu, w, precision, choice), env=env,
-                            reasons=reasons + [rung_reason, *_batch_reasons(workload, w)] + mem_reasons + env_reasons)
+        cp = checkpoint_plan(w, gpu.count)
+        plan = TrainingPlan(gpu=gpu, precision=precision, memory=choice, estimate=est, workload=w, rung=rung,
+                            overrides=verl_overrides(gpu, w, precision, choice, cp), env=env, checkpoints=cp,
+                            reasons=reasons + [rung_reason, *_batch_reasons(workload, w)] + mem_reasons + env_reasons
+                            + [Reason(*r) for r in cp.reasons])
+        verl_refusal(plan)
+        return plan
     tried = ", ".join(f"{r} short by {e.short_mib} MiB" for r, e in failed)
     err = PlanError(f"{failed[-1][1].reason} Rungs tried: {tried} (no LoRA rung: not proven on a GPU yet).",
                     fix=failed[-1][1].fix)
     err.short_mib = failed[-1][1].short_mib     # the last rung tried: the one the message describes
     raise err
+
+
+def checkpoint_plan(workload: Workload, world_size: int) -> CheckpointPlan:
+    """The rung's checkpoints (tasks/checkpoints.py): one save's bytes for its layout (the actor on
+    FSDP2 on the CPU-offload rungs, else FSDP1; a critic on PPO), over ``world_size`` ranks."""
+    from tasks.memory import ModelShape
+
+    return plan_checkpoints(ModelShape.from_config(dict(workload.model_config)), critic=workload.uses_critic,
+                            actor_layout="fsdp2" if workload.actor_offload_policy else "fsdp", world_size=world_size,
+                            param_dtype=MASTER_DTYPE, side_files_bytes=workload.model_side_bytes,
+                            keep=workload.checkpoint_keep, every=workload.save_freq,
+                            total_steps=workload.total_training_steps)
+
+
+def verl_refusal(plan: TrainingPlan) -> None:
+    """PlanError where verl 0.5.0's own checks (tasks/verl_rules.py) refuse the plan's config, with
+    verl's words: a workload verl would stop on is refused before any host changes."""
+    from tasks.verl_rules import violations
+
+    w = plan.workload
+    found = violations({o.key: o.value for o in plan.overrides}, w.model_config, w.train_rows, w.val_rows)
+    if not found:
+        return
+    first, more = found[0], len(found) - 1
+    reason = (f"verl {VERL_VERSION} would refuse this run ({first.where}): \"{first.message}\""
+              + (f" (and {more} more of its checks)" if more else ""))
+    if first.setting.startswith("workload."):
+        raise PlanError(reason, fix=first.fix or f"change {first.setting}", key=first.setting)
+    raise PlanError(reason, fix=f"{first.setting} is the plan's own choice: this is a bug of verl-lab's plan; report "
+                                "it with the workload and the GPU", key="workload")
 
 
 def ladder(workload: Workload, gpu: GpuTarget) -> list[tuple[str, Workload, str]]:
@@ -986,7 +1039,8 @@ def with_model(workload: Workload, artifact, model_path: str | None = None) -> W
     """``workload`` training another catalog model (its shape, name and, where given, its path)."""
     name = (artifact.repo or artifact.name).rsplit("/", 1)[-1].lower()
     return replace(workload, model_config=catalog_model_config(artifact), model_path=model_path or workload.model_path,
-                   experiment_name=f"{name.removesuffix('-instruct')}-gsm8k")
+                   experiment_name=f"{name.removesuffix('-instruct')}-gsm8k",
+                   model_side_bytes=side_files_bytes(artifact.get("files")))
 
 
 def plan_naming_models_that_fit(plan: Callable[[Workload], TrainingPlan], workload: Workload, catalog,
@@ -1053,7 +1107,11 @@ def workload_for(settings, flash_attn_installed: bool = False) -> Workload:
         checkpoint_dir=f"{settings.train_dir}/checkpoints",
         total_training_steps=settings.train_steps,
         flash_attn_installed=flash_attn_installed,
+        save_freq=settings.checkpoints["every"],
+        checkpoint_keep=settings.checkpoints["keep"],
         rollout_engine=w["rollout"],
+        train_rows=((settings.catalog.artifact(settings.dataset_artifact).get("splits") or {}).get("train") or {})
+        .get("rows"),
     ), settings.catalog.artifact(settings.model_artifact))
 
 

@@ -62,6 +62,9 @@ DEFAULTS: dict[str, Any] = {
     # "port": 6379}, the same value on every member (e.g. in the group's group_data); None: trains alone
     "cluster": None,
     "cluster_address": None,           # this box's IPv4 address on the cluster network (the head needs one)
+    # checkpoint saves (checked by _checkpoints; tasks/checkpoints.py): {"keep": whole saves kept at
+    # any time, also while the next is written, "every": steps between saves}
+    "checkpoints": {},
 }
 
 KNOWN_KEYS = set(DEFAULTS)
@@ -74,6 +77,7 @@ WORKLOAD_ALGORITHMS = ("auto", "ppo", "grpo")   # auto: PPO, else GRPO, else GRP
 # auto: vLLM where the GPU runs it (compute capability >= 7.0), else the HF rollout; vllm: vLLM or
 # this box fails (tasks.plan.rollout_refusal); hf: the HF-transformers rollout, and no vLLM in the env
 WORKLOAD_ROLLOUTS = ("auto", "vllm", "hf")
+CHECKPOINT_DEFAULTS: dict[str, int] = {"keep": 1, "every": 10}
 
 # Host data that belongs to pyinfra (its connectors' ``ssh_*``/``docker_*``... keys, its global
 # arguments ``_sudo``...) or to the site is left alone; only a near miss of a verl-lab key is an
@@ -177,6 +181,7 @@ class LabSettings:
     cluster_address: str | None = None
     driver: str = "check"
     driver_reboot: bool = False
+    checkpoints: Mapping[str, int] = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
 
     @property
     def marker_dir(self) -> str:
@@ -361,6 +366,27 @@ def _workload_model(host: str, cat, value: Any, model_artifact: Any, set_artifac
     return found.name
 
 
+def _checkpoints(host: str, value: Any) -> dict[str, int]:
+    """checkpoints: how many whole saves are kept and how often one is made (positive integers)."""
+    if not isinstance(value, Mapping):
+        raise SettingsError(host, "checkpoints", f"{value!r} is not a mapping",
+                            "use e.g. checkpoints = {'keep': 2, 'every': 20}")
+    found = [SettingsError(host, f"checkpoints.{key}", "not a checkpoints key",
+                           f"did you mean checkpoints.{close[0]}?" if close else "use keep and every")
+             for key in value if key not in CHECKPOINT_DEFAULTS
+             for close in [difflib.get_close_matches(str(key), sorted(CHECKPOINT_DEFAULTS), n=1, cutoff=0.6)]]
+    merged = {**CHECKPOINT_DEFAULTS, **{k: v for k, v in value.items() if k in CHECKPOINT_DEFAULTS}}
+    meaning = {"keep": "whole saves kept at any time (1: the last whole save stays while the next is written)",
+               "every": "steps between saves (verl also saves at the last step)"}
+    found += [SettingsError(host, f"checkpoints.{key}", f"{merged[key]!r} is not a positive integer",
+                            f"set it to a positive integer, {meaning[key]} (default {default})")
+              for key, default in CHECKPOINT_DEFAULTS.items()
+              if not isinstance(merged[key], int) or isinstance(merged[key], bool) or merged[key] < 1]
+    if found:
+        raise SettingsErrors(found)
+    return merged
+
+
 CLUSTER_EXAMPLE = "cluster = {'name': 'lab1', 'head': 'box1'} on every box of the cluster (e.g. in its group_data)"
 CLUSTER_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,30}$")
 
@@ -487,6 +513,7 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         cluster_address=p.check(_ip_address, "cluster_address", merged["cluster_address"]),
         driver=p.check(_choice, "driver", merged["driver"], DRIVER_MODES, default="check"),
         driver_reboot=p.check(_driver_reboot, merged["driver_reboot"], merged["driver"], default=False),
+        checkpoints=p.check(_checkpoints, merged["checkpoints"], default=dict(CHECKPOINT_DEFAULTS)),
     )
     p.check(_ssh_key, data.get("ssh_key"))
     p.raise_any()

@@ -200,10 +200,23 @@ def unit_summary(show: dict[str, str], history: str = "") -> tuple[str, str]:
     return ("finished" if show.get("Result") == "success" else "stopped"), words + f", result {show.get('Result', '?')}"
 
 
+def gsm8k_summary(exports: dict | None) -> dict:
+    """The base model's GSM8K score and the newest proven export's (tasks.facts.export.RunExports):
+    ``{"base", "trained", "step", "final", "rows", "engine"}``, None where there is none."""
+    exports = exports or {}
+    scored = [e for e in exports.get("exports") or [] if e.get("score") and (e.get("proof") or {}).get("ok")]
+    last = scored[-1] if scored else None
+    base, score = exports.get("base") or {}, (last or {}).get("score") or {}
+    return {"base": base.get("accuracy"), "trained": score.get("accuracy"), "step": last["step"] if last else None,
+            "final": bool(score.get("final")) if last else None, "rows": score.get("rows") or base.get("rows"),
+            "engine": score.get("engine") or base.get("engine")}
+
+
 def box_status(host: str, markers: dict[str, dict | None], unit: dict[str, str], journal: str,
-               plan: dict | None, verdict: str | None = None, history: str = "") -> dict:
+               plan: dict | None, verdict: str | None = None, history: str = "", exports: dict | None = None) -> dict:
     """One row of the lab's status: stages proven, env generation, unit, progress (from the journal
-    of the unit's current run), peak GPU memory against the plan's prediction, the doctor's verdict."""
+    of the unit's current run), peak GPU memory against the plan's prediction, the GSM8K scores of
+    the base model and the run's export (``exports``: tasks.facts.export.RunExports), the doctor's verdict."""
     run = parse_log(journal)
     s = run.summary()
     state, words = unit_summary(unit, history)
@@ -213,16 +226,28 @@ def box_status(host: str, markers: dict[str, dict | None], unit: dict[str, str],
             "unit": state, "unit_detail": words, **s,
             "peak_mib": round(peak_gb * 1024) if peak_gb is not None else None,
             "predicted_peak_mib": (plan or {}).get("predicted_peak_mib"),
+            "gsm8k": gsm8k_summary(exports),
             "verdict": verdict, "problems": run.problems}
 
 
+def gsm8k_words(g: dict | None) -> str:
+    """``base -> trained`` of a row's GSM8K scores, with the export's step ("-" for none)."""
+    if not g or (g.get("base") is None and g.get("trained") is None):
+        return "-"
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    step = "" if g.get("step") is None else f" @{g['step']}" + ("" if g.get("final") else "?")
+    return f"{fmt(g.get('base'))}->{fmt(g.get('trained'))}{step}"
+
+
 def render_rows(rows: list[dict]) -> str:
-    """The lab as a table, a row per box (verdicts and notes under their box)."""
+    """The lab as a table, a row per box (verdicts and notes under their box). GSM8K: the base
+    model's score -> the newest proven export's, ``@N`` its step, ``?`` where the run had not finished
+    at that step (an export on demand)."""
     def fmt(v, spec=""):
         return "-" if v is None else format(v, spec)
 
     head = f"{'host':<14} {'stages':<19} {'env':<9} {'unit':<14} {'step':>9} {'score':>7} {'val':>7} " \
-           f"{'s/step':>7} {'ETA':>8} {'peak/plan MiB':>14}"
+           f"{'s/step':>7} {'ETA':>8} {'peak/plan MiB':>14} {'GSM8K base->trained':>20}"
     out = [head]
     for r in rows:
         step = f"{r['step']}/{r['total_steps'] or '?'}" if r["step"] else "-"
@@ -231,7 +256,7 @@ def render_rows(rows: list[dict]) -> str:
         peak = f"{fmt(r['peak_mib'])}/{fmt(r['predicted_peak_mib'])}"
         out.append(f"{r['host']:<14} {','.join(r['stages']) or '-':<19} {fmt(r['env_generation']):<9} "
                    f"{r['unit']:<14} {step:>9} {fmt(r['score'], '.3f'):>7} {fmt(val, '.3f'):>7} "
-                   f"{fmt(r['seconds_per_step'], '.1f'):>7} {eta:>8} {peak:>14}")
+                   f"{fmt(r['seconds_per_step'], '.1f'):>7} {eta:>8} {peak:>14} {gsm8k_words(r.get('gsm8k')):>20}")
         out += [f"    {line}" for line in (r["verdict"] or "").splitlines()]
     return "\n".join(out)
 

@@ -12,6 +12,10 @@ e.g. for a build box without a GPU), makes the plan (``tasks.plan.make_plan``) a
 * ``verl_lab_gpu.py``: verl_lab_box/gpu.py, which the preflight imports for its GPU readings;
 * ``verl_lab_vllm_share.py``: verl_lab_box/vllm_share.py, vLLM's share arithmetic (the plan's own),
   with which the preflight sizes the share again for what other processes hold on the GPUs;
+* ``verl_lab_checkpoints.py``: verl_lab_box/checkpoints.py, the preflight's checkpoint disk check;
+* ``verl_lab_export.py``, ``verl_lab_score.py``: verl_lab_box/export.py and gsm8k_score.py, which the
+  launcher runs when a run finishes (the proven Hugging Face export, the GSM8K scores; plan.json's
+  ``launch.evaluation`` from tasks/evaluation.py says how to score);
 * ``train.env``: the unit's EnvironmentFile (0640 root:train_user, no secrets);
 * ``/etc/systemd/system/verl-lab-train.service``: runs the launcher as ``settings.train_user``.
 
@@ -19,8 +23,10 @@ e.g. for a build box without a GPU), makes the plan (``tasks.plan.make_plan``) a
 (default; starts on boot), ``started`` (enabled and running now), ``stopped`` (not enabled, and
 stopped now: a running or crash-looping unit is stopped; a re-run keeps it so).
 
-A box without a usable GPU (and no ``gpu_override``), or one whose plan cannot fit, fails this
-stage on that host only, with the reason. Proofs: ``systemd-analyze verify`` of the unit, and
+A box without a usable GPU (and no ``gpu_override``), one whose plan cannot fit, or one whose
+disk under the checkpoint folder cannot hold the kept saves, the one being written and the
+export (``checkpoint_disk_short``), fails this stage on that host only, with the reason, before
+anything on it changes. Proofs: ``systemd-analyze verify`` of the unit, and
 the launcher, run by the train user, reads plan.json and finds its launch section's overrides
 equal to the plan's; then the marker. A re-run with the same plan changes nothing.
 """
@@ -41,6 +47,7 @@ from pyinfra.operations import files, python, server, systemd
 from tasks.doctor import diagnose, render
 from tasks.failure import fail_host
 from tasks.facts.bundle import ask
+from tasks.facts.disk import CheckpointDisk
 from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.facts.logs import TrainingRun
 from tasks.placed import marker_command, place, rendered, wanted_dir, wanted_file
@@ -49,6 +56,7 @@ from tasks.target import HostTarget
 from tasks.settings import TRAIN_UNIT, LabSettings
 from tasks.status import unit_summary
 from tasks.validation import training_plan
+from verl_lab_box.checkpoints import disk_need, need_words
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
 BOX_PACKAGE = Path(__file__).resolve().parent.parent / "verl_lab_box"
@@ -57,6 +65,8 @@ UNIT_TEMPLATE = TEMPLATES / "verl-lab-train.service.j2"
 ENV_TEMPLATE = TEMPLATES / "train.env.j2"
 GPU_MODULE = BOX_PACKAGE / "gpu.py"
 VLLM_SHARE_MODULE = BOX_PACKAGE / "vllm_share.py"
+CHECKPOINTS_MODULE = BOX_PACKAGE / "checkpoints.py"
+AFTER_RUN_PROGRAMS = {"verl_lab_export.py": BOX_PACKAGE / "export.py", "verl_lab_score.py": BOX_PACKAGE / "gsm8k_score.py"}
 UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
 PREFLIGHT_PASSED = "verl-lab preflight passed on "      # the launcher prints it, then execs verl
 MARKER_PLAN_KEYS = ("rollout", "train_dtype", "attn_implementation", "predicted_peak_mib")
@@ -134,7 +144,20 @@ class TrainingLayout:
                 "model_dir": s.model_dir,
             },
             "overrides": [{"override": o.text(), "why": o.why} for o in self.plan.overrides],
+            **({"checkpoints": self.plan.checkpoints.launch(self.checkpoint_dir, self.plan.gpu.count)}
+               if self.plan.checkpoints else {}),
+            "evaluation": self.evaluation(),
         }
+
+    def evaluation(self) -> dict:
+        """How the launcher scores the base model and the export on GSM8K's test split (tasks/evaluation.py)."""
+        from tasks.evaluation import evaluation_plan
+
+        test_file = self.plan_workload_file("train_files").rsplit("/", 1)[0] + "/test.parquet"
+        try:
+            return evaluation_plan(self.plan, test_file).to_dict()
+        except PlanError as exc:        # the launcher then says why it does not score
+            return {"problem": str(exc)}
 
     def values(self) -> dict:
         s = self.settings
@@ -171,7 +194,8 @@ class TrainingLayout:
     def digest(self) -> str:
         """Everything the box's files are made of: a changed input re-runs the proofs."""
         parts = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-                 for p in (LAUNCHER, UNIT_TEMPLATE, ENV_TEMPLATE, GPU_MODULE)}
+                 for p in (LAUNCHER, UNIT_TEMPLATE, ENV_TEMPLATE, GPU_MODULE, CHECKPOINTS_MODULE,
+                           *AFTER_RUN_PROGRAMS.values())}
         parts["values"] = json.dumps(self.values(), sort_keys=True, default=str)
         parts["plan.json"] = self.plan_json()
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
@@ -188,7 +212,11 @@ def training_wanted(layout: TrainingLayout) -> list:
         wanted_file(f"{layout.train_dir}/verl_lab_gpu.py", "GPU reader for the preflight", GPU_MODULE.read_bytes()),
         wanted_file(f"{layout.train_dir}/verl_lab_vllm_share.py", "vLLM share arithmetic for the preflight",
                     VLLM_SHARE_MODULE.read_bytes()),
+        wanted_file(f"{layout.train_dir}/verl_lab_checkpoints.py", "Checkpoint disk check for the preflight",
+                    CHECKPOINTS_MODULE.read_bytes()),
         wanted_file(layout.launcher, "Training launcher", LAUNCHER.read_bytes(), mode="750", group=user),
+        *(wanted_file(f"{layout.train_dir}/{name}", f"After-run program {name}", src.read_bytes())
+          for name, src in AFTER_RUN_PROGRAMS.items()),
         wanted_file(layout.env_file, "Training environment file", rendered(ENV_TEMPLATE, **values),
                     mode="640", group=user),
         wanted_file(UNIT_PATH, f"Unit {TRAIN_UNIT}", rendered(UNIT_TEMPLATE, **values)),
@@ -200,7 +228,23 @@ def training_paths(settings: LabSettings) -> list[str]:
     bundle; tests/unit/test_placed.py checks the two agree)."""
     t = settings.train_dir
     return [t, f"{t}/work", f"{t}/checkpoints", f"{t}/cache", f"{t}/plan.json", f"{t}/verl_lab_gpu.py",
-            f"{t}/verl_lab_vllm_share.py", f"{t}/train-launcher", f"{t}/train.env", UNIT_PATH]
+            f"{t}/verl_lab_vllm_share.py", f"{t}/verl_lab_checkpoints.py", f"{t}/train-launcher",
+            *(f"{t}/{name}" for name in AFTER_RUN_PROGRAMS), f"{t}/train.env", UNIT_PATH]
+
+
+def checkpoint_disk_short(layout: TrainingLayout, found: dict | None) -> str | None:
+    """Why the box's disk under the checkpoint folder cannot take this run's saves and export
+    (None: it can): the free disk there (the CheckpointDisk fact) against the kept saves, the one
+    being written and the export (verl_lab_box/checkpoints.py disk_need, as the preflight checks)."""
+    cp = layout.plan.checkpoints
+    if cp is None:
+        return None
+    if not found:
+        return f"could not measure the free disk for {layout.checkpoint_dir} (df printed nothing usable)"
+    launch = cp.launch(layout.checkpoint_dir, layout.plan.gpu.count)
+    need = disk_need(launch["save_bytes"], launch["max_saves"], launch["export_bytes"], launch["every"], found,
+                     launch["saves_in_run"], launch["last_step"])
+    return None if need["fits"] else need_words(need, layout.checkpoint_dir, cp.keep)
 
 
 def _flash_attn(env_marker: dict | None) -> bool:
@@ -213,9 +257,10 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
     tasks.cluster.cluster_plan); launcher, env file, plan.json and the systemd unit; proofs; marker."""
     # one command for all this stage reads (tasks/facts/bundle.py)
     marker_path = settings.marker("train")
-    env_marker, marker, states, unit = ask(
+    env_marker, marker, states, unit, disk = ask(
         (Marker, {"path": settings.marker("env"), "legacy": settings.legacy_marker("env")}), (Marker, {"path": marker_path}),
-        (PathStates, {"paths": training_paths(settings)}), (UnitState, {"unit": TRAIN_UNIT}))
+        (PathStates, {"paths": training_paths(settings)}), (UnitState, {"unit": TRAIN_UNIT}),
+        (CheckpointDisk, {"path": f"{settings.train_dir}/checkpoints"}))
     if gpu.target is None:
         fail_host(name="Training plan needs a GPU", message=gpu.problem or "no GPU target", stage="train")
         return
@@ -226,6 +271,10 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
         fail_host(name=f"Training plan for {target.count} x {target.name}", message=str(exc), stage="train")
         return
     layout = TrainingLayout(settings=settings, plan=plan, plan_source=source)
+    short = checkpoint_disk_short(layout, disk)
+    if short:
+        fail_host(name="Free disk for the checkpoints", message=short, stage="train")
+        return
     user = settings.train_user
     digest = layout.digest()
     proven = bool(marker) and marker.get("digest") == digest

@@ -17,8 +17,14 @@ plan's share as it is).
     train-launcher --check             preflight: GPU, driver, env, data, model; what it would run
     train-launcher --print-overrides   the Hydra overrides, one per line
                    [--against-plan]    ... and exit 1 unless they equal plan.json's ``overrides``
-    train-launcher                     preflight, then exec verl.trainer.main_ppo (the systemd unit)
-    train-launcher --no-preflight      exec at once
+    train-launcher                     preflight, then verl.trainer.main_ppo as a child (the systemd unit);
+                                       when verl exits 0 by itself, the run is finished: the latest actor
+                                       checkpoint is exported and scored (``after_run``)
+    train-launcher --no-preflight      run at once
+    train-launcher --no-export         ... and do not export or score when it finishes
+    train-launcher --export            export the latest checkpoint now (proven HF folder beside it) and
+                   [--no-score]        score the base model and it on GSM8K (on demand; not final unless
+                                       the run finished at that step)
     train-launcher [...] -- KEY=VALUE  extra Hydra overrides after the plan's (a run by hand,
                                        e.g. `-- trainer.total_training_steps=5 trainer.save_freq=-1`)
     train-launcher --plan PATH [...]   read another plan.json than the one beside the launcher
@@ -26,12 +32,26 @@ plan's share as it is).
 Runs with the system's Python (standard library only; the systemd unit names the interpreter,
 ``settings.launcher_python``); the env's Python is asked about torch, verl and NVIDIA's NVML in
 a child process (``--probe-env``).
+
+A run ends in one of three ways. Stopped (SIGTERM from ``systemctl stop``, SIGINT, SIGHUP): the
+signal goes on to verl and, once verl is gone, ends the launcher the same way: nothing is exported,
+whatever verl's exit status. Failed (verl exits non-zero): the launcher exits with verl's status
+(the unit's ``Restart=on-failure`` resumes from the last checkpoint). Finished (verl exits 0 by
+itself): ``<checkpoint_dir>/run-finished.json`` records the step and the overrides the run had,
+then the export (``verl_lab_export.py`` beside the launcher: verl's model merger and its proof)
+and the GSM8K scores (``verl_lab_score.py``: the base model once, then the export), with the env's
+Python; if one of them fails the launcher exits ``AFTER_RUN_FAILED``, which the unit does not
+restart on (``RestartPreventExitStatus``). A later start of a finished run (same overrides, the same
+latest checkpoint) trains no further step: it goes straight to the export, which a proven export
+and kept scores make a no-op.
 """
 
+import hashlib
 import importlib.util
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -40,7 +60,13 @@ PLAN_NAME = "plan.json"
 # Box modules shipped beside the launcher (first name), or its siblings in the repo (second name).
 GPU_READERS = ("verl_lab_gpu.py", "gpu.py")                       # the GPU reader
 VLLM_SHARE = ("verl_lab_vllm_share.py", "vllm_share.py")          # vLLM's share arithmetic
+CHECKPOINT_READERS = ("verl_lab_checkpoints.py", "checkpoints.py")  # the checkpoint disk check
 SHARE_KEY = "actor_rollout_ref.rollout.gpu_memory_utilization"
+EXPORTERS = ("verl_lab_export.py", "export.py")                    # the export and its proof
+SCORERS = ("verl_lab_score.py", "gsm8k_score.py")                 # the GSM8K score
+FINISHED = "run-finished.json"          # in the checkpoint folder: the run finished at this step
+TRACKER = "latest_checkpointed_iteration.txt"   # verl's trainer writes it after each save
+AFTER_RUN_FAILED = 70                    # the run finished, its export or score failed: not restarted
 
 
 class PlanError(Exception):
@@ -79,6 +105,10 @@ class Launch:
             self.overrides = [str(o["override"]) for o in launch["overrides"]]
             # vLLM's share and what it was sized from (None: the HF rollout, or a plan before it was recorded)
             self.vllm = launch.get("vllm") or None
+            # the predicted save and what is kept (tasks/checkpoints.py); None in older plans
+            self.checkpoints = launch.get("checkpoints")
+            # the GSM8K evaluation after a finished run (tasks/evaluation.py); None in older plans
+            self.evaluation = launch.get("evaluation")
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"{plan_file}: its launch section is incomplete ({type(exc).__name__}: {exc})") from None
         self.plan_file = plan_file
@@ -131,20 +161,25 @@ class Report:
         return [name for status, name, _ in self.results if status == "FAIL"]
 
 
-def box_module(names, module_name):
-    """A box module loaded from beside this launcher (no package on the box): ``names`` are its
-    shipped name and its name in the repo."""
-    if module_name in sys.modules:
-        return sys.modules[module_name]
+def box_file(names):
+    """A box file beside this launcher (no package on the box): ``names`` are its shipped name and
+    its name in the repo."""
     for name in names:
         path = os.path.join(HERE, name)
         if os.path.isfile(path):
-            spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module      # its dataclasses look their module up
-            spec.loader.exec_module(module)
-            return module
+            return path
     raise ImportError(f"no {' or '.join(names)} beside {os.path.abspath(__file__)}: re-run deploy/train.py")
+
+
+def box_module(names, module_name):
+    """A box module (``box_file``) loaded from beside this launcher."""
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, box_file(names))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module      # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def gpu_module():
@@ -155,6 +190,11 @@ def gpu_module():
 def vllm_share_module():
     """verl_lab_box/vllm_share.py, vLLM's share arithmetic (the plan's own)."""
     return box_module(VLLM_SHARE, "verl_lab_vllm_share")
+
+
+def checkpoints_module():
+    """verl_lab_box/checkpoints.py, the checkpoint disk check."""
+    return box_module(CHECKPOINT_READERS, "verl_lab_checkpoints")
 
 
 def gpus_at_launch(count):
@@ -367,6 +407,23 @@ def check_dirs(rep, launch):
         rep.ok("train dirs", f"{launch.work_dir}, {launch.checkpoint_dir} writable")
 
 
+def check_disk(rep, launch):
+    """The disk under the checkpoint folder holds the kept saves, the one being written and the
+    export; saves already there count where verl removes or overwrites them."""
+    cp = launch.checkpoints
+    if not cp:
+        rep.skip("checkpoint disk", "the plan predicts no save size (re-run deploy/train.py)")
+        return
+    ck = checkpoints_module()
+    need = ck.disk_need(cp["save_bytes"], cp["max_saves"], cp["export_bytes"], cp["every"], ck.scan(cp["dir"]),
+                        cp.get("saves_in_run"), cp.get("last_step"))
+    if need["fits"]:
+        rep.ok("checkpoint disk", f"{ck.gib(need['free_bytes'])} free under {cp['dir']} >= {ck.gib(need['need_bytes'])} "
+                                  f"for {need['new_saves']} saves of {ck.gib(need['save_bytes'])} and the export")
+    else:
+        rep.fail("checkpoint disk", ck.need_words(need, cp["dir"], cp["keep"]))
+
+
 def check_host_ram(rep, launch, meminfo="/proc/meminfo"):
     """The box's RAM holds what the plan offloads to it (params, gradients, AdamW states, the ref)."""
     need = launch.predicted_host_ram_mib
@@ -425,7 +482,7 @@ def preflight(launch, extra=()):
     rep = Report()
     launch.extra = list(extra)
     for check in (check_gpu, check_vllm_share, check_driver, check_host_ram, check_env, check_data, check_dirs,
-                  check_cluster):
+                  check_disk, check_cluster):
         try:
             check(rep, launch)
         except Exception as exc:  # a check that breaks is a failed check, not a traceback
@@ -478,6 +535,139 @@ def plan_option(argv):
     return rest, plan_file
 
 
+# ---------------------------------------------------------------- the run and what follows it
+
+def run_child(cmd, cwd):
+    """``cmd`` as a child; SIGTERM, SIGINT and SIGHUP are passed on to it. Returns its exit status, or
+    ends this process by the first such signal once the child is gone (a stopped run is no finished
+    run, whatever the child's status)."""
+    sys.stdout.flush()
+    proc = subprocess.Popen(cmd, cwd=cwd)
+    got = []
+
+    def forward(signum, _frame):
+        got.append(signum)
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    before = {sig: signal.signal(sig, forward) for sig in stops}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    if got:
+        print(f"verl-lab: stopped by signal {got[0]} (child exit {rc}): the run is not finished, nothing is "
+              "exported", file=sys.stderr, flush=True)
+        signal.signal(got[0], signal.SIG_DFL)
+        os.kill(os.getpid(), got[0])
+    return rc
+
+
+def latest_checkpoint(launch):
+    try:
+        with open(os.path.join(launch.checkpoint_dir, TRACKER)) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def run_digest(launch, extra):
+    return hashlib.sha256(json.dumps([*launch.overrides, *extra]).encode()).hexdigest()
+
+
+def finished_step(launch, extra=None):
+    """The step the run finished at (``run-finished.json``), when that is still the latest checkpoint
+    and, with ``extra`` given, the run had these overrides; else None."""
+    try:
+        with open(os.path.join(launch.checkpoint_dir, FINISHED)) as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("step") is None or record.get("step") != latest_checkpoint(launch):
+        return None
+    if extra is not None and record.get("overrides_sha256") != run_digest(launch, extra):
+        return None
+    return record["step"]
+
+
+def train(launch, extra, export=True):
+    """verl's trainer as a child, then, when it finished by itself, the export and the scores."""
+    done = finished_step(launch, extra)
+    if done is not None:
+        print(f"verl-lab: the run finished at step {done} already ({launch.checkpoint_dir}/{FINISHED}, the same "
+              "overrides): no step is trained again", flush=True)
+    else:
+        rc = run_child(command(launch, extra), launch.work_dir)
+        if rc != 0:
+            print(f"verl-lab: verl exited {rc}: the run failed", file=sys.stderr, flush=True)
+            return rc
+        done = latest_checkpoint(launch)
+        part = os.path.join(launch.checkpoint_dir, FINISHED + ".part")
+        with open(part, "w") as fh:
+            json.dump({"step": done, "overrides_sha256": run_digest(launch, extra)}, fh)
+        os.replace(part, os.path.join(launch.checkpoint_dir, FINISHED))
+        print(f"verl-lab: the run finished (verl exited 0), latest checkpoint: step {done}", flush=True)
+    return after_run(launch, final=True) if export else 0
+
+
+def after_run(launch, final, score=True):
+    """The latest actor checkpoint as a proven Hugging Face folder (verl_lab_export.py), then the base
+    model's GSM8K score (kept once made) and the export's (verl_lab_score.py). 0, or AFTER_RUN_FAILED."""
+    step = latest_checkpoint(launch)
+    ckpt = launch.checkpoint_dir
+    ev = launch.evaluation
+    if any(o.startswith("trainer.nnodes=") and o != "trainer.nnodes=1" for o in launch.overrides):
+        print("verl-lab: not exported: a cluster run's checkpoint shards lie on every node's own disk, and the "
+              "merge needs every rank's shards in one folder", flush=True)
+        return 0
+    if step is None:
+        print(f"verl-lab: no checkpoint in {ckpt} to export (trainer.save_freq=-1?)", flush=True)
+        return 0
+    try:
+        exporter, scorer = box_file(EXPORTERS), box_file(SCORERS)
+    except ImportError as exc:
+        print(f"verl-lab: {exc}", file=sys.stderr, flush=True)
+        return AFTER_RUN_FAILED
+    cmd = [launch.env_python, exporter, "--checkpoint-dir", ckpt, "--step", str(step)]
+    if run_child(cmd + (["--final"] if final else []), launch.work_dir) != 0:
+        print(f"verl-lab: the export of step {step} failed (the merge's or the proof's error is above)",
+              file=sys.stderr, flush=True)
+        return AFTER_RUN_FAILED
+    if not score:
+        return 0
+    if not ev or ev.get("problem"):
+        why = ev["problem"] if ev else "it has no evaluation section (written by an older deploy/train.py?)"
+        print(f"verl-lab: not scored: {launch.plan_file}: {why}", flush=True)
+        return 0
+    common = ["--data", ev["test_file"], "--engine", ev["engine"], "--dtype", ev["dtype"], "--batch", str(ev["batch"]),
+              "--prompt-len", str(ev["prompt_len"]), "--max-new-tokens", str(ev["max_new_tokens"]),
+              "--tensor-parallel", str(ev.get("tensor_parallel_size") or 1)]
+    if ev.get("vllm_gpu_memory_utilization"):
+        common += ["--vllm-share", str(ev["vllm_gpu_memory_utilization"])]
+    step_dir = os.path.join(ckpt, f"global_step_{step}")
+    scores = {"base": ([launch.model_dir, os.path.join(ckpt, "gsm8k-base.json"), "base", "0"], False),
+              "trained": ([os.path.join(step_dir, "hf"), os.path.join(step_dir, "hf.gsm8k.json"), f"global_step_{step}",
+                           str(step)], final)}
+    found = {}
+    for what, ((model, out, label, at), is_final) in scores.items():
+        cmd = [launch.env_python, scorer, "--model", model, "--out", out, "--label", label, "--step", at,
+               *common, *(["--final"] if is_final else [])]
+        if run_child(cmd, launch.work_dir) != 0:
+            print(f"verl-lab: the GSM8K score of the {what} model failed (its error is above)", file=sys.stderr,
+                  flush=True)
+            return AFTER_RUN_FAILED
+        with open(out) as fh:
+            found[what] = json.load(fh)
+    base, trained = found["base"], found["trained"]
+    print(f"verl-lab: GSM8K {base['accuracy']:.4f} (base) -> {trained['accuracy']:.4f} (step {step}"
+          f"{'' if final else ', not final'}) on {trained['rows']} test prompts, {ev['engine']} greedy", flush=True)
+    return 0
+
+
 def main(argv):
     extra = []
     if "--" in argv:
@@ -508,11 +698,12 @@ def main(argv):
     load_env_file(launch)
     if "--check" in argv:
         return preflight(launch, extra)
+    if "--export" in argv:
+        return after_run(launch, final=finished_step(launch) == latest_checkpoint(launch),
+                         score="--no-score" not in argv)
     if "--no-preflight" not in argv and preflight(launch, extra) != 0:
         return 1
-    os.chdir(launch.work_dir)
-    sys.stdout.flush()
-    os.execv(launch.env_python, command(launch, extra))
+    return train(launch, extra, export="--no-export" not in argv)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +40,9 @@ STEPS = 5
 # Every run: no checkpoint (12 GB of fp32 states, ~18 s, not what is measured) and validation
 # after the last step (verl validates at the last step when test_freq > 0).
 RUN_OVERRIDES = ["trainer.save_freq=-1"]
+# An export profile's run: a save at every step (with the plan's retention), and when verl finishes,
+# the launcher's export, its proof and the GSM8K scores (verl_lab_box/train_launcher.py after_run).
+EXPORT_RUN_OVERRIDES = ["trainer.save_freq=1"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class Profile:
     model: str | None = None             # workload.model (a catalog model); None: the default 0.5B
     rollout: str | None = None           # workload.rollout (the product's setting, through the settings)
     resume_after: int | None = None      # run to this step saving a checkpoint, then again: it resumes
+    export: bool = False                 # save every step; the launcher exports and scores when verl finishes
     probe_profile: str = ""              # VERL_LAB_PROFILE: the worker calls the probe profiles (phase[:N],...)
     env: tuple[tuple[str, str], ...] = ()    # more environment for the run (the launcher passes it to Ray's workers)
 
@@ -68,6 +72,7 @@ class Profile:
         return self.memory_mib - OUTSIDE_TORCH_MIB if self.capped else None
 
 
+PPO_KEEP_ONE = ("trainer.max_actor_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=1")
 GRPO_FSDP2 = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=64",
               "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.use_kl_loss=True",
               "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
@@ -144,6 +149,25 @@ PROFILES = [
     Profile("rtx3090-rollout-hf", "NVIDIA GeForce RTX 3090", "8.6", 24576, rollout="hf", steps=3, validate=False,
             stands_for="RTX 3090 (24 GiB) with workload.rollout = 'hf': the product's plan for the HF rollout on a "
                        "card vLLM could run on"),
+    # a run's end product on three rungs (issue 24): 3 steps, a save at each (retention shows at the third),
+    # then the launcher's export (verl's merger, the proof) and the GSM8K scores of the base model and
+    # the export on the payload's 256 test rows (random weights: both score ~0; the pipeline is what runs).
+    # Smaller batches than the plans' (a save's size does not depend on the batch) keep three runs in one call;
+    # the two PPO runs keep one save (12.43 GB each predicted: fp32 actor and critic with AdamW states): with the
+    # plans' keep + 1 = 2 on disk the three side by side would hold about 62 GB at once on the device's 64 GiB
+    # disk. The GTX 1080 run keeps the plan's (5.94 GB a save).
+    Profile("p40-export", "Tesla P40", "6.1", 24576, steps=3, validate=False, export=True,
+            overrides=("data.train_batch_size=64", *PPO_KEEP_ONE),
+            stands_for="Tesla P40 plan (PPO with the critic, FSDP1, fp32, HF rollout) on 64 prompts a step: saves, "
+                       "export, proof, GSM8K scores"),
+    Profile("rtx3090-export", "NVIDIA GeForce RTX 3090", "8.6", 24576, rollout_engine="hf", steps=3, validate=False,
+            export=True, overrides=("data.train_batch_size=64", *PPO_KEEP_ONE),
+            stands_for="RTX 3090 plan (PPO with the critic, FSDP1, bf16; HF rollout instead of the plan's vLLM) on 64 "
+                       "prompts a step: saves, export, proof, GSM8K scores"),
+    Profile("gtx1080-export", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=3, validate=False, export=True,
+            overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
+            stands_for="GTX 1080 plan (grpo-cpu-offload: GRPO, the actor on FSDP2 CPUOffloadPolicy, fp32, HF rollout) "
+                       "on 16 prompts a step: saves, export, proof, GSM8K scores"),
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
             stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),
     *SPEED_PROFILES,
@@ -228,8 +252,6 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
     target = GpuTarget(profile.gpu_name, profile.compute_capability, profile.plan_memory_mib or profile.memory_mib, 1)
     workload = training_workload(settings)
     if profile.rollout_engine != "auto":
-        from dataclasses import replace
-
         workload = replace(workload, rollout_engine=profile.rollout_engine)
     plan = make_plan(target, workload)
     layout = TrainingLayout(settings=settings, plan=plan, plan_source="gpu_override")
@@ -261,23 +283,30 @@ def _code_tree(ref: str) -> Path:
     return dest
 
 
-def render(names: list[str], out_root: Path, today_ref: str) -> None:
+def render(names: list[str], out_root: Path, today_ref: str, steps: int | None = None, probe: bool = True) -> None:
+    """Render ``names``; ``steps`` replaces each profile's step count (a device call too short for two steps
+    each), ``probe=False`` drops their VERL_LAB_PROFILE windows (the wall-clock splits stay)."""
     for name in names:
         profile = BY_NAME[name]
+        if steps:
+            profile = replace(profile, steps=steps)
+        if not probe:
+            profile = replace(profile, probe_profile="")
         out = out_root / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         code_ref = {"today": today_ref, "speed-before": SPEED_BEFORE_REF}.get(profile.code, "HEAD")
         record = {**asdict(profile), "cap_mib": profile.cap_mib, "lab_root": lab_root(profile),
                   "verl_tree": profile.code, "env": dict(profile.env), "probe_profile": profile.probe_profile,
-                  "extra_overrides": list(RUN_OVERRIDES), "code_ref": code_ref}
+                  "extra_overrides": list(EXPORT_RUN_OVERRIDES if profile.export else RUN_OVERRIDES),
+                  "code_ref": code_ref}
         if profile.seed_recipe:
             record.update(kind="overrides", overrides=seed_overrides(profile), plan=None)
             (out / "train").mkdir()
         else:
             code_root = REPO if code_ref == "HEAD" else _code_tree(code_ref)
-            res = subprocess.run([sys.executable, __file__, "render-one", name, str(out), "--code-root", str(code_root)],
-                                 capture_output=True, text=True, cwd=code_root)
+            res = subprocess.run([sys.executable, __file__, "render-one", name, str(out), "--code-root", str(code_root),
+                                  "--steps", str(profile.steps)], capture_output=True, text=True, cwd=code_root)
             if res.returncode:
                 raise SystemExit(f"render {name} failed:\n{res.stdout}\n{res.stderr}")
             record.update(kind="launcher", plan=json.loads(res.stdout.strip().splitlines()[-1]))
@@ -302,10 +331,13 @@ def main(argv=None) -> int:
     r.add_argument("--only", default=",".join(p.name for p in PROFILES))
     r.add_argument("--out", type=Path, default=OUT_DEFAULT)
     r.add_argument("--today-ref", default=TODAY_REF)
+    r.add_argument("--steps", type=int, help="train this many steps in every rendered profile (default: each its own)")
+    r.add_argument("--no-profile", action="store_true", help="no torch.profiler windows (VERL_LAB_PROFILE)")
     one = sub.add_parser("render-one")
     one.add_argument("name")
     one.add_argument("out", type=Path)
     one.add_argument("--code-root", type=Path, required=True)
+    one.add_argument("--steps", type=int)
     sub.add_parser("list")
     args = ap.parse_args(argv)
     if args.cmd == "list":
@@ -313,13 +345,15 @@ def main(argv=None) -> int:
             print(f"{p.name:10} cap {p.cap_mib or '-':>6}  {p.stands_for}")
         return 0
     if args.cmd == "render-one":
-        print(json.dumps(render_one(BY_NAME[args.name], args.out, args.code_root)))
+        profile = BY_NAME[args.name]
+        print(json.dumps(render_one(replace(profile, steps=args.steps) if args.steps else profile, args.out,
+                                    args.code_root)))
         return 0
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         ap.error(f"unknown profile(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
-    render(names, args.out, args.today_ref)
+    render(names, args.out, args.today_ref, steps=args.steps, probe=not args.no_profile)
     return 0
 
 

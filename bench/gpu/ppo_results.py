@@ -21,6 +21,11 @@ when the run folder has none.
   tokens/s = generated tokens per step / s/step.
 * log-prob gap = the largest |rollout log-prob - actor log-prob| of the same sampled tokens
   (probe), with verl's own ``training/rollout_probs_diff_max``.
+* export (export profiles, ``export_summary``): the bytes of one save (``global_step_N``: actor,
+  critic, data.pt) against the plan's prediction (plan.json ``checkpoints.save.total_bytes``, where
+  the plan has it), which saves remain, the export's merge and proof seconds, its bytes, the
+  largest logit difference, and the GSM8K scores (accuracy, prompts/s) of the base model and the
+  export.
 """
 
 from __future__ import annotations
@@ -149,8 +154,50 @@ def summarise(run: Path) -> dict:
         "step_phases": step_phases(probe),
         "threads": next((r for r in probe if r.get("event") == "threads"), None),
         "profiles": read_profiles(run / "probe"),
+        "export": export_summary(run),
     }
     return out
+
+
+def export_summary(run: Path) -> dict | None:
+    """What an export profile's run saved, kept, exported and scored (``run/export/``, written by
+    run_profile.collect_export); None for a profile without one."""
+    folder = run / "export"
+    if not (folder / "checkpoints.json").is_file():
+        return None
+    record = json.loads((folder / "checkpoints.json").read_text())
+    plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").is_file() else {}
+    predicted = ((plan.get("checkpoints") or {}).get("save") or {}).get("total_bytes")
+    saves = record.get("saves") or {}
+    last = record["global_steps"][-1] if record.get("global_steps") else None
+
+    def read(name):
+        path = folder / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    proof = read(f"{last}.hf.proof.json") if last else None
+    trained = read(f"{last}.hf.gsm8k.json") if last else None
+    base = read("gsm8k-base.json")
+    save_bytes = saves[last]["bytes"] if last in saves else None
+    score = lambda s: None if not s else {k: s.get(k) for k in ("accuracy", "correct", "rows", "prompts_per_s",  # noqa: E731
+                                                                 "seconds", "engine", "dtype", "batch",
+                                                                 "cut_at_max_new_tokens", "peak_allocated_mib")}
+    return {
+        "kept": record.get("global_steps"), "finished": read("run-finished.json"),
+        "save_bytes": save_bytes, "save_bytes_by_role": {k: v for k, v in (saves.get(last) or {}).items()
+                                                          if k in ("actor", "critic")},
+        "predicted_save_bytes": predicted,
+        "save_ratio": round(save_bytes / predicted, 4) if save_bytes and predicted else None,
+        "proven": bool(proof and proof.get("ok")),
+        "export_bytes": (proof or {}).get("export_bytes"),
+        "merge_seconds": (proof or {}).get("merge_seconds"), "proof_seconds": (proof or {}).get("proof_seconds"),
+        "export_seconds": round(proof["merge_seconds"] + proof["proof_seconds"], 2) if proof else None,
+        "max_abs_logit_diff": (proof or {}).get("max_abs_logit_diff"),
+        "max_abs_logit_diff_vs_checkpoint_dtype": (proof or {}).get("max_abs_logit_diff_vs_checkpoint_dtype"),
+        "max_abs_weight_diff": (proof or {}).get("max_abs_weight_diff"),
+        "fsdp_version": (proof or {}).get("fsdp_version"), "world_size": (proof or {}).get("world_size"),
+        "base": score(base), "trained": score(trained),
+    }
 
 
 def step_phases(probe: list[dict]) -> dict[str, dict]:
@@ -327,6 +374,24 @@ def phase_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def export_markdown(rows: list[dict]) -> str:
+    lines = _header("| profile | saves kept | one save (bytes) | predicted | measured / predicted | export (bytes) | "
+                    "merge + proof s | logit diff (bf16 / checkpoint dtype) | GSM8K base -> trained (rows) | "
+                    "eval prompts/s (base, trained) |")
+    for r in rows:
+        e = r.get("export")
+        if not e:
+            continue
+        base, trained = e["base"] or {}, e["trained"] or {}
+        lines.append(f"| {r['profile']} | {', '.join(e['kept'] or []) or '-'} | {e['save_bytes'] or '-'} | "
+                     f"{e['predicted_save_bytes'] or '-'} | {e['save_ratio'] or '-'} | {e['export_bytes'] or '-'} | "
+                     f"{e['merge_seconds']} + {e['proof_seconds']} | {e['max_abs_logit_diff']} / "
+                     f"{e['max_abs_logit_diff_vs_checkpoint_dtype']} | {base.get('accuracy')} -> {trained.get('accuracy')} "
+                     f"({trained.get('rows') or base.get('rows')}) | {base.get('prompts_per_s')}, "
+                     f"{trained.get('prompts_per_s')} |")
+    return "\n".join(lines)
+
+
 def speed_markdown(rows: list[dict]) -> str:
     """Each card's plan before and after (profiles NAME-before, NAME-after of one session): prompts/s over steps
     2.., the ratio, the whole-run peak against the prediction and the cap, and the log-prob gap."""
@@ -380,7 +445,8 @@ def ratios(runs: Path, names: list[str]) -> str:
     for name in names:
         profile, steps = read_run(runs / name)
         speed[name] = step_speed(profile, steps)["prompts_per_s"]
-        lines.append(f"{name:20} steps {sorted(steps)}  s/step (2..) {step_speed(profile, steps)['s_per_step']}  "
+        counted = "2.." if any(n >= 2 for n in steps) else "1 (the only one)"
+        lines.append(f"{name:20} steps {sorted(steps)}  s/step (step {counted}) {step_speed(profile, steps)['s_per_step']}  "
                      f"prompts/s {speed[name]}")
     for card in sorted({n.rsplit("-", 1)[0] for n in names}):
         before, after = speed.get(f"{card}-before"), speed.get(f"{card}-after")
@@ -412,6 +478,9 @@ def main(argv=None) -> int:
         print(markdown(rows))
         print()
         print(phase_markdown(rows))
+        if any(r.get("export") for r in rows):
+            print()
+            print(export_markdown(rows))
     else:
         print(json.dumps(rows, indent=2))
     return 0

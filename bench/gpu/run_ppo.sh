@@ -27,6 +27,7 @@ python3 bench/gpu/make_model.py --out /tmp/model --tokenizer .gpu/tokenizer > "$
 unset PYTHONPATH
 echo "setup took $(( $(date +%s) - start )) s"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader > "$runs/nvidia-smi.txt"
+df -B1 /tmp > "$runs/disk-before.txt" 2>&1   # checkpoints go under /tmp/vl: export profiles write GBs
 stop=(); [ "$jobs" = 1 ] && stop=(--ray-stop)
 pack() { tar czf "$OUT/runs.tgz.part" -C "$OUT" runs && mv "$OUT/runs.tgz.part" "$OUT/runs.tgz"; }
 running=0
@@ -37,6 +38,7 @@ for spec in "$@"; do
   if [ "$running" -ge "$jobs" ]; then wait -n; running=$((running - 1)); fi
 done
 wait
+df -B1 /tmp > "$runs/disk-after.txt" 2>&1
 pack
 echo "all took $(( $(date +%s) - start )) s"
 for spec in "$@"; do p=${spec%%:*}; echo "== $p $(cat "$runs/$p/run.json" 2>/dev/null)"

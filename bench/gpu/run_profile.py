@@ -7,8 +7,11 @@ Lays out ``/tmp/vl/<NAME>`` as a box's lab_root would be after deploy/full.py (t
 with the payload's packages and the profile's verl tree on PYTHONPATH, the model and the GSM8K
 files), then runs the profile the way a box runs it:
 
-* ``launcher``: ``train-launcher --no-preflight -- <extra overrides>`` (the launcher execs
-  ``verl.trainer.main_ppo`` with the plan's overrides; it reads train.env itself);
+* ``launcher``: ``train-launcher --no-preflight [--no-export] -- <extra overrides>`` (the launcher
+  runs ``verl.trainer.main_ppo`` with the plan's overrides; it reads train.env itself); an export
+  profile leaves out ``--no-export``, so when verl finishes the launcher exports the latest
+  checkpoint, proves it and scores the base model and the export on GSM8K, and what that left in
+  the checkpoint folder is copied to ``DIR/<NAME>/export/`` (``collect_export``);
 * ``print-overrides`` (a launcher from before the ``--`` passthrough): its
   ``--print-overrides`` list, train.env, then ``verl.trainer.main_ppo`` with the extras;
 * ``overrides`` (the seed recipe): ``verl.trainer.main_ppo`` with the profile's overrides.
@@ -64,13 +67,45 @@ def command(profile: dict, root: Path, env: dict) -> list[str]:
     extra = list(profile.get("extra_overrides", []))
     launcher = root / "train" / "train-launcher"
     if profile["kind"] == "launcher":
-        return [sys.executable, str(launcher), "--no-preflight", "--", *extra]
+        return [sys.executable, str(launcher), "--no-preflight", *([] if profile.get("export") else ["--no-export"]),
+                "--", *extra]
     if profile["kind"] == "print-overrides":
         out = subprocess.run([sys.executable, str(launcher), "--print-overrides"], capture_output=True, text=True,
                              check=True)
         load_env_file(root / "train" / "train.env", env)
         return [env_python, "-m", "verl.trainer.main_ppo", *out.stdout.split("\n"), *extra]
     return [env_python, "-m", "verl.trainer.main_ppo", *profile["overrides"], *extra]
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (``du -sb`` without the directories' own blocks)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def collect_export(checkpoints: Path, out: Path) -> dict:
+    """What an export profile's run left in its checkpoint folder, into ``out``: which
+    ``global_step_*`` remain (the plan's retention), the bytes of each and of its actor and critic
+    (one save, to compare with the plan's prediction), and the JSON files the launcher's export and
+    score wrote (the proof, the scores, run-finished.json), copied as they are."""
+    out.mkdir(parents=True, exist_ok=True)
+    steps = sorted((p for p in checkpoints.glob("global_step_*") if p.is_dir()), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    record = {"checkpoint_dir": str(checkpoints), "global_steps": [p.name for p in steps],
+              "saves": {p.name: {"bytes": tree_bytes(p) - (tree_bytes(p / "hf") if (p / "hf").is_dir() else 0)
+                                 - sum(f.stat().st_size for f in p.glob("hf.*.json")),
+                                 **{role: tree_bytes(p / role) for role in ("actor", "critic") if (p / role).is_dir()},
+                                 "actor_files": sorted(f.name for f in (p / "actor").iterdir()) if (p / "actor").is_dir()
+                                 else []}
+                        for p in steps},
+              "exports": {p.name: tree_bytes(p / "hf") for p in steps if (p / "hf").is_dir()}}
+    for name in ("run-finished.json", "gsm8k-base.json", "latest_checkpointed_iteration.txt"):
+        if (checkpoints / name).is_file():
+            shutil.copy2(checkpoints / name, out / name)
+    for p in steps:
+        for name in ("hf.proof.json", "hf.gsm8k.json"):
+            if (p / name).is_file():
+                shutil.copy2(p / name, out / f"{p.name}.{name}")
+    (out / "checkpoints.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
 
 
 def main(argv=None) -> int:
@@ -151,6 +186,10 @@ def main(argv=None) -> int:
             if rcs[-1] or timed_out:
                 break
     rc = next((r for r in rcs if r), 0)
+    if profile.get("export"):
+        collect_export(root / "train" / "checkpoints", out / "export")
+        # the saves' bytes are recorded: free the disk for the runs beside and after this one
+        shutil.rmtree(root / "train" / "checkpoints", ignore_errors=True)
     if args.ray_stop:   # a run killed at its timeout leaves its local Ray cluster holding the GPU
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=env,
                        capture_output=True)

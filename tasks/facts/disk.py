@@ -7,6 +7,9 @@ from typing import Iterable
 
 from pyinfra.api import FactBase
 
+from verl_lab_box.checkpoints import fact_command as checkpoint_fact_command
+from verl_lab_box.checkpoints import parse_fact_output as parse_checkpoint_output
+
 
 def parse_df_portable(lines: Iterable[str]) -> dict | None:
     """The data row of ``df -P -m <path>``.
@@ -54,3 +57,16 @@ class FreeDisk(FactBase[dict | None]):
         if row is None:
             return self.default()
         return {"path": where, **row}
+
+
+class CheckpointDisk(FactBase[dict | None]):
+    """verl's saves under the checkpoint folder ``path`` and the free disk there (or where it would
+    be made): ``{"free": {"path", "free_bytes"}, "tracker": step or None, "saves": [{"step",
+    "roles": {"actor": bytes, "critic": bytes}}]}`` (verl_lab_box/checkpoints.py, whose ``scan``
+    answers the same on the box), or None (the default) when df gave nothing usable."""
+
+    def command(self, path: str) -> str:
+        return checkpoint_fact_command(path)
+
+    def process(self, output) -> dict | None:
+        return parse_checkpoint_output("\n".join(output)) or self.default()

@@ -35,6 +35,7 @@ class GpuModel:
 
 
 GPUS: dict[str, GpuModel] = {g.key: g for g in (
+    # one GPU of a K80 board (nvidia-smi lists its two GPUs apart; reserved_mib not from a capture).
     # Kepler: its last driver branch is R470, CUDA 11.8 needs R520 (the driver stage refuses it)
     GpuModel("k80", "Tesla K80", "3.7", 11441, 149, 3),
     GpuModel("p40", "Tesla P40", "6.1", 24576, 250, 154),

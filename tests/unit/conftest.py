@@ -20,3 +20,19 @@ def verl_python():
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     return standin.test_env()
+
+
+@pytest.fixture(scope="session")
+def patched_verl_root(tmp_path_factory):
+    """verl 0.5.0's sdist with the project's patches applied (what the boxes run), as a git tree."""
+    import subprocess
+
+    from tasks import verl_source
+
+    if shutil.which("git") is None:
+        pytest.skip("git is missing")
+    root = standin.verl_tree(tmp_path_factory.mktemp("verl"))
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    for patch in verl_source.patch_files():
+        subprocess.run(["git", "apply", str(patch)], cwd=root, check=True)
+    return root

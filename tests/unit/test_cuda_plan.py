@@ -78,7 +78,7 @@ def test_too_old_driver_names_driver_need_and_fix():
     assert plan.action == "refuse"
     msg = plan.problems[0]
     assert "470.82.01" in msg and "520.61.05" in msg and "11.8" in msg
-    assert "branch 520 or newer" in msg and "580" in msg
+    assert "branch 520 or newer" in msg and "580" in msg and "driver = 'install'" in msg
 
 
 def test_too_old_driver_on_pascal_says_which_branch():

@@ -353,3 +353,51 @@ def test_never_ran_headline_is_not_no_failure_found():
     check = "  FAIL  data marker: /opt/verl-lab/markers/data.done missing\nverl-lab preflight FAILED on box\n"
     preflight, _ = never_ran("box", check)
     assert preflight.verdict == "never ran: preflight fails"
+
+
+def test_docs_refusals_doctor_table_is_what_the_cli_printed(tmp_path):
+    """docs/refusals.md's table of the doctor's inputs: made by running each (VERL_LAB_WRITE_DOCS=1 rewrites it)."""
+    import os
+    import re
+
+    text = REAL_RUN.read_text()
+    files = {"run.log (missing)": None, "a directory": tmp_path, "empty.log": "", "junk.log": bytes(range(256)) * 4,
+             "cut.log": text[:text.index("step:3 - ")],
+             "oom.log": text[:text.index("step:3 - ")] + "torch.OutOfMemoryError: CUDA out of memory. Tried to "
+                                                         "allocate 1.50 GiB.\n"}
+    paths = {}
+    for name, content in files.items():
+        path = tmp_path / name.split(" ")[0]
+        if isinstance(content, str):
+            path.write_text(content)
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        paths[name] = path if content is not None or name != "run.log (missing)" else tmp_path / "run.log"
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    runs = [("a missing file", [paths["run.log (missing)"]]), ("a directory", [tmp_path]),
+            ("an empty file", [paths["empty.log"]]), ("a file of random bytes", [paths["junk.log"]]),
+            ("`--plan` that is not JSON", ["--plan", tmp_path / "bad.json", REAL_RUN]),
+            ("`--plan` that is a JSON list", ["--plan", tmp_path / "list.json", REAL_RUN]),
+            ("a run cut before its end", [paths["cut.log"]]), ("a run that ran out of memory", [paths["oom.log"]]),
+            ("a real run to its last step (GPU call 1's log)", [REAL_RUN])]
+    rows = ["| input | exit | headline (stdout) | stderr |", "|---|---|---|---|"]
+    for label, args in runs:
+        res = _cli(*args)
+        assert "Traceback" not in res.stdout + res.stderr, res
+        head = res.stdout.splitlines()[0] if res.stdout else ""
+        err = res.stderr.strip().replace(str(tmp_path) + "/", "").replace(str(tmp_path), "DIR")
+        err = err.replace(str(REAL_RUN.parent) + "/", "")
+        rows.append(f"| {label} | {res.returncode} | {('`' + head + '`') if head else '-'} | "
+                    f"{('`' + err + '`') if err else '-'} |")
+    table = "\n".join(rows)
+    doc = Path(__file__).resolve().parents[2] / "docs" / "refusals.md"
+    start, end = "<!-- doctor table: made by tests/unit/test_doctor.py -->", "<!-- end of doctor table -->"
+    body = doc.read_text()
+    head, rest = body.split(start, 1)
+    written, tail = rest.split(end, 1)
+    if os.environ.get("VERL_LAB_WRITE_DOCS"):
+        doc.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+        return
+    assert written.strip() == table, "docs/refusals.md's doctor table differs: VERL_LAB_WRITE_DOCS=1 rewrites it"
+    assert re.search(r"\| a real run to its last step .* \| 0 \| `== local: no failure found`", table)

@@ -52,3 +52,22 @@ def test_nothing_to_plot_says_so(tmp_path, capsys):
     assert plots.main(["--out", str(tmp_path / "o"), str(empty)]) == 2
     assert "no verl step lines yet" in capsys.readouterr().err
     assert plots.main(["--out", str(tmp_path / "o"), str(tmp_path / "missing.log")]) == 2
+
+
+def test_gsm8k_base_against_trained_per_box(tmp_path):
+    """The GSM8K figure comes with deploy/status.py's scores (its JSON for the CLI), only where a
+    box has one."""
+    import json
+
+    status_json = tmp_path / "lab.json"
+    status_json.write_text(json.dumps({"hosts": [
+        {"host": "p40", "gsm8k": {"base": 0.312, "trained": 0.355, "step": 20, "final": True}},
+        {"host": "t4", "gsm8k": {"base": 0.312, "trained": None, "step": None, "final": None}},
+        {"host": "new", "gsm8k": {"base": None, "trained": None, "step": None, "final": None}}]}))
+    out = tmp_path / "plots"
+    assert plots.main(["--out", str(out), "--status-json", str(status_json), f"p40={LOG}"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["gsm8k.png", "p40.png"]
+    assert _png_size(out / "gsm8k.png")[0] > 300
+    none = tmp_path / "none"
+    plots.plot_all({"p40": read_log(LOG)}, none, {"new": {"base": None, "trained": None}})
+    assert sorted(p.name for p in none.iterdir()) == ["p40.png"]

@@ -185,3 +185,24 @@ def test_recorded_boxes_states(case, state):
     if case in ("forgotten-failed", "reset-failed"):
         # the run's own lines come back although systemd has no invocation (or an empty one) for it
         assert "FAIL  data marker" in fact["journal"] and fact["preflight"] == ""
+
+
+def test_a_rows_gsm8k_scores_come_from_the_run_exports_fact():
+    """base -> trained from tasks.facts.export.RunExports' recorded answers: a finished run's proven,
+    scored export; a run stopped while scoring (no trained score yet); nothing there."""
+    from tests.unit.test_facts_table import FIXTURES
+
+    def exports(case):
+        return json.loads((FIXTURES / "export.RunExports" / f"{case}.json").read_text())["fact"]
+
+    done = status.box_status("p40-box", {}, {}, REAL.read_text(), None, exports=exports("finished"))
+    assert done["gsm8k"] == {"base": 0.0, "trained": 0.0, "step": 2, "final": True, "rows": 12, "engine": "hf"}
+    scoring = status.box_status("t4-box", {}, {}, "", None, exports=exports("scoring"))
+    assert (scoring["gsm8k"]["base"], scoring["gsm8k"]["trained"], scoring["gsm8k"]["step"]) == (None, None, None)
+    nothing = status.box_status("new-box", {}, {}, "", None, exports=exports("nothing"))
+    table = status.render_rows([done, scoring, nothing]).splitlines()
+    assert "GSM8K base->trained" in table[0]
+    assert table[1].endswith("0.000->0.000 @2") and table[2].endswith(" -") and table[3].endswith(" -")
+    on_demand = {**done["gsm8k"], "base": 0.312, "trained": 0.355, "step": 20, "final": False}
+    assert status.gsm8k_words(on_demand) == "0.312->0.355 @20?"
+    assert status.gsm8k_words({**on_demand, "trained": None, "step": None}) == "0.312->-"

@@ -126,6 +126,7 @@ def test_launcher_and_gpu_reader_ship_as_they_are():
     assert launcher.content == train_stage.LAUNCHER.read_bytes() and launcher.mode == "750"
     assert placed[f"{lay.train_dir}/verl_lab_gpu.py"].content == train_stage.GPU_MODULE.read_bytes()
     assert placed[f"{lay.train_dir}/verl_lab_vllm_share.py"].content == train_stage.VLLM_SHARE_MODULE.read_bytes()
+    assert placed[f"{lay.train_dir}/verl_lab_checkpoints.py"].content == train_stage.CHECKPOINTS_MODULE.read_bytes()
     assert train_stage.LAUNCHER.parent.name == train_stage.GPU_MODULE.parent.name == "verl_lab_box"
     ast.parse(launcher.content)
     assert launcher.content.startswith(b"#!/usr/bin/env python3\n")
@@ -171,7 +172,8 @@ def box(tmp_path):
     Path(s.marker_dir).mkdir(parents=True, exist_ok=True)
     train = Path(lay.train_dir)
     assert sorted(p.name for p in train.iterdir() if p.is_file()) == [
-        "plan.json", "train-launcher", "train.env", "verl_lab_gpu.py", "verl_lab_vllm_share.py"]
+        "plan.json", "train-launcher", "train.env", "verl_lab_checkpoints.py", "verl_lab_export.py", "verl_lab_gpu.py",
+        "verl_lab_score.py", "verl_lab_vllm_share.py"]
     launcher = train / "train-launcher"
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -352,7 +354,7 @@ def test_no_preflight_execs_main_ppo_in_work_dir(box):
         "'offline': os.environ.get('HF_HUB_OFFLINE')}))\n")
     out = run_launcher(box, "--no-preflight")
     assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
     assert got["cwd"] == box["layout"].work_dir
     assert got["argv"] == box["layout"].plan.override_lines
     assert got["offline"] == "1"        # read from train.env when run by hand

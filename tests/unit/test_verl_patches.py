@@ -9,6 +9,7 @@ about 2 minutes to build it, later runs reuse it). Patch application needs only 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def test_patch_set_is_pinned_to_0_5_0():
         "0003-guard-flash-attn-import.diff",
         "0004-hf-rollout-positions-and-sampling.diff",
         "0005-hf-rollout-one-sequence-per-repeated-prompt.diff",
+        "0006-checkpoint-retention-across-restarts-and-nodes.diff",
         "0007-fsdp2-gather-once-per-pass.diff",
         "0008-fsdp2-update-gather-and-reduce-once-per-mini-batch.diff",
         "0009-fused-adamw-from-config.diff",
@@ -172,3 +174,44 @@ def test_flash_attn_import_guarded(probe):
     assert set(patched.values()) == {"imported"}, patched
     loud = probe("patched", "remove_padding_without_flash_attn")
     assert loud["raised"] and "use_remove_padding" in loud["raised"]
+
+
+# ---------------------------------------------------------------- 0006: checkpoint retention
+
+CHECKPOINT_PROBE = Path(__file__).resolve().parents[1] / "fixtures" / "verl_checkpoint_probe.py"
+
+
+@pytest.fixture(scope="module")
+def retention(python, trees):
+    """verl's FSDPCheckpointManager on CPU, two ranks as two boxes with their own disks (a mount
+    namespace each: root only), max_ckpt_to_keep=2: saves 1-3, then a new manager (a restarted
+    process) saves 4. Per tree, per box: the steps whose actor save remains after each save."""
+    if os.geteuid() != 0:
+        pytest.skip("the two boxes' disks are mount namespaces: root only")
+    runs = {tree: subprocess.Popen([str(python), str(CHECKPOINT_PROBE), "retention"], cwd=trees[tree], text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for tree in ("pristine", "patched")}
+    found = {}
+    for tree, run in runs.items():
+        stdout, stderr = run.communicate(timeout=900)
+        items = [json.loads(line[len("PROBE "):]) for line in stdout.splitlines() if line.startswith("PROBE ")]
+        assert run.returncode == 0 and items and not any("error" in i for i in items), stdout[-2000:] + stderr[-3000:]
+        found[tree] = {(i["rank"], i["after"]): i for i in items}
+    return found
+
+
+def test_pristine_verl_keeps_saves_from_before_a_restart_and_on_other_boxes(retention):
+    box0, box1 = (lambda after: retention["pristine"][(0, after)]["steps"]), \
+        (lambda after: retention["pristine"][(1, after)]["steps"])
+    assert box0(3) == [2, 3]          # rank 0 removes on its own disk ...
+    assert box1(3) == [1, 2, 3]       # ... never on the other box's
+    assert box0(4) == [2, 3, 4]       # a restarted manager forgets the saves before it
+    assert box1(4) == [1, 2, 3, 4]
+
+
+def test_patched_verl_keeps_max_ckpt_to_keep_on_every_box_across_a_restart(retention):
+    for rank in (0, 1):
+        steps = [retention["patched"][(rank, after)]["steps"] for after in (1, 2, 3, 4)]
+        assert steps == [[1], [1, 2], [2, 3], [3, 4]], (rank, steps)
+        assert retention["patched"][(rank, 4)]["files"] == [
+            f"global_step_{s}/actor/{kind}_world_size_2_rank_{rank}.pt" for s in (3, 4)
+            for kind in ("extra_state", "model", "optim")]

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
 from tasks.plan import GpuTarget
-from tests.fixtures.standins import env as standin
 from tests.unit.test_verl_compose import _plan, _plans
 
 CHECK = Path(__file__).resolve().parents[1] / "fixtures" / "verl_plan_check.py"
@@ -42,13 +40,9 @@ def _broken():
 
 
 @pytest.fixture(scope="module")
-def verl_root(tmp_path_factory):
+def verl_root(patched_verl_root):
     """verl 0.5.0's sdist with the project's patches applied."""
-    root = standin.verl_tree(tmp_path_factory.mktemp("verl"))
-    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
-    for patch in verl_source.patch_files():
-        subprocess.run(["git", "apply", str(patch)], cwd=root, check=True)
-    return root
+    return patched_verl_root
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +52,15 @@ def results(verl_python, verl_root, tmp_path_factory):
               "train_rows": TRAIN_ROWS, "val_rows": 64} for label, gpu, extra in CASES]
     items += [{"label": label, "overrides": lines, "n_gpus": n, "train_rows": TRAIN_ROWS, "val_rows": 64}
               for label, lines, n, _ in _broken()]
-    plans = tmp_path_factory.mktemp("plans") / "plans.json"
+    return run_plan_check(verl_python, root, items, tmp_path_factory.mktemp("plans"))
+
+
+def run_plan_check(verl_python, verl_root, items: list[dict], folder) -> dict:
+    """verl_plan_check.py on ``items`` (each ``{"label", "overrides", "n_gpus", ...}``) in the tree:
+    its answer per label."""
+    plans = folder / "plans.json"
     plans.write_text(json.dumps(items))
-    res = subprocess.run([str(verl_python), str(CHECK), str(plans)], cwd=root, capture_output=True, text=True,
+    res = subprocess.run([str(verl_python), str(CHECK), str(plans)], cwd=verl_root, capture_output=True, text=True,
                          timeout=900)
     found = {}
     for line in res.stdout.splitlines():

@@ -1,0 +1,46 @@
+"""Export and score each box's latest checkpoint now: `pyinfra -y inventory/lab.py deploy/export.py`.
+
+What a finished run does by itself (verl_lab_box/train_launcher.py ``after_run``), on demand: as
+the train user, `train-launcher --export` turns the latest actor checkpoint into a proven Hugging
+Face folder beside it (`<train_dir>/checkpoints/global_step_N/hf`, its proof `hf.proof.json`) and
+scores the base model (once) and the export on GSM8K's test split (`gsm8k-base.json`,
+`global_step_N/hf.gsm8k.json`). An export of a run still training is recorded as not final.
+
+A box whose training unit is running gets the export only (it runs on the CPU): the score needs
+the GPU that training holds, and comes when the run finishes. A box whose latest checkpoint is
+proven and scored changes nothing; so does a box with no checkpoint. `deploy/status.py` shows
+`base -> trained` per box.
+"""
+
+import shlex
+
+from pyinfra import host
+from pyinfra.operations import server
+
+from tasks.facts.bundle import ask
+from tasks.facts.export import RunExports
+from tasks.facts.files import UnitState
+from tasks.hostdata import check_inventory, settings_for
+from tasks.settings import TRAIN_UNIT
+
+check_inventory()
+settings = settings_for()
+exports, unit = ask((RunExports, {"checkpoint_dir": f"{settings.train_dir}/checkpoints"}), (UnitState, {"unit": TRAIN_UNIT}))
+step = exports["latest_step"]
+latest = next((e for e in exports["exports"] if e["step"] == step), None) or {}
+proven = bool((latest.get("proof") or {}).get("ok"))
+scored = proven and bool(latest.get("score")) and bool(exports["base"])
+training = unit["active"]
+if step is None:
+    host.noop("no checkpoint to export yet")
+elif scored or (proven and training):
+    host.noop(f"step {step} already exported and proven" + (", scores wait for the run to finish" if not scored else
+                                                            " and scored"))
+else:
+    q = shlex.quote
+    server.shell(
+        name=f"Export step {step} (proven Hugging Face folder)" + (" and score it on GSM8K" if not training else
+                                                                   "; the score waits: the GPU is training"),
+        commands=[f"runuser -u {q(settings.train_user)} -- {q(settings.launcher_python)} "
+                  f"{q(settings.train_dir + '/train-launcher')} --export" + (" --no-score" if training else "")],
+    )

@@ -1,0 +1,210 @@
+"""Everything a user can get wrong is refused before any box changes (issue 26), on lab-in-a-box
+hosts: real pyinfra over SSH to real systemd boxes, stand-in nvidia-smi (a T4, a P40, and a Tesla K80
+on driver 470).
+
+Each bad input is one run of ``deploy/full.py``, as a user would run it; the boxes' state (every
+file under /opt, /usr/local, /etc/systemd/system and /var/tmp/verl-lab with its size, mode, owner
+and time; users and groups; installed packages; the verl-lab units and the env generation) is the
+same after it as before. A GPU known from host data (gpu_override) is refused by the check of the
+inventory, before pyinfra connects; a box's own GPU at its first fact pass, where only that box
+fails. One run with many bad settings on two hosts lists every problem. A workload verl 0.5.0 runs
+(train_batch_size 3, mini-batch 2) is deployed. ``train_unit_state = "stopped"`` stops a unit that
+crash-loops and a re-run changes nothing; status and the doctor then say it failed, not "never ran".
+
+docs/refusals.md's table is made from these runs: ``VERL_LAB_WRITE_DOCS=1`` rewrites it; otherwise
+the test checks the doc says what the runs printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.lab import BoxSpec
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "refusals.md"
+TABLE_START, TABLE_END = "<!-- table: made by tests/e2e/test_refusals.py -->", "<!-- end of table -->"
+UNIT = "verl-lab-train.service"
+K80_DRIVER = "470.256.02"          # branch R470: the last a Kepler GPU runs
+T4_8GB = {"name": "Tesla T4", "compute_capability": "7.5", "memory_mib": 8192, "count": 1}
+T4_4GB = {"name": "Tesla T4", "compute_capability": "7.5", "memory_mib": 4096, "count": 1}
+K80 = {"name": "Tesla K80", "compute_capability": "3.7", "memory_mib": 11441, "count": 2}
+B200 = {"name": "NVIDIA B200", "compute_capability": "10.0", "memory_mib": 183359, "count": 1}
+
+STATE = ("find /opt /usr/local /etc/systemd/system /var/tmp/verl-lab -xdev -printf '%p|%y|%s|%m|%u|%g|%T@\\n' "
+         "2>/dev/null | sort | sha256sum; sha256sum /etc/passwd /etc/group; dpkg-query -W | sha256sum; "
+         f"systemctl list-unit-files 'verl-lab*' --no-legend; systemctl list-units --all 'verl-lab*' --no-legend; "
+         "grep -h generation /opt/verl-lab/markers/env.done 2>/dev/null || echo 'no env generation'")
+
+# (row, what a user set, hosts, per-host data, where it is refused)
+CASES = [
+    ("a 3B model on an 8 GB GPU (gpu_override)", 'workload = {"model": "Qwen/Qwen2.5-3B-Instruct"}, '
+     'gpu_override = 8 GB Tesla T4', ["t4"], {"t4": {"gpu_override": T4_8GB,
+                                                  "workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}}}, "inventory"),
+    ("the 0.5B model on a 4 GB GPU (gpu_override)", "gpu_override = 4 GB Tesla T4", ["t4"],
+     {"t4": {"gpu_override": T4_4GB}}, "inventory"),
+    ("a Tesla K80 as gpu_override", "gpu_override = 2 x Tesla K80 (cc 3.7)", ["t4"], {"t4": {"gpu_override": K80}},
+     "inventory"),
+    ("a Blackwell GPU as gpu_override", "gpu_override = NVIDIA B200 (cc 10.0)", ["t4"],
+     {"t4": {"gpu_override": B200}}, "inventory"),
+    ("a box with a Tesla K80 (driver 470)", "nothing: the box's nvidia-smi says 2 x Tesla K80, driver 470.256.02",
+     ["k80"], {}, "k80"),
+    ("a batch larger than GSM8K's train split", 'workload = {"algorithm": "ppo", "train_batch_size": 10000}',
+     ["t4"], {"t4": {"workload": {"algorithm": "ppo", "train_batch_size": 10000}}}, "t4"),
+    ("sequences longer than Phi-3-mini-4k's context (vLLM on the T4)",
+     'workload = {"model": "microsoft/Phi-3-mini-4k-instruct", "max_response_length": 4000}', ["t4"],
+     {"t4": {"workload": {"model": "microsoft/Phi-3-mini-4k-instruct", "max_response_length": 4000}}}, "t4"),
+    ("a misspelt setting", 'mirror_profle = "cn"', ["t4"], {"t4": {"mirror_profle": "cn"}}, "inventory"),
+    ("many bad settings on two hosts in one run",
+     't4: mirror_profle = "cn", train_unit_state = "stoped", workload = {"epochs": 0, "max_response_length": "256"}; '
+     'p40: hf_token_file = "/nonexistent/token", gpu_override = 2 x Tesla K80', ["t4", "p40"],
+     {"t4": {"mirror_profle": "cn", "train_unit_state": "stoped", "workload": {"epochs": 0, "max_response_length": "256"}},
+      "p40": {"hf_token_file": "/nonexistent/token", "gpu_override": K80}}, "inventory"),
+]
+ROWS: list[dict] = []
+
+
+@pytest.fixture(scope="module")
+def lab(lab_factory):
+    return lab_factory([BoxSpec("t4", gpu="t4"), BoxSpec("p40", gpu="p40"),
+                        BoxSpec("k80", gpu="k80", gpu_count=2, driver=K80_DRIVER)])
+
+
+def state(lab, names) -> dict:
+    return {name: lab.box(name).ssh(STATE).stdout for name in names}
+
+
+def refusal_lines(output: str) -> list[str]:
+    """What verl-lab printed about the refusal: the inventory check's lines, or a box's failure."""
+    lines = [line.strip() for line in output.splitlines()]
+    found = [line for line in lines if line.startswith(("verl-lab: the inventory has errors", "host "))]
+    found += [re.sub(r"^.*?(verl-lab (checks|base): )", r"\1", line) for line in lines
+              if re.search(r"verl-lab (checks|base): host ", line)]
+    return list(dict.fromkeys(found))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_each_bad_input_stops_before_any_box_changes(lab, case):
+    row, what, hosts, per_host, where = case
+    before = state(lab, hosts)
+    started = time.monotonic()
+    res = lab.deploy("deploy/full.py", hosts=hosts, per_host=per_host, timeout=600)
+    took = time.monotonic() - started
+    printed = refusal_lines(res.output)
+    assert res.rc != 0 and printed, res.tail()
+    assert state(lab, hosts) == before, f"{row}: a box changed\n{res.tail()}"
+    if where == "inventory":
+        # nothing ran: pyinfra stopped before it connected to a box
+        assert printed[0] == "verl-lab: the inventory has errors; nothing was changed on any host:", printed
+        assert not res.ran_operations, res.tail()
+    else:
+        # the box's own GPU, known at its first fact pass: only its failure was queued
+        assert res.failed_hosts == [where] and res.changed_by_host.get(where, 0) == 0, res
+    ROWS.append({"row": row, "input": what, "where": where, "rc": res.rc, "seconds": round(took, 1),
+                 "printed": printed})
+
+
+def test_the_messages_name_host_key_value_reason_and_fix():
+    by = {r["row"]: r["printed"] for r in ROWS}
+    text = {k: "\n".join(v) for k, v in by.items()}
+    assert "host t4: workload: 1 x Tesla T4 (compute capability 7.5, 8192 MiB, from gpu_override): " \
+           "qwen2.5-3b-gsm8k (GRPO) does not fit" in text["a 3B model on an 8 GB GPU (gpu_override)"]
+    assert "Models of the catalog that fit" in text["a 3B model on an 8 GB GPU (gpu_override)"]
+    assert "short by" in text["the 0.5B model on a 4 GB GPU (gpu_override)"]
+    assert "host t4: gpu_override: 2 x Tesla K80" in text["a Tesla K80 as gpu_override"] and \
+           "R470" in text["a Tesla K80 as gpu_override"]
+    assert "sm_100" in text["a Blackwell GPU as gpu_override"]
+    k80 = text["a box with a Tesla K80 (driver 470)"]
+    assert "verl-lab checks: host k80: GPU (nvidia-smi): 2 x Tesla K80 (compute capability 3.7" in k80 and "R470" in k80
+    assert "Train dataloader is empty!" in text["a batch larger than GSM8K's train split"]
+    assert "host t4: workload.train_batch_size:" in text["a batch larger than GSM8K's train split"]
+    assert "model context length should be greater than total sequence length" in \
+           text["sequences longer than Phi-3-mini-4k's context (vLLM on the T4)"]
+    assert "did you mean mirror_profile?" in text["a misspelt setting"]
+    many = by["many bad settings on two hosts in one run"]
+    keys = [line.split(":")[1].strip() for line in many[1:]]
+    assert sorted(keys) == sorted(["mirror_profle", "workload.max_response_length", "workload.epochs",
+                                   "train_unit_state", "hf_token_file"]), many
+    # p40's K80 override is checked too, once its settings are right: its settings' problem comes first
+    assert all(". Fix: " in line for line in many[1:]), many
+
+
+def test_a_workload_verl_runs_is_deployed(lab):
+    """train_batch_size 3, mini-batch 2: verl 0.5.0 accepts it (tests/unit/test_verl_rules.py) and its
+    updates run it (tests/unit/test_verl_uneven_mini_batch.py): planned and placed as asked."""
+    res = lab.deploy("deploy/train.py", hosts=["t4"],
+                     per_host={"t4": {"workload": {"train_batch_size": 3, "ppo_mini_batch_size": 2}}}, timeout=600)
+    res.assert_ok()
+    plan = json.loads(lab.box("t4").read_text("/opt/verl-lab/train/plan.json"))
+    assert (plan["workload"]["train_batch_size"], plan["workload"]["ppo_mini_batch_size"]) == (3, 2)
+    ROWS.append({"row": "train_batch_size 3, ppo_mini_batch_size 2", "input": 'workload = {"train_batch_size": 3, '
+                 '"ppo_mini_batch_size": 2}', "where": "accepted", "rc": res.rc, "seconds": None,
+                 "printed": ["accepted and deployed: verl 0.5.0's checks pass and its updates run a step of 3 as "
+                             "mini-batches of 2 and 1 (tests/unit/test_verl_uneven_mini_batch.py)"]})
+
+
+def unit(lab, name="t4") -> dict:
+    out = lab.box(name).ssh(f"systemctl show -p ActiveState -p SubState -p NRestarts -p UnitFileState {UNIT}").stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def test_stopped_stops_a_crash_looping_unit_and_status_and_doctor_say_it_failed(lab, tmp_path):
+    started = lab.deploy("deploy/train.py", hosts=["t4"], per_host={"t4": {"train_unit_state": "started"}},
+                         timeout=900)
+    # the box has no env and no data: the launcher's preflight stops the run, the stage fails that box
+    assert started.failed_hosts == ["t4"], started.tail()
+    for _ in range(60):
+        if unit(lab)["ActiveState"] in ("activating", "failed") and unit(lab)["SubState"] in ("auto-restart", "failed"):
+            break
+        time.sleep(1)
+    res = lab.deploy("deploy/train.py", hosts=["t4"], per_host={"t4": {"train_unit_state": "stopped"}}, timeout=900)
+    res.assert_ok()
+    assert any("stopped (train_unit_state=stopped" in name for _, name in res.changed_ops), res.changed_ops
+    now = unit(lab)
+    assert now["ActiveState"] in ("inactive", "failed") and now["UnitFileState"] == "disabled", now
+    time.sleep(35)           # RestartSec=30: a unit still in its restart loop would have started again
+    later = unit(lab)
+    assert later["ActiveState"] == now["ActiveState"] and later["NRestarts"] == now["NRestarts"], (now, later)
+    lab.deploy("deploy/train.py", hosts=["t4"], per_host={"t4": {"train_unit_state": "stopped"}},
+               timeout=900).assert_idempotent()
+    # the unit ran and failed: systemd has unloaded it (not enabled, inactive); the journal has not forgotten
+    path = tmp_path / "status.json"
+    status = lab.deploy("deploy/status.py", hosts=["t4"], data={"status_json": str(path)}, mode="text")
+    row = json.loads(path.read_text())["hosts"][0]
+    assert row["unit"] == "failed" and "its last run this boot" in row["unit_detail"], (row, status.tail())
+    doctor = lab.deploy("deploy/doctor.py", hosts=["t4"], mode="text")
+    assert "== t4: failed" in doctor.output and "never ran" not in doctor.output, doctor.tail()
+    assert "[stage-not-finished]" in doctor.output, doctor.tail()
+
+
+def render_table(rows: list[dict]) -> str:
+    out = ["| bad input | what the user set | refused where | exit | s | what verl-lab printed |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        where = {"inventory": "the inventory check, before any connection", "accepted": "accepted"}.get(
+            r["where"], f"{r['where']}'s first fact pass (only that box fails)")
+        printed = "<br>".join(line.replace("|", "\\|") for line in r["printed"])
+        took = r["seconds"] if r["seconds"] is not None else "-"
+        out.append(f"| {r['row']} | `{r['input']}` | {where} | {r['rc']} | {took} | {printed} |")
+    return "\n".join(out)
+
+
+def test_docs_table_is_what_the_runs_printed():
+    assert len(ROWS) == len(CASES) + 1, "run the whole module: the table is made from every case"
+    text = DOC.read_text()
+    head, rest = text.split(TABLE_START, 1)
+    written, tail = rest.split(TABLE_END, 1)
+    if os.environ.get("VERL_LAB_WRITE_DOCS"):
+        DOC.write_text(f"{head}{TABLE_START}\n{render_table(ROWS)}\n{TABLE_END}{tail}")
+        return
+    # the seconds (the fifth column) change from run to run; everything else must be what these runs printed
+    def drop_seconds(table: str) -> list[str]:
+        return ["|".join(cell for i, cell in enumerate(line.split("|")) if i != 5) for line in table.strip().splitlines()]
+    assert drop_seconds(written) == drop_seconds(render_table(ROWS)), \
+        "docs/refusals.md differs from the runs: VERL_LAB_WRITE_DOCS=1 rewrites it"

@@ -1,0 +1,197 @@
+"""The export (verl_lab_box/export.py) on checkpoints that verl 0.5.0's own FSDPCheckpointManager
+made here on CPU (tests/fixtures/tiny_checkpoint.py: FSDP1 and FSDP2, two ranks on gloo, two update
+steps), merged by verl's own ``python -m verl.model_merger`` and proven.
+
+Behaviour, with real parts: verl 0.5.0 (the sdist with the project's patches), transformers and
+safetensors of verl's pinned set, and the CPU torch standing in for torch 2.6.0+cu118 (the unit
+tests' cached env). What stands in: CPU and gloo for the GPUs and NCCL, a tiny Qwen2 model
+(tests/fixtures/standins/hf_endpoint.py), plain next-token steps for PPO's. The failures are made
+for real (a shard removed, another model's config, no fsdp_config.json) and the doctor must name
+what verl's merger, torch and transformers printed. Not here: checkpoints made on a GPU, and the
+0.5B's size and time (the GPU harness's export profiles, docs/training-runs.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tasks.doctor import diagnose
+from tests.fixtures.standins import env as standin
+from tests.fixtures.standins.hf_endpoint import write_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+EXPORT = REPO / "verl_lab_box" / "export.py"
+CHECKPOINT = REPO / "tests" / "fixtures" / "tiny_checkpoint.py"
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def lab(verl_python, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export")
+    root = standin.patched_verl_tree(tmp / "verl")
+    model = write_tiny_model(tmp / "model")
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{REPO / 'verl_lab_box'}", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def run(*args, timeout=600):
+        return subprocess.run([str(verl_python), *map(str, args)], cwd=tmp, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    return SimpleNamespace(tmp=tmp, model=model, run=run)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(lab):
+    """{strategy: (checkpoint folder, the parameters' sha256 per step as FSDP gathered them)}."""
+    made = {}
+    for strategy in ("fsdp", "fsdp2"):
+        out = lab.tmp / f"ckpt-{strategy}"
+        res = lab.run(CHECKPOINT, "--model", lab.model, "--out", out, "--strategy", strategy, "--world-size", 2,
+                      "--steps", STEPS)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        made[strategy] = (out, json.loads(res.stdout.strip().splitlines()[-1])["digests"])
+    return made
+
+
+@pytest.fixture(scope="module")
+def exported(lab, checkpoints):
+    """The export of each checkpoint's last step, made once: {strategy: (folder, proof, output)}."""
+    found = {}
+    for strategy, (ckpt, _) in checkpoints.items():
+        res = lab.run(EXPORT, "--checkpoint-dir", ckpt, "--final")
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        step = ckpt / f"global_step_{STEPS}"
+        found[strategy] = (step, json.loads((step / "hf.proof.json").read_text()), res.stdout)
+    return found
+
+
+def _digests(lab, actor: Path) -> dict:
+    """sha256 of each parameter as export.full_weights rebuilds it from the shards."""
+    code = ("import hashlib, json, sys, export\n"
+            "w, _ = export.full_weights(sys.argv[1])\n"
+            "print(json.dumps({k: hashlib.sha256(v.float().contiguous().numpy().tobytes()).hexdigest() "
+            "for k, v in w.items()}))")
+    res = lab.run("-c", code, actor)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("strategy,fsdp_version", [("fsdp", 1), ("fsdp2", 2)])
+def test_the_latest_checkpoint_becomes_a_proven_hugging_face_folder(lab, checkpoints, exported, strategy,
+                                                                    fsdp_version):
+    step, proof, out = exported[strategy]
+    assert proof["ok"] and proof["step"] == STEPS and proof["final"] is True
+    assert (proof["fsdp_version"], proof["world_size"]) == (fsdp_version, 2)
+    assert (proof["checkpoint_dtype"], proof["export_dtype"]) == ("float32", "bfloat16")
+    # the export holds exactly the checkpoint's weights in bf16, and its logits are theirs
+    assert proof["max_abs_weight_diff"] == 0.0
+    assert proof["max_abs_logit_diff"] <= proof["logit_tolerance"] == 1e-3
+    assert 0 < proof["max_abs_logit_diff_vs_checkpoint_dtype"] < 0.1      # the bf16 rounding, recorded
+    names = {f["name"] for f in proof["files"]}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= names
+    assert sorted(p.name for p in (step / "hf").iterdir()) == sorted(names)
+    assert proof["export_bytes"] == sum((step / "hf" / n).stat().st_size for n in names)
+    assert sorted(p.name for p in step.iterdir()) == ["actor", "hf", "hf.proof.json"]    # no partial left
+    assert "verl.model_merger merge --backend fsdp" in out and "proven" in out
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_the_proof_rebuilds_the_weights_fsdp_itself_gathers(lab, checkpoints, strategy):
+    """The proof's reference is not the merger's join: each parameter rebuilt from the shards equals,
+    bit for bit, what FSDP's own full state dict gave at that step (and step 1's differs: it trained)."""
+    ckpt, digests = checkpoints[strategy]
+    rebuilt = _digests(lab, ckpt / f"global_step_{STEPS}" / "actor")
+    assert rebuilt == digests[str(STEPS)]
+    assert rebuilt["model.norm.weight"] != digests["1"]["model.norm.weight"]
+
+
+def test_a_re_run_changes_nothing(lab, checkpoints, exported):
+    step, proof, _ = exported["fsdp"]
+    before = {p.name: p.stat().st_mtime_ns for p in [*(step / "hf").iterdir(), step / "hf.proof.json"]}
+    res = lab.run(EXPORT, "--checkpoint-dir", checkpoints["fsdp"][0], "--final")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "already proven" in res.stdout and "model_merger" not in res.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in [*(step / "hf").iterdir(), step / "hf.proof.json"]} == before
+
+
+def test_the_proof_refuses_an_export_that_is_not_the_checkpoint(lab, exported, tmp_path):
+    """One weight moved (the weight check), or the same weights under another config (the logits)."""
+    step = exported["fsdp"][0]
+    moved, config = tmp_path / "moved", tmp_path / "config"
+    shutil.copytree(step / "hf", moved)
+    shutil.copytree(step / "hf", config)
+    cfg = json.loads((config / "config.json").read_text())
+    cfg["rope_theta"] = 10000.0
+    (config / "config.json").write_text(json.dumps(cfg))
+    code = ("import json, sys, export\n"
+            "from safetensors.torch import load_file, save_file\n"
+            "path = sys.argv[1] + '/model.safetensors'\n"
+            "t = load_file(path); t['model.norm.weight'][0] += 0.5; save_file(t, path, metadata={'format': 'pt'})\n"
+            "found = {}\n"
+            "for folder in sys.argv[1:3]:\n"
+            "    try:\n        export.prove(folder, sys.argv[3]); found[folder] = 'proven'\n"
+            "    except export.ExportError as exc:\n        found[folder] = str(exc)\n"
+            "print(json.dumps(found))")
+    res = lab.run("-c", code, moved, config, step / "actor")
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "model.norm.weight differs from the checkpoint's weights" in found[str(moved)]
+    assert "logits differ from the checkpoint's weights" in found[str(config)]
+
+
+def _broken(checkpoints, tmp_path: Path, name: str) -> Path:
+    """A copy of the FSDP1 checkpoint's last step, to break."""
+    ckpt = tmp_path / name
+    shutil.copytree(checkpoints["fsdp"][0] / f"global_step_{STEPS}" / "actor", ckpt / f"global_step_{STEPS}" / "actor")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
+    return ckpt
+
+
+def _fails(lab, ckpt: Path, rule: str, *texts: str) -> str:
+    res = lab.run(EXPORT, "--checkpoint-dir", ckpt)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out[-3000:]
+    assert "verl-lab export FAILED" in res.stderr
+    for text in texts:
+        assert text in out, out[-3000:]
+    step = ckpt / f"global_step_{STEPS}"
+    assert sorted(p.name for p in step.iterdir()) == ["actor"]            # nothing half-made beside it
+    assert rule in [f.rule for f in diagnose("box", {"journal": out}).findings], out[-3000:]
+    return out
+
+
+def test_a_missing_shard_fails_with_verls_own_error_and_the_doctor_names_it(lab, checkpoints, tmp_path):
+    ckpt = _broken(checkpoints, tmp_path, "missing")
+    (ckpt / f"global_step_{STEPS}" / "actor" / "model_world_size_2_rank_1.pt").unlink()
+    _fails(lab, ckpt, "checkpoint-shard-missing", "FileNotFoundError: [Errno 2] No such file or directory:",
+           "model_world_size_2_rank_1.pt")
+
+
+def test_another_world_size_fails_the_same_way(lab, checkpoints, tmp_path):
+    ckpt = _broken(checkpoints, tmp_path, "world")
+    (ckpt / f"global_step_{STEPS}" / "actor" / "fsdp_config.json").write_text('{"FSDP_version": 1, "world_size": 4}')
+    _fails(lab, ckpt, "checkpoint-shard-missing", "model_world_size_4_rank_0.pt")
+
+
+def test_a_checkpoint_of_another_model_is_refused(lab, checkpoints, tmp_path):
+    """The shards of one model under another model's config.json (the hidden size differs)."""
+    ckpt = _broken(checkpoints, tmp_path, "other")
+    config = ckpt / f"global_step_{STEPS}" / "actor" / "huggingface" / "config.json"
+    cfg = json.loads(config.read_text())
+    cfg.update(hidden_size=32, intermediate_size=64)
+    config.write_text(json.dumps(cfg))
+    _fails(lab, ckpt, "checkpoint-other-model", "size mismatch for")
+
+
+def test_a_folder_without_fsdp_config_is_no_verl_checkpoint(lab, checkpoints, tmp_path):
+    ckpt = _broken(checkpoints, tmp_path, "noconfig")
+    (ckpt / f"global_step_{STEPS}" / "actor" / "fsdp_config.json").unlink()
+    _fails(lab, ckpt, "checkpoint-not-verl-fsdp", "fsdp_config.json does not exist")

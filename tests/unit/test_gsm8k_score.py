@@ -1,0 +1,196 @@
+"""The GSM8K score (verl_lab_box/gsm8k_score.py).
+
+* the batching that keeps every generate() call within the shape the memory model sized (pure);
+* behaviour on CPU with real parts: the tiny Qwen2 model (tests/fixtures/standins/hf_endpoint.py)
+  through transformers' ``generate``, the data stage's own test.parquet (verl_lab_box/gsm8k.py),
+  verl 0.5.0's own reward function; a re-run changes nothing; and, with the generation replaced by
+  known answers, the score counts exactly the right ones (a random model scores 0, which proves
+  nothing about the judge);
+* the vLLM path at the interface only (plumbing): vLLM cannot run here, so a module named ``vllm``
+  with the constructor and ``SamplingParams`` fields of vLLM 0.8.5 that verl 0.5.0's vLLM rollout
+  uses records what the score program asks of it. Whether vLLM 0.8.5 then generates the same
+  greedy answers is not tested anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.fixtures.standins import env as standin
+from tests.fixtures.standins.hf_endpoint import tiny_gsm8k_files, write_tiny_model
+from verl_lab_box.gsm8k_score import batches
+
+REPO = Path(__file__).resolve().parents[2]
+SCORE = REPO / "verl_lab_box" / "gsm8k_score.py"
+GSM8K = REPO / "verl_lab_box" / "gsm8k.py"
+ARGS = ["--engine", "hf", "--dtype", "float32", "--batch", "4", "--prompt-len", "128", "--max-new-tokens", "16"]
+
+FAKE_VLLM = '''\
+"""A stand-in for vLLM 0.8.5's LLM and SamplingParams: records what it is asked (tests only)."""
+import json, os
+
+ENGINE_ARGS = {"model", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_model_len", "tensor_parallel_size",
+               "seed", "disable_log_stats", "skip_tokenizer_init"}
+SAMPLING = {"n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop_token_ids", "detokenize"}
+__version__ = "0.8.5"
+
+
+def _record(what, data):
+    with open(os.environ["FAKE_VLLM_RECORD"], "a") as fh:
+        fh.write(json.dumps({what: data}) + "\\n")
+
+
+class SamplingParams:
+    def __init__(self, **kw):
+        unknown = set(kw) - SAMPLING
+        if unknown:
+            raise TypeError(f"unexpected SamplingParams fields {sorted(unknown)}")
+        self.kw = kw
+        _record("sampling", kw)
+
+
+class _Out:
+    def __init__(self, ids):
+        self.outputs = [type("C", (), {"token_ids": ids})()]
+
+
+class LLM:
+    def __init__(self, **kw):
+        unknown = set(kw) - ENGINE_ARGS
+        if unknown:
+            raise TypeError(f"unexpected engine args {sorted(unknown)}")
+        _record("llm", kw)
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        _record("generate", {"prompts": prompts, "use_tqdm": use_tqdm})
+        answers = json.loads(os.environ["FAKE_VLLM_ANSWERS"])
+        return [_Out(answers[i]) for i in range(len(prompts))]
+'''
+
+
+def test_batches_hold_the_sized_shape_longest_first():
+    lengths = [10, 50, 30, 50, 20, 40]
+    got = batches(lengths, batch=3, prompt_len=40, new_tokens=10)      # at most 3 x 50 tokens a call
+    assert got == [[1, 3], [5, 2, 4], [0]]
+    for b in got:
+        assert len(b) <= 3 and len(b) * (max(lengths[i] for i in b) + 10) <= 3 * 50
+    assert sorted(i for b in got for i in b) == list(range(6))
+    assert batches(lengths, 3, 40, 10, rows=[0, 4]) == [[4, 0]]
+    assert batches([500], 4, 40, 10) == [[0]]          # one over-long prompt still gets its call
+
+
+@pytest.fixture(scope="module")
+def lab(verl_python, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("score")
+    root = standin.patched_verl_tree(tmp / "verl")
+    model = write_tiny_model(tmp / "model")
+    raw = tmp / "raw"
+    for name, data in tiny_gsm8k_files()[0].items():
+        if name.startswith("main/"):
+            (raw / name).parent.mkdir(parents=True, exist_ok=True)
+            (raw / name).write_bytes(data)
+    data = tmp / "data"
+    subprocess.run([str(verl_python), str(GSM8K), "build", "--train", str(raw / "main/train-00000-of-00001.parquet"),
+                    "--test", str(raw / "main/test-00000-of-00001.parquet"), "--out", str(data), "--val-rows", "4"],
+                   check=True, capture_output=True)
+    fake = tmp / "fake-vllm"
+    fake.mkdir()
+    (fake / "vllm.py").write_text(FAKE_VLLM)
+    pythonpath = f"{root}{os.pathsep}{REPO / 'verl_lab_box'}"
+    env = {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+
+    def run(*args, extra_env=None, timeout=600):
+        return subprocess.run([str(verl_python), *map(str, args)], cwd=tmp, env={**env, **(extra_env or {})},
+                              capture_output=True, text=True, timeout=timeout)
+
+    return SimpleNamespace(tmp=tmp, model=model, test=data / "test.parquet", fake=fake, run=run, pythonpath=pythonpath)
+
+
+def _truths_and_prompts(lab) -> dict:
+    """Ground truths and verl's prompt token ids of the test rows (in row order), from the env."""
+    code = ("import json, sys, gsm8k_score as g\nfrom transformers import AutoTokenizer\n"
+            "rows = g.read_rows(sys.argv[2], None)\ntok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+            "ids = g.prompt_ids(tok, rows)\n"
+            "right = [tok(' so #### ' + r['reward_model']['ground_truth'], add_special_tokens=False)['input_ids'] "
+            "for r in rows]\n"
+            "wrong = [tok(' so #### 123456789', add_special_tokens=False)['input_ids'] for r in rows]\n"
+            "print(json.dumps({'ids': ids, 'right': right, 'wrong': wrong}))")
+    res = lab.run("-c", code, lab.model, lab.test)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_the_tiny_model_is_scored_greedily_and_a_re_run_changes_nothing(lab):
+    out = lab.tmp / "base.json"
+    res = lab.run(SCORE, "--model", lab.model, "--data", lab.test, "--out", out, "--label", "base", *ARGS)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert (got["rows"], got["label"], got["step"], got["final"]) == (12, "base", 0, False)
+    assert got["engine"] == "hf" and got["dtype"] == "float32" and got["device"] == "cpu"
+    assert got["correct"] == round(got["accuracy"] * 12) and got["prompts_per_s"] > 0
+    assert got["generate_calls"] >= 3 and got["oom_retries"] == 0          # 12 prompts, at most 4 a call
+    assert got["generated_tokens"] <= 12 * 16 and got["reward"] == "verl.utils.reward_score.default_compute_score"
+    assert {f["name"] for f in got["model_files"]} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    mtime = out.stat().st_mtime_ns
+    again = lab.run(SCORE, "--model", lab.model, "--data", lab.test, "--out", out, "--label", "base", *ARGS)
+    assert again.returncode == 0 and "already scored" in again.stdout
+    assert out.stat().st_mtime_ns == mtime
+    other = lab.run(SCORE, "--model", lab.model, "--data", lab.test, "--out", out, "--label", "base", *ARGS[:-1], "8")
+    assert other.returncode == 0 and "already scored" not in other.stdout          # other settings: scored again
+    assert json.loads(out.read_text())["max_new_tokens"] == 8
+
+
+def test_verls_judge_counts_exactly_the_right_answers(lab):
+    """The generation replaced by known responses: right answers for even rows, a wrong number for
+    odd ones. The rows are generated longest prompt first, so this also shows answers go back to
+    their own rows' ground truths."""
+    known = _truths_and_prompts(lab)
+    code = ("import json, sys, gsm8k_score as g\n"
+            "known = json.loads(open(sys.argv[1]).read())\n"
+            "def fake(args, tok, ids, eos):\n"
+            "    assert ids == known['ids']\n"
+            "    return [known['right'][i] if i % 2 == 0 else known['wrong'][i] for i in range(len(ids))], {}\n"
+            "g.generate_hf = fake\n"
+            "sys.exit(g.main(sys.argv[2:]))")
+    (lab.tmp / "known.json").write_text(json.dumps(known))
+    out = lab.tmp / "judged.json"
+    res = lab.run("-c", code, lab.tmp / "known.json", "--model", lab.model, "--data", lab.test, "--out", out,
+                  "--label", "global_step_2", "--step", "2", "--final", *ARGS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert (got["correct"], got["rows"], got["accuracy"]) == (6, 12, 0.5)
+    assert (got["label"], got["step"], got["final"]) == ("global_step_2", 2, True)
+    assert [e["score"] for e in got["examples"]] == [1.0, 0.0, 1.0]
+
+
+def test_the_vllm_engine_is_asked_as_verls_greedy_validation_asks_it(lab):
+    """Plumbing: what the score program hands vLLM 0.8.5 (a recording stand-in), and that it scores
+    vLLM's token ids with the same judge."""
+    known = _truths_and_prompts(lab)
+    record = lab.tmp / "vllm-record.jsonl"
+    out = lab.tmp / "vllm.json"
+    env = {"PYTHONPATH": f"{lab.fake}{os.pathsep}{lab.pythonpath}", "FAKE_VLLM_RECORD": str(record),
+           "FAKE_VLLM_ANSWERS": json.dumps(known["right"])}
+    res = lab.run(SCORE, "--model", lab.model, "--data", lab.test, "--out", out, "--label", "base", "--engine", "vllm",
+                  "--dtype", "bfloat16", "--batch", "256", "--prompt-len", "128", "--max-new-tokens", "16",
+                  "--vllm-share", "0.19", extra_env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    llm = next(c["llm"] for c in calls if "llm" in c)
+    assert llm["model"] == str(lab.model) and llm["dtype"] == "bfloat16" and llm["gpu_memory_utilization"] == 0.19
+    assert llm["max_num_seqs"] == 256 and llm["tensor_parallel_size"] == 1
+    assert llm["max_model_len"] == max(len(i) for i in known["ids"]) + 16
+    sampling = next(c["sampling"] for c in calls if "sampling" in c)
+    assert {k: sampling[k] for k in ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens")} == \
+        {"n": 1, "temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "max_tokens": 16}
+    generate = next(c["generate"] for c in calls if "generate" in c)
+    assert generate["prompts"] == [{"prompt_token_ids": i} for i in known["ids"]] and generate["use_tqdm"] is False
+    got = json.loads(out.read_text())
+    assert (got["engine"], got["correct"], got["vllm"]) == ("vllm", 12, "0.8.5")

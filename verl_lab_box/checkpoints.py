@@ -1,0 +1,200 @@
+"""verl's checkpoint saves on a box: what is under the checkpoint folder, the free disk there,
+and whether a run's saves and its export still fit.
+
+verl 0.5.0's trainer (``verl/trainer/ppo/ray_trainer.py`` ``_save_checkpoint``) writes a save as
+``<checkpoint dir>/global_step_<N>/{actor,critic}/`` (critic on PPO only) and ``data.pt``, then
+``latest_checkpointed_iteration.txt`` (the tracker: the last whole save). Its checkpoint manager
+(``verl/utils/checkpoint/fsdp_checkpoint_manager.py`` ``save_checkpoint``) removes the oldest saves
+*before* writing a new one once ``max_ckpt_to_keep`` are on disk, so at most that many are there
+at any time, the one being written among them. With the project's patch
+``files/patches/verl-0.5.0/0006-checkpoint-retention-across-restarts-and-nodes.diff`` a restarted
+run counts the saves earlier processes made (it removes them in turn) and every node prunes its
+own disk. Each removal takes ``global_step_<N>/<role>``: the step folder stays with its ``data.pt``
+(the dataloader's state, a few KiB).
+
+Used in three places, one code: the train stage's fact runs ``fact_command()`` on the box and
+``parse_fact_output`` on the controller (``tasks.facts.disk.CheckpointDisk``); the training stage
+ships this file beside the launcher as ``verl_lab_checkpoints.py`` for the preflight's disk
+check (``scan`` + ``disk_need``); the GPU harness reads what a run left (``retained_steps``, and
+``step_bytes`` against ``tasks.checkpoints.predicted_save_bytes`` of the run's plan.json).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+TRACKER = "latest_checkpointed_iteration.txt"
+STEP_RE = re.compile(r"^global_step_(\d+)$")
+ROLES = ("actor", "critic")
+# What the need adds to the prediction: 5% (the prediction's measured target is 10%; its terms are
+# counts of tensor bytes, the rest is metadata) and 512 MiB (logs, the filesystem's own blocks).
+MARGIN_FRACTION = 0.05
+MARGIN_BYTES = 512 * 2 ** 20
+FREE_TAG, TRACKER_TAG, SAVE_TAG = "@@free", "@@tracker", "@@save"
+
+
+def nearest_existing(path: str) -> str:
+    """``path`` or its nearest existing parent (where a folder not made yet would be)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and p != os.path.dirname(p):
+        p = os.path.dirname(p)
+    return p
+
+
+def tree_bytes(path: str) -> int:
+    """Disk blocks under ``path`` (as ``du -sk`` counts them, in bytes): what removing it frees."""
+    total = 0
+    for root, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    try:
+        total += os.lstat(path).st_blocks * 512
+    except OSError:
+        pass
+    return total
+
+
+def read_tracker(text: str) -> int | None:
+    text = (text or "").strip()
+    return int(text) if text.isdigit() else None
+
+
+def scan(checkpoint_dir: str) -> dict:
+    """What is under ``checkpoint_dir`` now: ``{"free": {"path", "free_bytes"}, "tracker":
+    step or None, "saves": [{"step": N, "roles": {"actor": bytes, "critic": bytes}}, ...]}``
+    (steps ascending; a role folder only where it exists, whole or cut short)."""
+    where = nearest_existing(checkpoint_dir)
+    st = os.statvfs(where)
+    found = {"free": {"path": where, "free_bytes": st.f_bavail * st.f_frsize},
+             "tracker": None, "saves": []}
+    if not os.path.isdir(checkpoint_dir):
+        return found
+    try:
+        with open(os.path.join(checkpoint_dir, TRACKER)) as fh:
+            found["tracker"] = read_tracker(fh.read())
+    except OSError:
+        pass
+    for name in os.listdir(checkpoint_dir):
+        m = STEP_RE.match(name)
+        if not m:
+            continue
+        roles = {role: tree_bytes(os.path.join(checkpoint_dir, name, role)) for role in ROLES
+                 if os.path.isdir(os.path.join(checkpoint_dir, name, role))}
+        if roles:
+            found["saves"].append({"step": int(m.group(1)), "roles": roles})
+    found["saves"].sort(key=lambda s: s["step"])
+    return found
+
+
+def retained_steps(checkpoint_dir: str) -> list[int]:
+    """The steps whose actor save is still on disk (what retention kept), ascending."""
+    return [s["step"] for s in scan(checkpoint_dir)["saves"] if "actor" in s["roles"]]
+
+
+def step_bytes(checkpoint_dir: str, step: int) -> int:
+    """The bytes of the files of save ``step`` (``global_step_<step>/``, every role and data.pt):
+    what the plan's predicted bytes of one save (``checkpoints.save.total_bytes``) compare with."""
+    root = os.path.join(checkpoint_dir, f"global_step_{step}")
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
+def fact_command(checkpoint_dir: str) -> str:
+    """Shell for ``scan``'s answer on a box without Python: ``df -P -k`` where the folder is (or
+    would be), the tracker, ``du -sk`` of each save's role folders."""
+    d = "'" + checkpoint_dir.replace("'", "'\\''") + "'"
+    return (
+        f"d={d}; p=$d; while [ ! -e \"$p\" ] && [ \"$p\" != / ]; do p=$(dirname \"$p\"); done; "
+        f"echo \"{FREE_TAG} $p\"; df -P -k \"$p\" 2>&1; "
+        f"echo \"{TRACKER_TAG} $(cat \"$d/{TRACKER}\" 2>/dev/null)\"; "
+        "for s in \"$d\"/global_step_*; do for r in actor critic; do "
+        f"[ -d \"$s/$r\" ] && echo \"{SAVE_TAG} ${{s##*/}} $r $(du -sk \"$s/$r\" 2>/dev/null | cut -f1)\"; "
+        "done; done; true"
+    )
+
+
+def parse_fact_output(text: str) -> dict | None:
+    """``fact_command``'s output as ``scan`` answers; None when df gave no usable row."""
+    free, tracker, saves = None, None, {}
+    where = None
+    for line in text.splitlines():
+        if line.startswith(FREE_TAG + " "):
+            where = line[len(FREE_TAG) + 1:].strip()
+        elif line.startswith(TRACKER_TAG):
+            tracker = read_tracker(line[len(TRACKER_TAG):])
+        elif line.startswith(SAVE_TAG + " "):
+            cells = line.split()
+            m = STEP_RE.match(cells[1]) if len(cells) == 4 else None
+            if m and cells[2] in ROLES and cells[3].isdigit():
+                saves.setdefault(int(m.group(1)), {})[cells[2]] = int(cells[3]) * 1024
+        elif free is None:
+            cells = line.split()
+            if len(cells) >= 6 and all(c.isdigit() for c in cells[1:4]):
+                free = int(cells[3]) * 1024
+    if free is None:
+        return None
+    return {"free": {"path": where, "free_bytes": free}, "tracker": tracker,
+            "saves": [{"step": step, "roles": roles} for step, roles in sorted(saves.items())]}
+
+
+def next_save_step(resume_step: int, every: int, last_step: int | None = None) -> int:
+    """The first step a run resumed after ``resume_step`` saves at (verl saves every ``every``
+    steps and at the last one)."""
+    step = (resume_step // every + 1) * every
+    return min(step, last_step) if last_step and last_step > resume_step else step
+
+
+def disk_need(save_bytes: int, max_saves: int, export_bytes: int, every: int, found: dict,
+              saves_in_run: int | None = None, last_step: int | None = None) -> dict:
+    """The free bytes a run still needs under the checkpoint folder, and why.
+
+    ``save_bytes``: one save on this box (``max_saves``: verl's max_*_ckpt_to_keep; each save
+    written replaces the oldest of them); ``export_bytes``: the Hugging Face folder made from the
+    last save, on the same disk; ``found``: ``scan``'s answer. Saves already there count as
+    space to reuse only where verl removes or overwrites them: those before the run's next save
+    step (the patched verl adopts them and removes the oldest first), and the one at that step
+    (written over). The peak is taken over the run's saves: the newest adopted ones that stay
+    beside the new ones, then only new ones."""
+    resume = found.get("tracker") or 0
+    nxt = next_save_step(resume, every, last_step)
+    sizes = {s["step"]: sum(s["roles"].values()) for s in found.get("saves", [])}
+    adopted = [sizes[s] for s in sorted(sizes) if s < nxt]
+    overwritten = sizes.get(nxt, 0)
+    staying = sum(b for s, b in sizes.items() if s > nxt)
+    new = max(1, min(max_saves, saves_in_run or max_saves))
+    newest = adopted[::-1]
+    peak = max(sum(newest[:max(0, max_saves - j)]) + j * save_bytes for j in range(1, new + 1))
+    reusable = sum(adopted) + overwritten
+    wanted = int((peak + export_bytes) * (1 + MARGIN_FRACTION)) + MARGIN_BYTES
+    need = max(0, wanted - reusable)
+    free = found["free"]["free_bytes"]
+    return {"need_bytes": need, "free_bytes": free, "fits": free >= need, "peak_saves_bytes": peak,
+            "new_saves": new, "save_bytes": save_bytes, "export_bytes": export_bytes, "reusable_bytes": reusable,
+            "staying_bytes": staying, "next_save_step": nxt, "path": found["free"]["path"]}
+
+
+def gib(n: int) -> str:
+    """Bytes as GiB (one decimal), or MiB below 1 GiB."""
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def need_words(need: dict, checkpoint_dir: str, keep: int, setting: str = "checkpoints.keep") -> str:
+    """The numbers and the fix, for a disk that is short (the stage's and the preflight's words)."""
+    where = "" if need["path"] == checkpoint_dir else f" (measured at {need['path']}, where it will be made)"
+    made = (f"({keep} kept whole + 1 being written)" if need["new_saves"] == keep + 1
+            else f"(all the {need['new_saves']} this run makes)")
+    reuse = (f"; {gib(need['reusable_bytes'])} of earlier saves there count as free (verl removes or "
+             f"overwrites them)" if need["reusable_bytes"] else "")
+    stay = (f"; {gib(need['staying_bytes'])} of saves past step {need['next_save_step']} stay"
+            if need["staying_bytes"] else "")
+    fewer = (f", or set {setting} lower (it is {keep}; each kept save is {gib(need['save_bytes'])})" if keep > 1
+             else f" ({setting} is 1 already: the fewest that keeps a whole save while the next is written)")
+    return (f"{checkpoint_dir} has {gib(need['free_bytes'])} free{where}, this run needs {gib(need['need_bytes'])} "
+            f"there: {need['new_saves']} saves of {gib(need['save_bytes'])} {made} + the export "
+            f"{gib(need['export_bytes'])} + {int(MARGIN_FRACTION * 100)}% and {MARGIN_BYTES // 2 ** 20} MiB margin"
+            f"{reuse}{stay}. Fix: free {gib(need['need_bytes'] - need['free_bytes'])} more there, or put lab_root "
+            f"on a larger disk{fewer}")
