@@ -3,15 +3,14 @@
 
 - Work units: a test module is one unit, sent whole to one worker (its module-scoped fixtures,
   e.g. a lab of booted boxes, are made once, and its tests run in their order: most e2e modules
-  build on one converge); a test class is a unit of its own (a part of a module with a lab of its
-  own, e.g. drill 5 of test_drills.py); the modules that share a session-wide lab
-  (``tests/e2e/shared_labs.py``: ``SHARED_LABS``) form one unit per lab, so that lab is booted and
-  converged once, in one worker. ``LabScheduling`` below is xdist's own LoadScopeScheduling with
+  build on one converge); the tests that share a session-wide lab (``tests/e2e/shared_labs.py``:
+  ``SHARED_LABS``, modules or a module's class) form one unit per lab, so that lab is booted and
+  converged once, in one worker, and closed after its last test (tests/e2e/conftest.py). ``LabScheduling`` below is xdist's own LoadScopeScheduling with
   these units; it takes over from xdist's default (``--dist load``, one test at a time), which
   would split a module's tests among workers.
 - Order: units are handed out in collection order, and the collection is sorted longest first:
-  the e2e units in ``E2E_FIRST``'s order, then the other e2e modules, then the unit tests, which
-  fill the workers while the labs wait on their boxes.
+  the units in ``LONGEST_FIRST``'s order (the e2e labs and the unit modules that train on CPU),
+  then the other e2e modules, then the other unit tests, which fill the workers at the end.
 - Teardown: the controller passes a SIGTERM on to its workers, each of which tears its labs down
   (``tests/e2e/conftest.py``), and at the end stops whatever labs a dead worker left
   (``tests.lab.lab.cleanup_stale``: by recorded PID, only labs whose owner is gone).
@@ -28,34 +27,39 @@ from pathlib import Path
 
 import pytest
 
-# e2e work units, longest first (a fresh-clone run's profile: docs/testing.md)
-E2E_FIRST = ("tests/e2e/test_env.py", "tests/e2e/test_drills.py::TestEnvDrill", "tests/e2e/test_drills.py",
-             "lab:fleet_lab", "tests/e2e/test_cluster.py", "tests/e2e/test_driver.py",
-             "tests/e2e/test_readme_path.py", "tests/e2e/test_data.py", "tests/e2e/test_cuda.py")
+# work units, longest first (docs/testing.md: a fresh-clone run's profile); the others follow,
+# e2e before unit tests, which fill the workers at the end
+LONGEST_FIRST = ("lab:env_lab", "lab:fleet_lab", "tests/e2e/test_readme_path.py", "tests/e2e/test_drills.py",
+                 "tests/e2e/test_cluster.py", "tests/e2e/test_driver.py", "tests/e2e/test_refusals.py",
+                 "tests/unit/test_fsdp2_gather.py", "tests/unit/test_export.py", "tests/unit/test_gsm8k_score.py",
+                 "tests/unit/test_hf_rollout.py", "tests/unit/test_gpu_probe.py",
+                 "tests/e2e/test_rollout_setting.py", "tests/e2e/test_cuda.py", "tests/e2e/test_data.py")
 TEARDOWN_GRACE_S = 120
 
 
 def work_unit(nodeid: str) -> str:
-    """A test's unit of work: ``lab:<fixture>`` for the modules that share that lab, else its
-    class (``<module>::<Class>``) or its module."""
-    from tests.e2e.shared_labs import SHARED_LABS
-    module, _, rest = nodeid.partition("::")
-    for lab, modules in SHARED_LABS.items():
-        if module in modules:
-            return f"lab:{lab}"
-    head = rest.split("::", 1)
-    return f"{module}::{head[0]}" if len(head) > 1 else module
+    """A test's unit of work: ``lab:<fixture>`` for the tests that share that lab, else its module."""
+    from tests.e2e.shared_labs import shared_lab_of
+    shared = shared_lab_of(nodeid)
+    return f"lab:{shared[0]}" if shared else nodeid.partition("::")[0]
 
 
 def _rank(unit: str) -> tuple[int, int]:
-    if unit in E2E_FIRST:
-        return 0, E2E_FIRST.index(unit)
+    if unit in LONGEST_FIRST:
+        return 0, LONGEST_FIRST.index(unit)
     return (1 if unit.startswith(("lab:", "tests/e2e/")) else 2), 0
 
 
+def _order(item) -> tuple[int, int, int]:
+    from tests.e2e.shared_labs import shared_lab_of
+    shared = shared_lab_of(item.nodeid)
+    return (*_rank(work_unit(item.nodeid)), shared[1] if shared else 0)
+
+
 def pytest_collection_modifyitems(config, items):
-    # a stable sort: within a unit, tests keep their order (a module's tests build on each other)
-    items.sort(key=lambda item: _rank(work_unit(item.nodeid)))
+    # a stable sort: within a unit, tests keep their order (a module's tests build on each other),
+    # and the users of a shared lab run in SHARED_LABS' order
+    items.sort(key=_order)
 
 
 def _controller(config) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import secrets
 import signal
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,7 +34,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.e2e.shared_labs import FLEET_BOXES, FLEET_FRESH, SHARED_LABS, Fleet, converge_sampling_argv  # noqa: E402
+from tests.e2e.shared_labs import (ENV_BOX, ENV_T4_BOX, FLEET_BOXES, FLEET_FRESH, SHARED_LABS, Fleet,  # noqa: E402
+                                   converge_sampling_argv, shared_lab_of)
+from tests.fixtures.standins import env as env_standins  # noqa: E402
 from tests.fixtures.standins import fleet as standins  # noqa: E402
 from tests.lab import BoxSpec, Lab, requirements_missing  # noqa: E402
 
@@ -44,11 +46,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
-        module = item.nodeid.split("::", 1)[0]
-        for lab, modules in SHARED_LABS.items():
-            if lab in getattr(item, "fixturenames", ()) and module not in modules:
-                raise pytest.UsageError(f"{item.nodeid} uses the shared lab {lab}: add {module} to its modules in "
-                                        "tests/e2e/shared_labs.py SHARED_LABS (one pytest-xdist work unit per lab)")
+        shared = shared_lab_of(item.nodeid)
+        for lab in SHARED_LABS:
+            if lab in getattr(item, "fixturenames", ()) and (shared is None or shared[0] != lab):
+                raise pytest.UsageError(f"{item.nodeid} uses the shared lab {lab}: add its module (or class) to "
+                                        f"{lab}'s users in tests/e2e/shared_labs.py SHARED_LABS (one pytest-xdist "
+                                        "work unit per lab)")
+
+
+# shared lab -> what closes it (its boxes, its stand-ins); closed after the lab's last test
+_OPEN: dict[str, ExitStack] = {}
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """A shared lab is session-scoped (its users are several modules) but its users run one after
+    another (tests/conftest.py): close it when the next test is none of them, so its boxes and
+    their disk are freed for the rest of the run, not kept until the worker ends."""
+    shared = shared_lab_of(item.nodeid)
+    if shared is None or shared[0] not in _OPEN:
+        return
+    after = shared_lab_of(nextitem.nodeid) if nextitem is not None else None
+    if after is None or after[0] != shared[0]:
+        _OPEN.pop(shared[0]).close()
+
+
+@contextmanager
+def _shared(name: str):
+    with ExitStack() as stack:
+        _OPEN[name] = stack
+        try:
+            yield stack
+        finally:
+            _OPEN.pop(name, None)
 
 
 def _interrupt(signum, frame):
@@ -101,18 +130,33 @@ def lab_factory():
 def fleet_lab(tmp_path_factory):
     """Three boxes (a P40 and a T4 in relay mode, an RTX 3090 in direct mode) converged once by
     deploy/full.py with every stage's stand-ins and an HF token the endpoint stand-in requires
-    (``hf_token_file``), and a fresh V100 box nothing converges. Users: tests/e2e/test_foundation.py
-    (the converge, verify, idempotence, drift put back, a bad inventory), test_security.py (the
-    unit's user, file modes, the token nowhere). A test that changes a box puts it back and proves
-    the fleet converged again (a re-run changes nothing)."""
+    (``hf_token_file``), and a fresh V100 box nothing converges. Users, in this order:
+    tests/e2e/test_foundation.py (the converge, verify, idempotence, drift put back, a bad
+    inventory), test_security.py (the unit's user, file modes, the token nowhere), test_export.py
+    (a checkpoint on the P40 box exported, proven and scored). A test that changes a box puts it
+    back and proves the fleet converged again (a re-run changes nothing)."""
     token = "hf_" + secrets.token_urlsafe(24)
     token_file = tmp_path_factory.mktemp("secret") / "hf_token"
     token_file.write_text(token + "\n")
     token_file.chmod(0o600)
-    with labs() as make:
+    with _shared("fleet_lab") as stack:
+        make = stack.enter_context(labs())
         lab = make([*FLEET_BOXES, BoxSpec(FLEET_FRESH, gpu="v100")])
-        with standins.published(lab, token=token) as data:
-            fleet = Fleet(lab, {**data, "hf_token_file": str(token_file)},
-                          {name: {"artifact_mode": mode} for name, mode in FLEET_BOXES.items()}, token, token_file)
-            converge_sampling_argv(fleet)
-            yield fleet
+        data = stack.enter_context(standins.published(lab, token=token))
+        fleet = Fleet(lab, {**data, "hf_token_file": str(token_file)},
+                      {name: {"artifact_mode": mode} for name, mode in FLEET_BOXES.items()}, token, token_file)
+        converge_sampling_argv(fleet)
+        yield fleet
+
+
+@pytest.fixture(scope="session")
+def env_lab():
+    """A P40 box and a T4 box with the env stage's stand-ins published (``lab.pyenv_overrides``),
+    nothing deployed. Users, in this order: tests/e2e/test_env.py (the converge, proofs,
+    idempotence, rebuilds), test_drills.py's TestEnvDrill (drill 5 breaks the P40 box's env and
+    rebuilds it)."""
+    with _shared("env_lab") as stack:
+        make = stack.enter_context(labs())
+        lab = make([BoxSpec(ENV_BOX, gpu="p40"), BoxSpec(ENV_T4_BOX, gpu="t4")])
+        lab.pyenv_overrides = env_standins.publish(lab.mirror.root)
+        yield lab

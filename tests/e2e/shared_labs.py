@@ -16,11 +16,28 @@ from typing import Any
 
 from tests.lab import DeployResult, Lab
 
-# session-wide labs: fixture name (tests/e2e/conftest.py) -> the modules that use it, one
-# pytest-xdist work unit (tests/conftest.py); a test elsewhere that asks for one stops the run
+# session-wide labs: fixture name (tests/e2e/conftest.py) -> the modules (or ``module::Class``)
+# that use it, in the order they run: one pytest-xdist work unit (tests/conftest.py), the lab
+# closed when its last test is done; a test elsewhere that asks for one stops the run
 SHARED_LABS = {
-    "fleet_lab": ("tests/e2e/test_foundation.py", "tests/e2e/test_security.py"),
+    # the converge verified, then read, then a checkpoint exported on its P40 box
+    "fleet_lab": ("tests/e2e/test_foundation.py", "tests/e2e/test_security.py", "tests/e2e/test_export.py"),
+    # the env stage's converge and rebuilds, then drill 5 breaks that env three ways
+    "env_lab": ("tests/e2e/test_env.py", "tests/e2e/test_drills.py::TestEnvDrill"),
 }
+
+
+def shared_lab_of(nodeid: str) -> tuple[str, int] | None:
+    """The shared lab a test belongs to, and its place among the lab's users; None if none."""
+    for lab, members in SHARED_LABS.items():
+        for place, member in enumerate(members):
+            if nodeid == member or nodeid.startswith(member + "::"):
+                return lab, place
+    return None
+
+# ------------------------------------------------------------------ the env stage's boxes: env_lab
+
+ENV_BOX, ENV_T4_BOX = "envbox", "envt4"          # a P40 and a T4 (vLLM and xformers on the T4 only)
 
 # ------------------------------------------------------------------ the converged fleet: fleet_lab
 
@@ -43,11 +60,13 @@ class Fleet:
     def box(self, name: str):
         return self.lab.box(name)
 
-    def deploy(self, deploy_file: str = "deploy/full.py", hosts=None, per_host=None, **kw) -> DeployResult:
-        """A deploy of the fleet's boxes (default: the converged ones) with the converge's data."""
+    def deploy(self, deploy_file: str = "deploy/full.py", hosts=None, per_host=None, data=None,
+               **kw) -> DeployResult:
+        """A deploy of the fleet's boxes (default: the converged ones) with the converge's data
+        (and ``data`` on top of it)."""
         per_host = {**{h: dict(v) for h, v in self.per_host.items()}, **(per_host or {})}
         names = list(hosts) if hosts is not None else list(FLEET_BOXES)
-        return self.lab.deploy(deploy_file, data=self.data, hosts=names,
+        return self.lab.deploy(deploy_file, data={**self.data, **(data or {})}, hosts=names,
                                per_host={h: v for h, v in per_host.items() if h in names}, **kw)
 
 

@@ -638,12 +638,12 @@ PATCH_0001 = f"{LAB_ROOT}/patches/verl-0.5.0/0001-autocast-dtype-follows-param-d
 
 
 @pytest.fixture(scope="module")
-def env_lab(lab_factory):
-    """test_env's setup (its box name, its stand-ins, its deploy helper), in a lab of its own."""
-    lab = lab_factory([BoxSpec(test_env.BOX, gpu="p40")])
-    lab.pyenv_overrides = env_standin.publish(lab.mirror.root)
-    test_env.deploy(lab).assert_ok()
-    return lab
+def env_drill_lab(env_lab):
+    """test_env's lab, shared (tests/e2e/conftest.py ``env_lab``: its boxes, its stand-ins, its
+    deploy helper), with the env stage converged on its P40 box: after tests/e2e/test_env.py a
+    run that changes nothing, else (this class alone) the first converge."""
+    test_env.deploy(env_lab, hosts=[test_env.BOX]).assert_ok()
+    return env_lab
 
 
 def health(lab) -> dict:
@@ -662,11 +662,11 @@ def env_python(lab, code: str) -> str:
 
 
 class TestEnvDrill:
-    """Drill 5, on a lab of its own (``env_lab``): a pytest-xdist work unit of its own, beside drills
-    1-4 (tests/conftest.py)."""
+    """Drill 5, on the env lab test_env.py converged (``env_lab``, a pytest-xdist work unit with
+    tests/e2e/test_env.py, apart from drills 1-4: tests/e2e/shared_labs.py); only its P40 box."""
 
-    def test_env_broken_three_ways_is_named_and_rebuilt(self, env_lab):
-        lab = env_lab
+    def test_env_broken_three_ways_is_named_and_rebuilt(self, env_drill_lab):
+        lab = env_drill_lab
         assert health(lab)["healthy"]
         before = test_env.link(lab, ENV)
         # 1. an Apex extension deleted
@@ -690,14 +690,14 @@ class TestEnvDrill:
         # the marker still names the old generation: the stage decides from the fact, not the marker
         assert test_env.marker(lab)["generation"] == before
 
-        test_env.deploy(lab, "deploy/rebuild.py").assert_ok()
+        test_env.deploy(lab, "deploy/rebuild.py", hosts=[test_env.BOX]).assert_ok()
         after = test_env.link(lab, ENV)
         assert after != before and test_env.link(lab, f"{ENV}.prev") == before
         h = health(lab)
         assert h["healthy"], h
         assert test_env.marker(lab)["generation"] == after
         test_env.ssh(lab, f"git -C {test_env.VERL_SRC} apply -R --check {PATCH_0001}")    # applied again
-        test_env.deploy(lab).assert_idempotent()
+        test_env.deploy(lab, hosts=[test_env.BOX]).assert_idempotent()
 
     def test_killed_rebuild_leaves_the_old_env_working(self, env_lab):
         """deploy/rebuild.py killed while pip fills the new generation: the env link, the marker
@@ -725,4 +725,4 @@ class TestEnvDrill:
         assert test_env.link(lab, ENV) == current
         assert test_env.marker(lab) == marker
         assert health(lab)["healthy"]
-        test_env.deploy(lab).assert_idempotent()
+        test_env.deploy(lab, hosts=[test_env.BOX]).assert_idempotent()

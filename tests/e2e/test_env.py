@@ -10,7 +10,8 @@ into the controller's cache and are served to the boxes as the `pypi` source.
 converge (both boxes) -> proofs (the T4 box: vLLM and the cu118 xformers) -> idempotence -> a
 rebuild made to fail leaves the env as it was -> break the env (uninstall torch) ->
 deploy/rebuild.py restores it (old generation kept as .prev) -> idempotence again (the rebuilds
-run on the P40 box only).
+run on the P40 box only). The boxes are the shared ``env_lab`` (tests/e2e/conftest.py), which drill 5
+of tests/e2e/test_drills.py uses after this module.
 """
 
 from __future__ import annotations
@@ -21,26 +22,22 @@ import time
 import pytest
 
 from tests.fixtures.standins import env as standin
-from tests.lab import BoxSpec
+from tests.e2e.shared_labs import ENV_BOX, ENV_T4_BOX
 
 LAB_ROOT = "/opt/verl-lab"
 ENV = f"{LAB_ROOT}/envs/verl"
 PY = f"{ENV}/bin/python"
 MARKER = f"{LAB_ROOT}/markers/env.done"
 VERL_SRC = f"{LAB_ROOT}/src/verl"
-BOX = "envbox"
-T4_BOX = "envt4"
+BOX, T4_BOX = ENV_BOX, ENV_T4_BOX
 TIMINGS: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module")
-def lab(lab_factory):
-    lab = lab_factory([BoxSpec(BOX, gpu="p40"), BoxSpec(T4_BOX, gpu="t4")])
-    started = time.monotonic()
-    overrides = standin.publish(lab.mirror.root)
-    TIMINGS["publish"] = time.monotonic() - started
-    lab.pyenv_overrides = overrides
-    return lab
+def lab(env_lab):
+    """The shared env lab (tests/e2e/conftest.py): this module converges it first; drill 5
+    (tests/e2e/test_drills.py) breaks and rebuilds its P40 box after this module."""
+    return env_lab
 
 
 def deploy(lab, deploy_file="deploy/env.py", torch_requirements=None, hosts=None):

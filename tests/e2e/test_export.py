@@ -1,7 +1,8 @@
 """A run's end product on a lab box: a checkpoint made there becomes a proven Hugging Face export
 and gets its GSM8K score beside the base model's.
 
-One P40 box (HF generate: the engine its plan scores with) is converged with deploy/full.py and
+One P40 box (HF generate: the engine its plan scores with), the shared fleet's (tests/e2e/conftest.py
+``fleet_lab``, after test_foundation.py and test_security.py), is converged with deploy/full.py and
 every stage's stand-ins (tests/fixtures/standins/fleet.py: real verl 0.5.0 with the project's
 patches, the CPU torch standing in for torch 2.6.0+cu118, the tiny Qwen2 model and GSM8K-shaped
 data through the HF endpoint stand-in). On the box, as the train user, verl's own
@@ -30,11 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.standins import fleet
-from tests.lab import BoxSpec
 
 REPO = Path(__file__).resolve().parents[2]
-BOX = "exp"
+BOX = "p40"          # the shared fleet's P40 box (tests/e2e/conftest.py fleet_lab)
 TRAIN = "/opt/verl-lab/train"
 CKPT = f"{TRAIN}/checkpoints"
 PY = "/opt/verl-lab/envs/verl/bin/python"
@@ -43,20 +42,9 @@ ROW_LIMIT_NOTE = "the tiny GSM8K test split has 12 rows"
 
 
 @pytest.fixture(scope="module")
-def lab(lab_factory):
-    return lab_factory([BoxSpec(BOX, gpu="p40")])
-
-
-@pytest.fixture(scope="module")
-def fleet_data(lab):
-    with fleet.published(lab) as data:
-        yield data
-
-
-@pytest.fixture(scope="module")
-def box(lab, fleet_data):
-    lab.deploy("deploy/full.py", data=fleet_data, hosts=[BOX], timeout=1800).assert_ok()
-    box = lab.box(BOX)
+def box(fleet_lab):
+    fleet_lab.converge.assert_ok()              # deploy/full.py on the fleet: tests/e2e/conftest.py
+    box = fleet_lab.box(BOX)
     box.write_text(FIXTURE, (REPO / "tests" / "fixtures" / "tiny_checkpoint.py").read_text())
     plan = json.loads(box.read_text(f"{TRAIN}/plan.json"))
     model = next(o.split("=", 1)[1] for o in plan["overrides"] if o.startswith("actor_rollout_ref.model.path="))
@@ -111,7 +99,7 @@ def test_the_latest_checkpoint_is_exported_proven_and_scored(box, exported):
         assert (owner, group) == ("verl", "verl") and mode.endswith("0"), (path, mode)   # not world-readable
 
 
-def test_a_re_run_changes_nothing(lab, box, exported, fleet_data):
+def test_a_re_run_changes_nothing(fleet_lab, box, exported):
     files = f"{CKPT}/global_step_2/hf/* {CKPT}/global_step_2/hf.proof.json {CKPT}/global_step_2/hf.gsm8k.json " \
             f"{CKPT}/gsm8k-base.json"
     before = box.ssh(f"stat -c '%n %Y %s' {files}").stdout
@@ -120,7 +108,7 @@ def test_a_re_run_changes_nothing(lab, box, exported, fleet_data):
     assert "already proven" in again.stdout and again.stdout.count("already scored") == 2
     assert "model_merger merge" not in again.stdout
     assert box.ssh(f"stat -c '%n %Y %s' {files}").stdout == before
-    lab.deploy("deploy/export.py", data=fleet_data, hosts=[BOX], timeout=900).assert_idempotent()
+    fleet_lab.deploy("deploy/export.py", hosts=[BOX], timeout=900).assert_idempotent()
 
 
 def test_a_two_rank_fsdp2_checkpoint_exports_too(box):
@@ -132,9 +120,9 @@ def test_a_two_rank_fsdp2_checkpoint_exports_too(box):
     assert proof["max_abs_weight_diff"] == 0.0 and proof["max_abs_logit_diff"] <= proof["logit_tolerance"]
 
 
-def test_status_shows_base_against_trained(lab, box, exported, fleet_data, tmp_path):
-    res = lab.deploy("deploy/status.py", data={**fleet_data, "status_json": str(tmp_path / "lab.json")}, hosts=[BOX],
-                     mode="text", timeout=900)
+def test_status_shows_base_against_trained(fleet_lab, box, exported, tmp_path):
+    res = fleet_lab.deploy("deploy/status.py", data={"status_json": str(tmp_path / "lab.json")}, hosts=[BOX],
+                           mode="text", timeout=900)
     assert res.rc == 0 and res.changed == 0, res.tail()
     (row,) = json.loads((tmp_path / "lab.json").read_text())["hosts"]
     trained = _json(box, f"{CKPT}/global_step_2/hf.gsm8k.json")
