@@ -118,7 +118,9 @@ def _labs_of(pids: list[int]) -> list[Path]:
     base = work_base()
     if not base.is_dir():
         return []
-    return [d for d in base.iterdir() if (read_state(d) or {}).get("owner_pid") in pids]
+    # a closed lab's folder is renamed .deleting-* and removed in the background: not a lab
+    return [d for d in base.iterdir()
+            if not d.name.startswith(".") and (read_state(d) or {}).get("owner_pid") in pids]
 
 
 def _pass_sigterm_on(signum, frame):
