@@ -433,7 +433,7 @@ def test_plan_overrides_for_host_defaults():
     assert "trainer.default_local_dir=/opt/verl-lab/train/checkpoints" in lines
 
 
-def test_offload_rung_comes_after_grpo_and_ranks_by_the_speed_model():
+def test_offload_rung_comes_after_grpo_and_ranks_by_the_speed_model(monkeypatch):
     """The FSDP2 CPU-offload rung: tried when GRPO on FSDP1 does not fit, at full response length before
     any cut; its search takes the configuration the speed model (tasks/speed.py) ranks fastest among those the
     estimate fits. Where the gather-once knobs (patches 0007-0008) do not fit, every micro-batch moves the weights
@@ -456,6 +456,9 @@ def test_offload_rung_comes_after_grpo_and_ranks_by_the_speed_model():
     assert (p.memory.actor_micro_batch, p.memory.grad_ckpt) == (4, True)     # not micro-batch 1 without checkpointing
     assert p.memory.fused_adamw and not any(getattr(p.memory, k) for k in OFFLOAD_KNOBS if k != "fused_adamw")
     assert {c[1:] for c in calls if c[0]} >= {(m, ckpt) for m in (16, 8, 4, 2, 1) for ckpt in (False, True)}
+    gated = make_plan(gpu, workload(), estimator=estimator(True))     # the update's knobs stay off until measured
+    assert {k for k in OFFLOAD_KNOBS if getattr(gated.memory, k)} == set(OFFLOAD_KNOBS) - planmod.UNMEASURED_KNOBS
+    monkeypatch.setattr(planmod, "UNMEASURED_KNOBS", frozenset())     # the ranking once every knob is measured
     q = make_plan(gpu, workload(), estimator=estimator(True))
     assert all(getattr(q.memory, k) for k in OFFLOAD_KNOBS)                   # HF rollout: its knob too
     assert (q.memory.actor_micro_batch, q.memory.grad_ckpt) == (1, False)

@@ -14,12 +14,14 @@ import pytest
 from tasks.plan import (
     FORWARD_MICRO_CHOICES,
     OFFLOAD_KNOBS,
+    UNMEASURED_KNOBS,
     GpuTarget,
     Workload,
     _divisors,
     _micro_choices,
     default_estimator,
     load_model_config,
+    knob_values,
     make_plan,
     offload_seconds,
     rollout_chunk_choices,
@@ -89,9 +91,10 @@ OFFLOAD_CARDS = [("NVIDIA GeForce GTX 1080", "6.1", 8192), ("NVIDIA GeForce GTX 
 @pytest.mark.parametrize("name,cc,mib", OFFLOAD_CARDS)
 @pytest.mark.parametrize("engine", ["auto", "hf"])
 def test_the_plan_takes_the_fastest_configuration_that_fits(name, cc, mib, engine):
-    """Every combination of the rung's choices (knobs, checkpointing, micro-batches, chunk), estimated: none
-    that fits is faster by the speed model than the plan's; and the plan is at least twice as fast by it as
-    the same batches with every knob off (the issue's target, which the GPU runs measure)."""
+    """Every combination of the rung's choices the plan may take (the knobs it may turn on: knob_values;
+    checkpointing, micro-batches, chunk), estimated: none that fits is faster by the speed model than the
+    plan's, and the plan is no slower by it than the same batches with every knob off. (How much faster a
+    step really is, the issue's 2x, is what bench/gpu/run_speed.sh measures on the GPU.)"""
     gpu = GpuTarget(name, cc, mib)
     w = Workload(model_path="m", train_files="t", val_files="v", checkpoint_dir="c", model_config=load_model_config(),
                  rollout_engine=engine)
@@ -103,7 +106,7 @@ def test_the_plan_takes_the_fastest_configuration_that_fits(name, cc, mib, engin
     chunks = rollout_chunk_choices(w, gpu) if prec.rollout == "hf" else [chosen.rollout_micro_batch]
     for micro, ckpt, lp, chunk, *knobs in itertools.product(
             _micro_choices(w.ppo_mini_batch_size * n), (False, True),
-            _divisors(w.train_batch_size * n, FORWARD_MICRO_CHOICES), chunks, *[(False, True)] * len(OFFLOAD_KNOBS)):
+            _divisors(w.train_batch_size * n, FORWARD_MICRO_CHOICES), chunks, *[knob_values(k) for k in OFFLOAD_KNOBS]):
         other = replace(chosen, actor_micro_batch=micro, critic_micro_batch=micro, grad_ckpt=ckpt,
                         log_prob_micro_batch=lp, rollout_micro_batch=chunk, **dict(zip(OFFLOAD_KNOBS, knobs)))
         if prec.rollout != "hf" and other.rollout_gather_once:
@@ -111,7 +114,16 @@ def test_the_plan_takes_the_fastest_configuration_that_fits(name, cc, mib, engin
         if default_estimator(gpu, w, prec, other).fits:
             assert offload_seconds(gpu, w, prec, other)["step"] >= best - 1e-6, other
     plain = offload_seconds(gpu, w, prec, replace(chosen, **{k: False for k in OFFLOAD_KNOBS}))["step"]
-    assert plain >= 2 * best, (plain, best)
+    assert plain >= best, (plain, best)
+    assert not any(getattr(chosen, k) for k in UNMEASURED_KNOBS), chosen
+
+
+def test_unmeasured_knobs_are_left_off():
+    """The update's knobs (patches 0007-0008 through a whole update) have not run to an update's end on a GPU:
+    the plan never turns them on; every other knob it may."""
+    assert UNMEASURED_KNOBS == {"actor_gather_once", "accumulate_grads_unsharded"}
+    assert all(knob_values(k) == (False,) for k in UNMEASURED_KNOBS)
+    assert all(knob_values(k) == (True, False) for k in OFFLOAD_KNOBS if k not in UNMEASURED_KNOBS)
 
 
 def test_the_speed_bench_runs_the_speed_profiles_and_refuses_others(tmp_path):
