@@ -104,20 +104,23 @@ SPEED_PROFILES = [
 ]
 
 # issue 27: several GPUs, on the device's nvidia-h200-x2 (two H200s), each GPU capped as its card (the probe caps
-# every worker process on the GPU Ray gave it). Each run: 2 steps and validation (verl validates at the last step);
-# prompts/s over step 2 against ``compare_with``'s (in the same call but for the cluster's: bench/gpu/run_multi.sh).
-# NCCL says at its start which interface and transport each connection took (NCCL_DEBUG=INFO: ppo_results reads it).
-NCCL_INFO = (("NCCL_DEBUG", "INFO"), ("NCCL_DEBUG_SUBSYS", "INIT,NET"))
+# every worker process on the GPU Ray gave it). Each run of 2 GPUs: 2 steps and validation (verl validates at the
+# last step); prompts/s over step 2 against ``compare_with``'s, a one-GPU baseline of 2 steps without validation
+# (prompts/s leaves validation out anyway) in the same call (the cluster's: the call after; bench/gpu/run_multi.sh).
+# NCCL says at its start which interface and transport each connection took (NCCL_DEBUG=INFO: ppo_results reads it):
+# the channels under INIT, the socket transport's interface under NET, the bootstrap's interface under INIT before
+# NCCL 2.23 and under BOOTSTRAP since (src/bootstrap.cc: "Bootstrap : Using" became "Bootstrap: Using").
+NCCL_INFO = (("NCCL_DEBUG", "INFO"), ("NCCL_DEBUG_SUBSYS", "INIT,NET,BOOTSTRAP"))
 # two Ray nodes on one host: NCCL finds both ranks on one machine and takes its GPU-to-GPU (P2P) or shared-memory
 # transport; these force its socket transport over the nodes' loopback interface (ray.env's NCCL_SOCKET_IFNAME),
 # as between two machines with a NIC
 NCCL_SOCKETS = (("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"))
 MULTI_PROFILES = [
-    Profile("p40-1gpu", "Tesla P40", "6.1", 24576, steps=2,
+    Profile("p40-1gpu", "Tesla P40", "6.1", 24576, steps=2, validate=False,
             stands_for="Tesla P40 (24 GiB), one card: the plan as built now (baseline of p40-2gpu)"),
     Profile("p40-2gpu", "Tesla P40", "6.1", 24576, steps=2, gpus=2, compare_with="p40-1gpu", env=NCCL_INFO,
             stands_for="2 x Tesla P40 in one box: PPO with the critic sharded over both (FSDP1, fp32, HF rollout)"),
-    Profile("gtx1080-1gpu", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2,
+    Profile("gtx1080-1gpu", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, validate=False,
             stands_for="GTX 1080 (8 GiB), one card: grpo-cpu-offload as planned now (baseline of gtx1080-2gpu)"),
     Profile("gtx1080-2gpu", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, gpus=2, compare_with="gtx1080-1gpu",
             env=NCCL_INFO, stands_for="2 x GTX 1080 in one box: grpo-cpu-offload (GRPO n=4, the actor on FSDP2 "

@@ -634,7 +634,8 @@ def scaling_lines(runs: Path, names: list[str]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", type=Path)
+    ap.add_argument("runs", type=Path, nargs="+",
+                    help="run folders' parent(s): several calls' folders make one table (--ratios, --scaling: one)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--speed", action="store_true", help="markdown: the before/after table and where the time goes")
@@ -645,13 +646,16 @@ def main(argv=None) -> int:
     ap.add_argument("--scaling", nargs="+", metavar="PROFILE",
                     help="prompts/s of these runs against their compare_with runs, from the consoles only")
     args = ap.parse_args(argv)
+    if (args.ratios or args.scaling) and len(args.runs) > 1:
+        ap.error("--ratios and --scaling read one folder of runs")
     if args.ratios:
-        print(ratios(args.runs, args.ratios))
+        print(ratios(args.runs[0], args.ratios))
         return 0
     if args.scaling:
-        print(scaling_lines(args.runs, args.scaling))
+        print(scaling_lines(args.runs[0], args.scaling))
         return 0
-    rows = [summarise(d) for d in sorted(args.runs.iterdir()) if d.is_dir() and (d / "console.log").is_file()]
+    rows = [summarise(d) for runs in args.runs for d in sorted(runs.iterdir())
+            if d.is_dir() and (d / "console.log").is_file()]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     if args.multi:
