@@ -931,6 +931,39 @@ def _batch_reasons(asked: Workload, w: Workload) -> list[Reason]:
                    + (": rounded up so every GPU gets an equal share of sequences (verl divides them)" if grown else ""))]
 
 
+# ---------------------------------------------------------------- a cluster of boxes
+
+def weakest_gpu(targets: Mapping[str, GpuTarget]) -> tuple[GpuTarget, str]:
+    """The per-node GPU the cluster plans for: the lowest compute capability decides precision and
+    rollout, the smallest memory the memory plan, the smallest count ``n_gpus_per_node``."""
+    low_cc = min(targets.items(), key=lambda kv: (kv[1].cc, kv[1].memory_mib))
+    low_mem = min(targets.items(), key=lambda kv: (kv[1].memory_mib, kv[1].cc))
+    count = min(t.count for t in targets.values())
+    name = low_cc[1].name if low_mem[1].memory_mib >= low_cc[1].memory_mib \
+        else f"{low_cc[1].name} (with {low_mem[1].name}'s memory)"
+    gpu = GpuTarget(name, low_cc[1].compute_capability, min(low_cc[1].memory_mib, low_mem[1].memory_mib), count)
+    uneven = len({t.count for t in targets.values()}) > 1
+    why = (f"precision and rollout by the lowest compute capability ({low_cc[1].name} on {low_cc[0]}, "
+           f"{low_cc[1].compute_capability}), memory by the smallest ({low_mem[1].memory_mib} MiB on {low_mem[0]}), "
+           f"{count} GPU(s) per node" + (" (the smallest count: verl's resource pool is even; other GPUs stay idle)"
+                                        if uneven else ""))
+    return gpu, why
+
+
+def cluster_plan(targets: Mapping[str, GpuTarget], workload: Workload, estimator=None) -> TrainingPlan:
+    """The plan of a cluster (``targets``: each member's GPU target): make_plan for the weakest
+    GPU at the cluster's world size (batches and FSDP sharding over every GPU), then verl's node
+    split; ``plan.gpu`` is the per-node target the launcher checks on each box."""
+    per_node, why = weakest_gpu(targets)
+    nodes = len(targets)
+    plan = make_plan(replace(per_node, count=per_node.count * nodes), workload, estimator)
+    split = {"trainer.n_gpus_per_node": (per_node.count, f"{per_node.count} x {per_node.name} on each node"),
+             "trainer.nnodes": (nodes, f"{nodes} boxes in the Ray cluster ({', '.join(sorted(targets))})")}
+    overrides = [Override(o.key, *split[o.key]) if o.key in split else o for o in plan.overrides]
+    return replace(plan, gpu=per_node, overrides=overrides,
+                   reasons=[Reason("cluster", f"{nodes} x {per_node.count} x {per_node.name}", why), *plan.reasons])
+
+
 # ---------------------------------------------------------------- the memory estimator
 
 _MEM_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp32": "fp32", "fp16": "fp16"}
@@ -1256,7 +1289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--compute-capability", help="e.g. 8.6")
     ap.add_argument("--gpu-memory-mib", type=int)
     ap.add_argument("--gpus", type=int, default=1)
-    ap.add_argument("--nodes", type=int, default=1, help="boxes of this GPU in one Ray cluster (tasks/cluster.py)")
+    ap.add_argument("--nodes", type=int, default=1, help="boxes of this GPU in one Ray cluster (docs/cluster.md)")
     ap.add_argument("--model", help="a model of files/catalog.toml, by artifact name or Hugging Face repo "
                                     "(e.g. Qwen/Qwen2.5-1.5B-Instruct; default: Qwen2.5-0.5B-Instruct)")
     ap.add_argument("--model-config", type=Path, default=DEFAULT_MODEL_CONFIG,
@@ -1297,7 +1330,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         workload = with_model(workload, artifact, args.model_path or f"/opt/verl-lab/models/{artifact.repo.replace('/', '--')}")
     try:
         if args.nodes > 1:          # a uniform Ray cluster of this GPU
-            from tasks.cluster import cluster_plan
             plan = plan_naming_models_that_fit(
                 lambda w: cluster_plan({f"node{i + 1}": gpu for i in range(args.nodes)}, w), workload, catalog, model)
         else:
