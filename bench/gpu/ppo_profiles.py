@@ -294,7 +294,7 @@ def seed_overrides(profile: Profile) -> list[str]:
 def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = None, ray_port: int = RAY_PORT) -> dict:
     """Render one profile with the planning code under ``code_root`` (imported here): the plan for its
     ``gpus`` as deploy/train.py makes it for a box of that many (``make_plan``), or for a Ray cluster of
-    ``nodes`` such boxes as the training stage makes it for a cluster member (``tasks.cluster.cluster_plan``),
+    ``nodes`` such boxes as the training stage makes it for a cluster member (``tasks.plan.cluster_plan``),
     whose nodes' units are rendered too (``render_ray_nodes``)."""
     sys.path.insert(0, str(code_root))
     from tasks.plan import GpuTarget, make_plan
@@ -312,7 +312,7 @@ def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = 
     if profile.rollout_engine != "auto":
         workload = replace(workload, rollout_engine=profile.rollout_engine)
     if profile.nodes > 1:
-        from tasks.cluster import cluster_plan
+        from tasks.plan import cluster_plan
 
         plan = cluster_plan({host: target for host in node_hosts(profile)}, workload)
     else:
@@ -345,9 +345,9 @@ def render_ray_nodes(profile: Profile, data: dict, plan, out: Path, port: int) -
     (``check_clusters``) and NCCL's and Gloo's interface from the route to the head as the RouteToHead fact reads it
     (its command run here: every Linux host routes 127/8 over lo). Returns what bench/gpu/ray_nodes.py needs to start
     them: each node's role, address and GPUs (node i: GPUs i*gpus .. (i+1)*gpus - 1)."""
-    from tasks.cluster import RayNode, check_clusters, choose_interface, cluster_wanted
+    from tasks.cluster import RayNode, choose_interface, cluster_wanted
     from tasks.facts.cluster import RouteToHead
-    from tasks.settings import load_settings
+    from tasks.settings import check_clusters, load_settings
 
     hosts = node_hosts(profile)
     spec = {"name": "bench", "head": hosts[0], "port": port}

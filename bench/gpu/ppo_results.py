@@ -387,7 +387,7 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
     from tasks.settings import load_settings
 
     settings = load_settings(profile["name"], settings_data(profile))
-    # per GPU at the run's world size (a cluster's plan is make_plan at nodes x gpus: tasks.cluster.cluster_plan)
+    # per GPU at the run's world size (a cluster's plan is make_plan at nodes x gpus: tasks.plan.cluster_plan)
     gpu = GpuTarget(profile["gpu_name"], profile["compute_capability"], profile["memory_mib"], world_size(profile))
     workload = replace(workload_for(settings), rollout_engine=profile.get("rollout") or profile.get("rollout_engine", "auto"),
                        train_batch_size=plan["train_batch_size"])

@@ -2,7 +2,7 @@
 run_profile.py, ray_nodes.py, ppo_results.py, run_multi.sh), checked here before a two-GPU device call.
 
 Plumbing, with the product's own code: the profiles render the plans deploy/train.py makes for a box of two
-cards and for a Ray cluster of two boxes (tasks.cluster.cluster_plan), and the cluster stage's units, ray.env
+cards and for a Ray cluster of two boxes (tasks.plan.cluster_plan), and the cluster stage's units, ray.env
 and cluster-check for each node; the harness reads the units' commands as systemd would, refuses a profile the
 machine has too few GPUs for, stops a cluster whose preflight fails or whose node ends while it forms (stand-ins
 of the preflight and of `ray start`), resumes an export profile without exporting its first run, and sums up
@@ -112,7 +112,7 @@ def test_two_cards_predict_less_per_gpu_than_one(rendered):
 
 
 def test_the_cluster_profile_is_the_two_gpu_plan_split_over_two_nodes(rendered):
-    """tasks.cluster.cluster_plan: make_plan at the cluster's world size, then verl's node split; everything else
+    """tasks.plan.cluster_plan: make_plan at the cluster's world size, then verl's node split; everything else
     (batches, micro-batches, precision) is the 2-GPU box's plan, so the step times compare."""
     profile, plan = _record(rendered, "p40-2nodes")
     box = _record(rendered, "p40-2gpu")[1]
