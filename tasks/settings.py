@@ -52,7 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "model_artifact": "qwen_model",
     "dataset_artifact": "gsm8k",
     "train_steps": None,               # a step cap (a smoke test: e.g. 20); None: workload.epochs over GSM8K
-    # what to train (checked by _workload; the plan: tasks/plan.py, docs/plan.md)
+    # what to train (checked by _workload; the plan: tasks/plan/, docs/plan.md)
     "workload": {},
     # plan for this GPU instead of the box's own (a build box without a GPU, or a box whose
     # nvidia-smi cannot tell): {"name": "Tesla T4", "compute_capability": "7.5",

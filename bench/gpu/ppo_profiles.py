@@ -169,7 +169,7 @@ PROFILES = [
                                     "actor_rollout_ref.model.enable_gradient_checkpointing=True"),
             stands_for="GTX 1080 / RTX 4060 (8 GiB): GRPO n=4, actor on FSDP2 CPU offload, micro 1, chunk 64, "
                        "gradient checkpointing"),
-    # the product's own plans on the grpo-cpu-offload rung (no overrides): what tasks/plan.py gives these cards
+    # the product's own plans on the grpo-cpu-offload rung (no overrides): what tasks/plan/ gives these cards
     Profile("gtx1080ti", "NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, steps=2, validate=False,
             stands_for="GTX 1080 Ti (11 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
                        "CPUOffloadPolicy, fp32, HF rollout)"),
@@ -380,7 +380,7 @@ def render_ray_nodes(profile: Profile, data: dict, plan, out: Path, port: int) -
 
 def _code_tree(ref: str) -> Path:
     dest = Path(tempfile.gettempdir()) / f"verl-lab-{ref}"
-    if not (dest / "tasks" / "plan.py").is_file():
+    if not any((dest / "tasks" / p).is_file() for p in ("plan.py", "plan/__init__.py")):   # before or after the split
         shutil.rmtree(dest, ignore_errors=True)
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(dest), ref], check=True,
                        capture_output=True)

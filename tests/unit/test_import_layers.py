@@ -144,6 +144,18 @@ def test_tasks_imports_only_look_down():
     assert not problems, "\n".join(problems)
 
 
+PLAN_MODULE_MAX_LINES = 400
+
+
+def test_the_plan_is_a_package_of_small_modules():
+    """tasks/plan/ holds one decision a module (docs/architecture.md, "The plan package"); none
+    grows past PLAN_MODULE_MAX_LINES: split it along its next seam instead."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in sorted((REPO / "tasks" / "plan").glob("*.py"))}
+    assert {"__init__.py", "__main__.py", "cli.py"} <= set(sizes), sorted(sizes)
+    over = {name: n for name, n in sizes.items() if n > PLAN_MODULE_MAX_LINES}
+    assert not over, f"modules of tasks/plan/ over {PLAN_MODULE_MAX_LINES} lines: {over}"
+
+
 # ------------------------------------------------------------------ the check itself, on made-up trees
 
 
