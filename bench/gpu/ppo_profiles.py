@@ -342,10 +342,9 @@ def render_ray_nodes(profile: Profile, data: dict, plan, out: Path, port: int) -
     """What the cluster stage places on each node (``tasks.cluster.cluster_wanted``: the Ray unit, ray.env, the
     training unit's drop-in, cluster-check), each node a loopback address of this one host (NODE_ADDRESSES: the head
     first), into ``out/cluster/<host>/``; the cluster from the product's own check of the members' settings
-    (``tasks.settings.check_clusters``) and NCCL's and Gloo's interface from the route to the head as the
-    RouteToHead fact reads it (its command run here: every Linux host routes 127/8 over lo). Returns what
-    bench/gpu/ray_nodes.py needs to start them: each node's role, address and GPUs (node i: GPUs i*gpus ..
-    (i+1)*gpus - 1)."""
+    (``check_clusters``) and NCCL's and Gloo's interface from the route to the head as the RouteToHead fact reads it
+    (its command run here: every Linux host routes 127/8 over lo). Returns what bench/gpu/ray_nodes.py needs to start
+    them: each node's role, address and GPUs (node i: GPUs i*gpus .. (i+1)*gpus - 1)."""
     from tasks.cluster import RayNode, choose_interface, cluster_wanted
     from tasks.facts.cluster import RouteToHead
     from tasks.settings import check_clusters, load_settings
