@@ -5,8 +5,8 @@ cluster (tasks/cluster.py); a box that trains alone gets nothing here.
 """
 
 from tasks.base import base_layout
-from tasks.cluster import install_cluster, member_targets
-from tasks.hostdata import check_inventory, cluster_for, settings_for
+from tasks.cluster import install_cluster
+from tasks.hostdata import check_inventory, cluster_for, member_targets, settings_for
 
 check_inventory()
 settings = settings_for()

@@ -85,8 +85,7 @@ def base_layout(settings: LabSettings, trains: bool = True) -> HostTarget:
 def cannot_train(settings: LabSettings, target: HostTarget):
     """Why this box cannot train, as a SettingsError (None: its plan exists): the plan alone, or
     its cluster's by every member's GPU (the other members' GPU facts, asked at prepare time)."""
-    from tasks.cluster import member_targets
-    from tasks.hostdata import cluster_for
+    from tasks.hostdata import cluster_for, member_targets
     from tasks.validation import plan_problem
 
     cluster = cluster_for()

@@ -6,11 +6,12 @@ a box's IPv4 address on the cluster network (the head needs one, or an IP litera
 ``ssh_hostname``; a worker without one uses the source address of its route to the head).
 Default: no cluster, every box trains alone, and this stage does nothing at all.
 
-Pure parts: the cross-host check of the setting (``check_clusters``, run with every host's
-settings before any host changes), the network interface NCCL and Gloo use (``choose_interface``,
-from ``ip -o route get <head>``), and the cluster plan (``cluster_plan``: precision and memory by
-the weakest GPU, ``trainer.nnodes`` and ``trainer.n_gpus_per_node``), and ``/etc/hosts`` such that
-the box's hostname resolves to its node address (``hosts_file``). The stage ``install_cluster``
+The setting is checked with every other setting (``tasks.settings``: ``check_clusters`` across
+hosts, before any host changes), and the cluster's plan is pure planning (``tasks.plan``:
+``cluster_plan``, precision and memory by the weakest GPU, ``trainer.nnodes`` and
+``trainer.n_gpus_per_node``). Pure parts here: the network interface NCCL and Gloo use
+(``choose_interface``, from ``ip -o route get <head>``) and ``/etc/hosts`` such that the box's
+hostname resolves to its node address (``hosts_file``). The stage ``install_cluster``
 places a Ray head or worker unit (files/templates/verl-lab-ray.service.j2) running the env's Ray
 as the train user, its environment file, and a drop-in that gives the training unit RAY_ADDRESS
 and the interface.
@@ -33,9 +34,9 @@ from tasks.facts.cluster import HostnameLookup, RouteToHead
 from tasks.facts.files import PathStates, UnitState
 from tasks.failure import fail_host
 from tasks.placed import place, rendered, wanted_dir, wanted_file
-from tasks.plan import GpuTarget, PlanError, Reason, TrainingPlan, Workload, make_plan
-from tasks.settings import TRAIN_UNIT, LabSettings, SettingsError
-from tasks.verl_config import Override
+from tasks.hostdata import member_targets
+from tasks.plan import GpuTarget, PlanError, cluster_plan, workload_for
+from tasks.settings import TRAIN_UNIT, Cluster, LabSettings, ipv4
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-ray.service.j2"
@@ -53,71 +54,6 @@ HOSTS_OFF = HOSTS_MARK + ", was: "      # starts a line of /etc/hosts that mappe
 
 class ClusterError(ValueError):
     """The box cannot join its cluster as it is; the message says why and what to change."""
-
-
-@dataclass(frozen=True)
-class Cluster:
-    name: str
-    head: str
-    head_address: str
-    port: int
-    members: tuple[str, ...]
-
-    @property
-    def address(self) -> str:
-        return f"{self.head_address}:{self.port}"
-
-    def role(self, host: str) -> str:
-        return "head" if host == self.head else "worker"
-
-
-def _ipv4(value: Any) -> str | None:
-    try:
-        return str(ipaddress.IPv4Address(str(value)))
-    except ValueError:
-        return None
-
-
-def check_clusters(settings: Mapping[str, LabSettings],
-                   group_values: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[dict[str, Cluster], list[SettingsError]]:
-    """Every cluster of the inventory, and what is wrong with the setting across hosts (a head
-    outside its cluster, members that disagree, a head without an address, a box put in two
-    clusters by two of its groups). ``group_values``: host -> {group: the cluster value that
-    group's data sets}, for boxes whose own host data does not set one."""
-    problems: list[SettingsError] = []
-    for host, by_group in sorted((group_values or {}).items()):
-        names = sorted({f"{g}: {v.get('name')}" for g, v in by_group.items() if isinstance(v, Mapping)})
-        if len({v.get("name") for v in by_group.values() if isinstance(v, Mapping)}) > 1:
-            problems.append(SettingsError(host, "cluster", f"the box is in two clusters ({', '.join(names)})",
-                                          "take it out of one of these groups, or set its own cluster in host data"))
-    members: dict[str, list[str]] = {}
-    for host, s in settings.items():
-        if s.cluster:
-            members.setdefault(s.cluster["name"], []).append(host)
-    clusters = {}
-    for name, hosts in sorted(members.items()):
-        first = settings[hosts[0]].cluster
-        odd = [h for h in hosts if settings[h].cluster != first]
-        if odd:
-            problems.append(SettingsError(odd[0], "cluster", f"{settings[odd[0]].cluster!r} differs from "
-                                          f"{hosts[0]}'s {first!r} in cluster {name!r}",
-                                          f"give every box of {name} the same value (once, in its group's group_data)"))
-            continue
-        head = first["head"]
-        if head not in hosts:
-            problems.append(SettingsError(hosts[0], "cluster.head", f"{head!r} is not a box of cluster {name!r} "
-                                          f"(its boxes: {', '.join(sorted(hosts))})",
-                                          f"name one of them as the head, or put {head} in cluster {name}"))
-            continue
-        hs = settings[head]
-        address = hs.cluster_address or _ipv4(hs.raw.get("ssh_hostname") or head)
-        if not address:
-            problems.append(SettingsError(head, "cluster_address", f"the head of cluster {name!r} has no address "
-                                          "the workers can be given", "set cluster_address = '<its IPv4 address "
-                                          "on the cluster network>' in its host data"))
-            continue
-        clusters[name] = Cluster(name, head, address, first["port"], tuple(sorted(hosts)))
-    return clusters, problems
 
 
 @dataclass(frozen=True)
@@ -168,37 +104,6 @@ def choose_interface(route: str, addrs: str, head: str) -> Interface:
     return Interface(dev, src, f"the route to the head {head} leaves by {dev}{via} (source {src})")
 
 
-def weakest_gpu(targets: Mapping[str, GpuTarget]) -> tuple[GpuTarget, str]:
-    """The per-node GPU the cluster plans for: the lowest compute capability decides precision and
-    rollout, the smallest memory the memory plan, the smallest count ``n_gpus_per_node``."""
-    low_cc = min(targets.items(), key=lambda kv: (kv[1].cc, kv[1].memory_mib))
-    low_mem = min(targets.items(), key=lambda kv: (kv[1].memory_mib, kv[1].cc))
-    count = min(t.count for t in targets.values())
-    name = low_cc[1].name if low_mem[1].memory_mib >= low_cc[1].memory_mib \
-        else f"{low_cc[1].name} (with {low_mem[1].name}'s memory)"
-    gpu = GpuTarget(name, low_cc[1].compute_capability, min(low_cc[1].memory_mib, low_mem[1].memory_mib), count)
-    uneven = len({t.count for t in targets.values()}) > 1
-    why = (f"precision and rollout by the lowest compute capability ({low_cc[1].name} on {low_cc[0]}, "
-           f"{low_cc[1].compute_capability}), memory by the smallest ({low_mem[1].memory_mib} MiB on {low_mem[0]}), "
-           f"{count} GPU(s) per node" + (" (the smallest count: verl's resource pool is even; other GPUs stay idle)"
-                                        if uneven else ""))
-    return gpu, why
-
-
-def cluster_plan(targets: Mapping[str, GpuTarget], workload: Workload, estimator=None) -> TrainingPlan:
-    """The plan of a cluster (``targets``: each member's GPU target): make_plan for the weakest
-    GPU at the cluster's world size (batches and FSDP sharding over every GPU), then verl's node
-    split; ``plan.gpu`` is the per-node target the launcher checks on each box."""
-    per_node, why = weakest_gpu(targets)
-    nodes = len(targets)
-    plan = make_plan(replace(per_node, count=per_node.count * nodes), workload, estimator)
-    split = {"trainer.n_gpus_per_node": (per_node.count, f"{per_node.count} x {per_node.name} on each node"),
-             "trainer.nnodes": (nodes, f"{nodes} boxes in the Ray cluster ({', '.join(sorted(targets))})")}
-    overrides = [Override(o.key, *split[o.key]) if o.key in split else o for o in plan.overrides]
-    return replace(plan, gpu=per_node, overrides=overrides,
-                   reasons=[Reason("cluster", f"{nodes} x {per_node.count} x {per_node.name}", why), *plan.reasons])
-
-
 def hosts_file(lookup: Mapping[str, Any], address: str) -> tuple[str | None, str]:
     """``/etc/hosts`` such that the box's hostname resolves to ``address`` (its node address, which
     NCCL, Gloo and Ray look the hostname up for), from the HostnameLookup fact; None, and why, where
@@ -224,7 +129,7 @@ def hosts_file(lookup: Mapping[str, Any], address: str) -> tuple[str | None, str
         cells = line.split("#", 1)[0].split()
         ours = [n for n in cells[1:] if n == short or n.startswith(short + ".")]
         managed = line.rstrip().endswith(HOSTS_MARK)    # the managed line of an earlier run: replaced
-        if not managed and (not ours or cells[0] == address or not _ipv4(cells[0])):
+        if not managed and (not ours or cells[0] == address or not ipv4(cells[0])):
             kept.append(line)
             continue
         mine += [n for n in ours if n not in mine]
@@ -311,31 +216,10 @@ def training_in(cluster: Cluster | None, settings: LabSettings, gpu) -> tuple[La
             targets)
 
 
-def member_targets(cluster: Cluster, own: str, target: GpuTarget) -> dict[str, GpuTarget | None]:
-    """Prepare time: every member's GPU target (the other boxes' GPU facts, or their gpu_override)."""
-    from pyinfra import inventory
-
-    from tasks.facts.gpu import NvidiaGpus
-    from tasks.hostdata import settings_for
-    from tasks.target import decide_gpu
-
-    found = {}
-    for name in cluster.members:
-        if name == own:
-            found[name] = target
-            continue
-        other = inventory.get_host(name)
-        ov = settings_for(other)
-        found[name] = decide_gpu(ov, None if ov.gpu_override else other.get_fact(NvidiaGpus)).target
-    return found
-
-
 @deploy("verl-lab Ray cluster node")
 def install_cluster(settings: LabSettings, gpu, cluster: Cluster, targets: Mapping[str, GpuTarget | None]):
     """The box's Ray unit (head or worker), its environment and the training unit's drop-in; the
     unit (re)started when they changed or it is not running."""
-    from tasks.train import training_workload
-
     route, states, unit, lookup = ask((RouteToHead, {"address": cluster.head_address}),
                                       (PathStates, {"paths": cluster_paths(settings)}), (UnitState, {"unit": RAY_UNIT}),
                                       (HostnameLookup, {}))
@@ -345,7 +229,7 @@ def install_cluster(settings: LabSettings, gpu, cluster: Cluster, targets: Mappi
             raise ClusterError(f"no GPU target on {', '.join(missing)} (see its training stage)")
         interface = choose_interface(route["route"], route["addrs"], cluster.head_address)
         node = RayNode(settings, cluster, interface, gpu.target.count,
-                       cluster_plan(targets, training_workload(settings)).env)
+                       cluster_plan(targets, workload_for(settings)).env)
         hosts, hosts_why = hosts_file(lookup, node.node_address)
     except (ClusterError, PlanError) as exc:
         fail_host(name=f"Ray {cluster.role(settings.host)} of cluster {cluster.name}", message=str(exc),

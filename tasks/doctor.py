@@ -156,7 +156,7 @@ PHASES = (
     ("critic", re.compile(r"compute_values|update_critic|dp_critic"), ("critic_states", "critic_activations")),
     ("actor", re.compile(r"update_actor|compute_log_prob|dp_actor"), ("actor_states", "actor_activations")),
 )
-# What the plan escalates to next, in order (fewer offloads = faster; see tasks/plan.py).
+# What the plan escalates to next, in order (fewer offloads = faster; see tasks/plan/memory_fit.py).
 OFFLOAD_LADDER = (
     ("actor_optimizer_offload", "offload the actor's optimizer states"),
     ("critic_optimizer_offload", "offload the critic's optimizer states"),

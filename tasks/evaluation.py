@@ -5,7 +5,7 @@
 base model once and for each export):
 
 * engine and dtype: the plan's rollout, as training generates on that GPU: the HF-transformers
-  ``generate`` below compute capability 7.0 (no vLLM on Pascal), vLLM from 7.0 (tasks/plan.py's
+  ``generate`` below compute capability 7.0 (no vLLM on Pascal), vLLM from 7.0 (tasks/plan/precision.py's
   ``choose_precision``), in the rollout's dtype (fp32 on Pascal, fp16 vLLM on 7.x, bf16 on 8.0+);
 * the batch: prompts per ``generate()`` call (HF) or vLLM's ``max_num_seqs``, the largest of
   ``BATCH_CHOICES`` the memory model fits on the plan's GPU for prompts of ``max_prompt_length``
@@ -50,7 +50,8 @@ class EvaluationPlan:
 def evaluation_plan(plan, test_file: str) -> EvaluationPlan:
     """The GSM8K evaluation of a ``tasks.plan.TrainingPlan``'s model on the plan's GPU."""
     from tasks.memory import CUDA_CONTEXT_MIB, WORKSPACE_MIB, ModelShape, generate_peak, vllm_memory
-    from tasks.plan import _MEM_DTYPE, VLLM_SHARE_MAX, VLLM_SHARE_MIN, PlanError, gpu_budget_mib, vllm_engine
+    from tasks.plan import VLLM_SHARE_MAX, VLLM_SHARE_MIN, PlanError, gpu_budget_mib, vllm_engine
+    from tasks.plan.estimator import _MEM_DTYPE
 
     w, gpu, precision = plan.workload, plan.gpu, plan.precision
     shape = ModelShape.from_config(dict(w.model_config))

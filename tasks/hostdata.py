@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pyinfra import host, inventory
 
-from tasks.cluster import Cluster, check_clusters
-from tasks.settings import LabSettings, SettingsError, load_settings
+from tasks.plan import GpuTarget
+from tasks.settings import Cluster, LabSettings, SettingsError, check_clusters, load_settings
 from tasks.validation import inventory_problems
 
 _CHECKED = False
@@ -34,6 +34,22 @@ def cluster_for(target=None) -> Cluster | None:
     """The Ray cluster the host trains in (checked with every host's data), or None: it trains alone."""
     target = target or host
     return next((c for c in _CLUSTERS.values() if target.name in c.members), None)
+
+
+def member_targets(cluster: Cluster, own: str, target: GpuTarget) -> dict[str, GpuTarget | None]:
+    """Prepare time: every member's GPU target (the other boxes' GPU facts, or their gpu_override)."""
+    from tasks.facts.gpu import NvidiaGpus
+    from tasks.target import decide_gpu
+
+    found = {}
+    for name in cluster.members:
+        if name == own:
+            found[name] = target
+            continue
+        other = inventory.get_host(name)
+        ov = settings_for(other)
+        found[name] = decide_gpu(ov, None if ov.gpu_override else other.get_fact(NvidiaGpus)).target
+    return found
 
 
 def check_inventory(hosts=None) -> None:

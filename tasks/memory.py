@@ -89,7 +89,7 @@ VERL_PROCESS_OVERHEAD_MIB = 1368.0 - CUDA_CONTEXT_MIB
 # runs torch 2.6 with CUDA 11.8/12.x on Pascal..Ada cards, whose context, loaded kernels and NCCL
 # were never measured (only the H200 with torch 2.11 / CUDA 13 was). Not a prediction: a safety
 # margin, the difference between the old inferred allowance (884 + 1024 = 1908 MiB) and the
-# largest measured (1368), so that which plans fit is what it was. tasks/plan.py's gpu_budget_mib
+# largest measured (1368), so that which plans fit is what it was. tasks/plan/estimator.py's gpu_budget_mib
 # takes it off every GPU's budget; held_at_vllm_start_mib counts it (vLLM V1 measures the real
 # process at its start).
 OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB = 1908.0 - 1368.0

@@ -8,6 +8,7 @@ Every default lives here, once; ``inventory/group_data/all.py`` only sets site c
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "model_artifact": "qwen_model",
     "dataset_artifact": "gsm8k",
     "train_steps": None,               # a step cap (a smoke test: e.g. 20); None: workload.epochs over GSM8K
-    # what to train (checked by _workload; the plan: tasks/plan.py, docs/plan.md)
+    # what to train (checked by _workload; the plan: tasks/plan/, docs/plan.md)
     "workload": {},
     # plan for this GPU instead of the box's own (a build box without a GPU, or a box whose
     # nvidia-smi cannot tell): {"name": "Tesla T4", "compute_capability": "7.5",
@@ -417,8 +418,6 @@ def _cluster(host: str, value: Any) -> dict[str, Any] | None:
 
 
 def _ip_address(host: str, key: str, value: Any) -> str | None:
-    import ipaddress
-
     if value is None:
         return None
     try:
@@ -426,6 +425,75 @@ def _ip_address(host: str, key: str, value: Any) -> str | None:
     except (ipaddress.AddressValueError, ValueError):
         raise SettingsError(host, key, f"{value!r} is not an IPv4 address",
                             "set the box's address on the cluster network, e.g. '10.0.0.5'") from None
+
+
+# the cluster setting across hosts (every member's data agrees, the head is a member with an address):
+# checked with every host's settings before any host changes (tasks/hostdata.check_inventory)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    head: str
+    head_address: str
+    port: int
+    members: tuple[str, ...]
+
+    @property
+    def address(self) -> str:
+        return f"{self.head_address}:{self.port}"
+
+    def role(self, host: str) -> str:
+        return "head" if host == self.head else "worker"
+
+
+def ipv4(value: Any) -> str | None:
+    try:
+        return str(ipaddress.IPv4Address(str(value)))
+    except ValueError:
+        return None
+
+
+def check_clusters(settings: Mapping[str, LabSettings],
+                   group_values: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[dict[str, Cluster], list[SettingsError]]:
+    """Every cluster of the inventory, and what is wrong with the setting across hosts (a head
+    outside its cluster, members that disagree, a head without an address, a box put in two
+    clusters by two of its groups). ``group_values``: host -> {group: the cluster value that
+    group's data sets}, for boxes whose own host data does not set one."""
+    problems: list[SettingsError] = []
+    for host, by_group in sorted((group_values or {}).items()):
+        names = sorted({f"{g}: {v.get('name')}" for g, v in by_group.items() if isinstance(v, Mapping)})
+        if len({v.get("name") for v in by_group.values() if isinstance(v, Mapping)}) > 1:
+            problems.append(SettingsError(host, "cluster", f"the box is in two clusters ({', '.join(names)})",
+                                          "take it out of one of these groups, or set its own cluster in host data"))
+    members: dict[str, list[str]] = {}
+    for host, s in settings.items():
+        if s.cluster:
+            members.setdefault(s.cluster["name"], []).append(host)
+    clusters = {}
+    for name, hosts in sorted(members.items()):
+        first = settings[hosts[0]].cluster
+        odd = [h for h in hosts if settings[h].cluster != first]
+        if odd:
+            problems.append(SettingsError(odd[0], "cluster", f"{settings[odd[0]].cluster!r} differs from "
+                                          f"{hosts[0]}'s {first!r} in cluster {name!r}",
+                                          f"give every box of {name} the same value (once, in its group's group_data)"))
+            continue
+        head = first["head"]
+        if head not in hosts:
+            problems.append(SettingsError(hosts[0], "cluster.head", f"{head!r} is not a box of cluster {name!r} "
+                                          f"(its boxes: {', '.join(sorted(hosts))})",
+                                          f"name one of them as the head, or put {head} in cluster {name}"))
+            continue
+        hs = settings[head]
+        address = hs.cluster_address or ipv4(hs.raw.get("ssh_hostname") or head)
+        if not address:
+            problems.append(SettingsError(head, "cluster_address", f"the head of cluster {name!r} has no address "
+                                          "the workers can be given", "set cluster_address = '<its IPv4 address "
+                                          "on the cluster network>' in its host data"))
+            continue
+        clusters[name] = Cluster(name, head, address, first["port"], tuple(sorted(hosts)))
+    return clusters, problems
 
 
 def _ssh_key(host: str, key_file: Any) -> None:

@@ -1,5 +1,5 @@
 """How long a training step takes on the CPU-offload rung (the actor and the ref on FSDP2 with
-CPUOffloadPolicy), to rank the configurations that fit: tasks/plan.py takes the fastest.
+CPUOffloadPolicy), to rank the configurations that fit: tasks/plan/memory_fit.py takes the fastest.
 
 Pure Python, plain values. What it rests on (docs/plan.md, "Speed on the CPU-offload rung"):
 

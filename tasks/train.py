@@ -254,7 +254,7 @@ def _flash_attn(env_marker: dict | None) -> bool:
 @deploy("verl-lab training plan, launcher and unit")
 def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict | None = None):
     """Plan for the host's GPU target (in a Ray cluster: ``cluster_targets``, every member's, for
-    tasks.cluster.cluster_plan); launcher, env file, plan.json and the systemd unit; proofs; marker."""
+    tasks.plan.cluster_plan); launcher, env file, plan.json and the systemd unit; proofs; marker."""
     # one command for all this stage reads (tasks/facts/bundle.py)
     marker_path = settings.marker("train")
     env_marker, marker, states, unit, disk = ask(

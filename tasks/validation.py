@@ -4,7 +4,7 @@ Two moments share this module (docs/architecture.md, "On the controller, at prep
 
 * **the inventory pass** (``tasks.hostdata.check_inventory``, hooked into pyinfra's State.init by
   config.py: before pyinfra connects to anything): every host's settings (``tasks.settings``), the
-  clusters across hosts (``tasks.cluster.check_clusters``), the data stage's plan (``data_plan``:
+  clusters across hosts (``tasks.settings.check_clusters``), the data stage's plan (``data_plan``:
   the catalog's model and dataset), and, for every host whose GPU is known from host data
   (``gpu_override``; a cluster whose every member has one), the training plan: which GPUs the
   stack runs (``tasks.gpu_support``), the fit, the engine, verl 0.5.0's own rules
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from tasks.plan import GpuTarget, PlanError, TrainingPlan, make_plan, plan_naming_models_that_fit, workload_for
+from tasks.data_plan import data_plan
+from tasks.plan import (GpuTarget, PlanError, TrainingPlan, cluster_plan, make_plan, plan_naming_models_that_fit,
+                        workload_for)
 from tasks.settings import LabSettings, SettingsError
 
 GPU_KEYS = {"gpu_override": "gpu_override", "nvidia-smi": "GPU (nvidia-smi)", "none": "GPU (nvidia-smi)"}
@@ -35,8 +37,6 @@ def training_plan(settings: LabSettings, target: GpuTarget,
     exists, naming the catalog's models that would fit where the model is what does not."""
     workload = workload_for(settings, flash_attn_installed)
     if cluster_targets:
-        from tasks.cluster import cluster_plan
-
         plan_of = lambda w: cluster_plan(cluster_targets, w)  # noqa: E731
     else:
         plan_of = lambda w: make_plan(target, w)  # noqa: E731
@@ -85,8 +85,6 @@ def inventory_problems(settings: Mapping[str, LabSettings], clusters: Mapping[st
     """The inventory pass beyond each host's settings: the data stage's plan of every host, and the
     training plan of every host whose GPU host data gives (a cluster member only where every member's
     does: the cluster plans by its weakest GPU)."""
-    from tasks.data import data_plan
-
     problems: list[SettingsError] = []
     in_cluster = {member: c for c in clusters.values() for member in c.members}
     for host, s in sorted(settings.items()):

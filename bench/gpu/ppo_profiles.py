@@ -33,6 +33,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 OUT_DEFAULT = REPO / ".gpu" / "profiles"
+LAB_BASE = "/tmp/vl"             # a profile's lab_root is <LAB_BASE>/<name> on the device
+RAY_PORT = 6379                  # a Ray-node profile's cluster port (the setting's default)
+# the Ray nodes of a profile with nodes > 1, all on the device's one host: the head and then each worker on its
+# own loopback address. Not 127.0.0.1: `ray start --node-ip-address=127.0.0.1` is replaced by the host's own
+# address (ray 2.46 ray/_private/services.py resolve_ip_for_localhost), so the head would not be on lo.
+NODE_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 TODAY_REF = "7d6e4b8"            # main before the training-path fixes (issue 14)
 SPEED_BEFORE_REF = "aa9f1e3"     # main before the 8-12 GB cards' speed work (issue 29): code "speed-before"
 OUTSIDE_TORCH_MIB = 1311         # CUDA context etc. per process on the H200 (docs/training-runs.md)
@@ -66,6 +72,9 @@ class Profile:
     export: bool = False                 # save every step; the launcher exports and scores when verl finishes
     probe_profile: str = ""              # VERL_LAB_PROFILE: the worker calls the probe profiles (phase[:N],...)
     env: tuple[tuple[str, str], ...] = ()    # more environment for the run (the launcher passes it to Ray's workers)
+    gpus: int = 1                        # GPUs of the box (of each Ray node when nodes > 1), each capped on its own
+    nodes: int = 1                       # Ray nodes on the one host (tasks/cluster.py's units, bench/gpu/ray_nodes.py)
+    compare_with: str = ""               # the profile whose prompts/s this one's is a ratio against (same machine)
 
     @property
     def cap_mib(self) -> int | None:
@@ -92,6 +101,44 @@ SPEED_PROFILES = [
             stands_for=f"{label}, the plan {'before the speed work' if when == 'before' else 'as it is now'}"
                        + ("; HF rollout instead of the plan's vLLM, for this run only" if engine == "hf" else ""))
     for when in ("before", "after") for name, gpu, cc, mib, engine, label in SPEED_CARDS
+]
+
+# issue 27: several GPUs, on the device's nvidia-h200-x2 (two H200s), each GPU capped as its card (the probe caps
+# every worker process on the GPU Ray gave it). Each run of 2 GPUs: 2 steps and validation (verl validates at the
+# last step); prompts/s over step 2 against ``compare_with``'s, a one-GPU baseline of 2 steps without validation
+# (prompts/s leaves validation out anyway) in the same call (the cluster's: the call after; bench/gpu/run_multi.sh).
+# NCCL says at its start which interface and transport each connection took (NCCL_DEBUG=INFO: ppo_results reads it):
+# the channels under INIT, the socket transport's interface under NET, the bootstrap's interface under INIT before
+# NCCL 2.23 and under BOOTSTRAP since (src/bootstrap.cc: "Bootstrap : Using" became "Bootstrap: Using").
+NCCL_INFO = (("NCCL_DEBUG", "INFO"), ("NCCL_DEBUG_SUBSYS", "INIT,NET,BOOTSTRAP"))
+# two Ray nodes on one host: NCCL finds both ranks on one machine and takes its GPU-to-GPU (P2P) or shared-memory
+# transport; these force its socket transport over the nodes' loopback interface (ray.env's NCCL_SOCKET_IFNAME),
+# as between two machines with a NIC
+NCCL_SOCKETS = (("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"))
+MULTI_PROFILES = [
+    Profile("p40-1gpu", "Tesla P40", "6.1", 24576, steps=2, validate=False,
+            stands_for="Tesla P40 (24 GiB), one card: the plan as built now (baseline of p40-2gpu)"),
+    Profile("p40-2gpu", "Tesla P40", "6.1", 24576, steps=2, gpus=2, compare_with="p40-1gpu", env=NCCL_INFO,
+            stands_for="2 x Tesla P40 in one box: PPO with the critic sharded over both (FSDP1, fp32, HF rollout)"),
+    Profile("gtx1080-1gpu", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, validate=False,
+            stands_for="GTX 1080 (8 GiB), one card: grpo-cpu-offload as planned now (baseline of gtx1080-2gpu)"),
+    Profile("gtx1080-2gpu", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, gpus=2, compare_with="gtx1080-1gpu",
+            env=NCCL_INFO, stands_for="2 x GTX 1080 in one box: grpo-cpu-offload (GRPO n=4, the actor on FSDP2 "
+                                      "CPUOffloadPolicy over both, fp32, HF rollout)"),
+    Profile("p40-2nodes", "Tesla P40", "6.1", 24576, steps=2, nodes=2, compare_with="p40-2gpu", env=NCCL_INFO,
+            stands_for="two boxes of one Tesla P40 each in a Ray cluster (trainer.nnodes=2): the product's Ray units "
+                       "(head 127.0.0.2 on GPU 0, worker 127.0.0.3 on GPU 1), cluster-check, the cluster plan"),
+    Profile("p40-2nodes-socket", "Tesla P40", "6.1", 24576, steps=2, nodes=2, compare_with="p40-2gpu",
+            env=NCCL_INFO + NCCL_SOCKETS,
+            stands_for="p40-2nodes with NCCL's GPU-to-GPU and shared-memory transports off: its collectives over "
+                       "sockets on lo, as between two machines"),
+    # a checkpoint of a 2-GPU run (FSDP2, two ranks' shards): step 1 saved, a second run resumes from it and trains
+    # step 2, saves, and the launcher exports (verl's merger over both ranks' shards), proves and scores it
+    Profile("gtx1080-2gpu-export", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, gpus=2, validate=False,
+            resume_after=1, export=True, env=NCCL_INFO,
+            overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
+            stands_for="2 x GTX 1080 plan (grpo-cpu-offload) on 16 prompts a step: step 1 saved, resumed by a second "
+                       "run for step 2, which is saved, exported from both ranks' shards, proven and scored"),
 ]
 
 PROFILES = [
@@ -122,7 +169,7 @@ PROFILES = [
                                     "actor_rollout_ref.model.enable_gradient_checkpointing=True"),
             stands_for="GTX 1080 / RTX 4060 (8 GiB): GRPO n=4, actor on FSDP2 CPU offload, micro 1, chunk 64, "
                        "gradient checkpointing"),
-    # the product's own plans on the grpo-cpu-offload rung (no overrides): what tasks/plan.py gives these cards
+    # the product's own plans on the grpo-cpu-offload rung (no overrides): what tasks/plan/ gives these cards
     Profile("gtx1080ti", "NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, steps=2, validate=False,
             stands_for="GTX 1080 Ti (11 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
                        "CPUOffloadPolicy, fp32, HF rollout)"),
@@ -190,11 +237,17 @@ PROFILES = [
                        "rollout and patches 0007-0009's knobs on (gather once per pass and per mini-batch, "
                        "gradients reduced once per mini-batch, fused AdamW), OMP_NUM_THREADS=8"),
 ]
+PROFILES += MULTI_PROFILES           # issue 27's, kept apart from the list above
 BY_NAME = {p.name: p for p in PROFILES}
 
 
-def lab_root(profile: Profile) -> str:
-    return f"/tmp/vl/{profile.name}"
+def lab_root(profile: Profile, base: str = LAB_BASE) -> str:
+    return f"{base}/{profile.name}"
+
+
+def node_hosts(profile: Profile) -> list[str]:
+    """The inventory names of a Ray-node profile's nodes: the head first."""
+    return [profile.name] + [f"{profile.name}-worker{i}" for i in range(1, profile.nodes)]
 
 
 def settings_data(profile: dict) -> dict:
@@ -238,8 +291,11 @@ def seed_overrides(profile: Profile) -> list[str]:
     return keys
 
 
-def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
-    """Render one profile with the planning code under ``code_root`` (imported here)."""
+def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = None, ray_port: int = RAY_PORT) -> dict:
+    """Render one profile with the planning code under ``code_root`` (imported here): the plan for its
+    ``gpus`` as deploy/train.py makes it for a box of that many (``make_plan``), or for a Ray cluster of
+    ``nodes`` such boxes as the training stage makes it for a cluster member (``tasks.plan.cluster_plan``),
+    whose nodes' units are rendered too (``render_ray_nodes``)."""
     sys.path.insert(0, str(code_root))
     from tasks.plan import GpuTarget, make_plan
     from tasks.settings import load_settings
@@ -248,12 +304,19 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
     except ImportError:                  # trees before the stages had one name each
         from tasks.training import TrainingLayout, training_wanted, training_workload
 
-    settings = load_settings(profile.name, settings_data(asdict(profile)))
-    target = GpuTarget(profile.gpu_name, profile.compute_capability, profile.plan_memory_mib or profile.memory_mib, 1)
+    data = settings_data({**asdict(profile), "lab_root": root or lab_root(profile)})
+    settings = load_settings(profile.name, data)
+    target = GpuTarget(profile.gpu_name, profile.compute_capability, profile.plan_memory_mib or profile.memory_mib,
+                       profile.gpus)
     workload = training_workload(settings)
     if profile.rollout_engine != "auto":
         workload = replace(workload, rollout_engine=profile.rollout_engine)
-    plan = make_plan(target, workload)
+    if profile.nodes > 1:
+        from tasks.plan import cluster_plan
+
+        plan = cluster_plan({host: target for host in node_hosts(profile)}, workload)
+    else:
+        plan = make_plan(target, workload)
     layout = TrainingLayout(settings=settings, plan=plan, plan_source="gpu_override")
     train = out / "train"
     train.mkdir(parents=True, exist_ok=True)
@@ -271,21 +334,64 @@ def render_one(profile: Profile, out: Path, code_root: Path) -> dict:
             "budget_mib": d["budget_mib"], "micro_batches": d["micro_batches"], "offload": d["offload"],
             "gradient_checkpointing": d.get("gradient_checkpointing", True), "rollout": d["rollout"],
             "train_batch_size": next(int(o.split("=", 1)[1]) for o in d["overrides"]
-                                     if o.startswith("data.train_batch_size="))}
+                                     if o.startswith("data.train_batch_size=")),
+            **({"cluster": render_ray_nodes(profile, data, plan, out, ray_port)} if profile.nodes > 1 else {})}
+
+
+def render_ray_nodes(profile: Profile, data: dict, plan, out: Path, port: int) -> dict:
+    """What the cluster stage places on each node (``tasks.cluster.cluster_wanted``: the Ray unit, ray.env, the
+    training unit's drop-in, cluster-check), each node a loopback address of this one host (NODE_ADDRESSES: the head
+    first), into ``out/cluster/<host>/``; the cluster from the product's own check of the members' settings
+    (``check_clusters``) and NCCL's and Gloo's interface from the route to the head as the RouteToHead fact reads it
+    (its command run here: every Linux host routes 127/8 over lo). Returns what bench/gpu/ray_nodes.py needs to start
+    them: each node's role, address and GPUs (node i: GPUs i*gpus .. (i+1)*gpus - 1)."""
+    from tasks.cluster import RayNode, choose_interface, cluster_wanted
+    from tasks.facts.cluster import RouteToHead
+    from tasks.settings import check_clusters, load_settings
+
+    hosts = node_hosts(profile)
+    spec = {"name": "bench", "head": hosts[0], "port": port}
+    members = {host: load_settings(host, {**data, "cluster": spec, "cluster_address": NODE_ADDRESSES[i]})
+               for i, host in enumerate(hosts)}
+    clusters, problems = check_clusters(members)
+    if problems:
+        raise SystemExit("; ".join(str(p) for p in problems))
+    cluster = clusters[spec["name"]]
+    fact = RouteToHead()
+    route = fact.process(subprocess.run(["sh", "-c", fact.command(cluster.head_address)], capture_output=True,
+                                        text=True).stdout.splitlines())
+    interface = choose_interface(route["route"], route["addrs"], cluster.head_address)
+    nodes = []
+    for i, host in enumerate(hosts):
+        node = RayNode(members[host], cluster, interface, profile.gpus, plan.env)
+        folder = out / "cluster" / host
+        folder.mkdir(parents=True, exist_ok=True)
+        placed = {}
+        for want in cluster_wanted(node):
+            if want.content is not None:
+                (folder / Path(want.path).name).write_bytes(want.content)
+                placed[Path(want.path).name] = want.path
+        nodes.append({"host": host, "role": node.role, "address": node.node_address, "dir": f"cluster/{host}",
+                      "placed": placed, "num_gpus": profile.gpus,
+                      "cuda_visible_devices": ",".join(str(i * profile.gpus + k) for k in range(profile.gpus))})
+    return {"name": cluster.name, "address": cluster.address, "interface": interface.name,
+            "interface_reason": interface.reason, "nodes": nodes}
 
 
 def _code_tree(ref: str) -> Path:
     dest = Path(tempfile.gettempdir()) / f"verl-lab-{ref}"
-    if not (dest / "tasks" / "plan.py").is_file():
+    if not any((dest / "tasks" / p).is_file() for p in ("plan.py", "plan/__init__.py")):   # before or after the split
         shutil.rmtree(dest, ignore_errors=True)
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(dest), ref], check=True,
                        capture_output=True)
     return dest
 
 
-def render(names: list[str], out_root: Path, today_ref: str, steps: int | None = None, probe: bool = True) -> None:
+def render(names: list[str], out_root: Path, today_ref: str, steps: int | None = None, probe: bool = True,
+           lab_base: str = LAB_BASE, ray_port: int = RAY_PORT) -> None:
     """Render ``names``; ``steps`` replaces each profile's step count (a device call too short for two steps
-    each), ``probe=False`` drops their VERL_LAB_PROFILE windows (the wall-clock splits stay)."""
+    each), ``probe=False`` drops their VERL_LAB_PROFILE windows (the wall-clock splits stay); ``lab_base`` and
+    ``ray_port``: where the lab_roots are and the Ray-node profiles' port (a test on a shared machine)."""
     for name in names:
         profile = BY_NAME[name]
         if steps:
@@ -296,7 +402,7 @@ def render(names: list[str], out_root: Path, today_ref: str, steps: int | None =
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         code_ref = {"today": today_ref, "speed-before": SPEED_BEFORE_REF}.get(profile.code, "HEAD")
-        record = {**asdict(profile), "cap_mib": profile.cap_mib, "lab_root": lab_root(profile),
+        record = {**asdict(profile), "cap_mib": profile.cap_mib, "lab_root": lab_root(profile, lab_base),
                   "verl_tree": profile.code, "env": dict(profile.env), "probe_profile": profile.probe_profile,
                   "extra_overrides": list(EXPORT_RUN_OVERRIDES if profile.export else RUN_OVERRIDES),
                   "code_ref": code_ref}
@@ -306,10 +412,12 @@ def render(names: list[str], out_root: Path, today_ref: str, steps: int | None =
         else:
             code_root = REPO if code_ref == "HEAD" else _code_tree(code_ref)
             res = subprocess.run([sys.executable, __file__, "render-one", name, str(out), "--code-root", str(code_root),
-                                  "--steps", str(profile.steps)], capture_output=True, text=True, cwd=code_root)
+                                  "--steps", str(profile.steps), "--lab-root", record["lab_root"],
+                                  "--ray-port", str(ray_port)], capture_output=True, text=True, cwd=code_root)
             if res.returncode:
                 raise SystemExit(f"render {name} failed:\n{res.stdout}\n{res.stderr}")
-            record.update(kind="launcher", plan=json.loads(res.stdout.strip().splitlines()[-1]))
+            plan = json.loads(res.stdout.strip().splitlines()[-1])
+            record.update(kind="launcher", plan=plan, **({"cluster": plan.pop("cluster")} if "cluster" in plan else {}))
             # a launcher older than the `--` passthrough: run its overrides directly
             if "-- KEY=VALUE" not in (out / "train" / "train-launcher").read_text():
                 record["kind"] = "print-overrides"
@@ -338,16 +446,18 @@ def main(argv=None) -> int:
     one.add_argument("out", type=Path)
     one.add_argument("--code-root", type=Path, required=True)
     one.add_argument("--steps", type=int)
+    one.add_argument("--lab-root")
+    one.add_argument("--ray-port", type=int, default=RAY_PORT)
     sub.add_parser("list")
     args = ap.parse_args(argv)
     if args.cmd == "list":
         for p in PROFILES:
-            print(f"{p.name:10} cap {p.cap_mib or '-':>6}  {p.stands_for}")
+            print(f"{p.name:10} cap {p.cap_mib or '-':>6}  {p.gpus * p.nodes} GPU(s)  {p.stands_for}")
         return 0
     if args.cmd == "render-one":
         profile = BY_NAME[args.name]
         print(json.dumps(render_one(replace(profile, steps=args.steps) if args.steps else profile, args.out,
-                                    args.code_root)))
+                                    args.code_root, args.lab_root, args.ray_port)))
         return 0
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in BY_NAME]

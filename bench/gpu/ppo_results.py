@@ -21,6 +21,12 @@ when the run folder has none.
   tokens/s = generated tokens per step / s/step.
 * log-prob gap = the largest |rollout log-prob - actor log-prob| of the same sampled tokens
   (probe), with verl's own ``training/rollout_probs_diff_max``.
+* several GPUs (``gpus`` > 1, or ``nodes`` > 1: ``per_gpu``): each worker process's peak (its own
+  allocated peak + what it held outside torch) against the plan's per-GPU prediction (the memory model
+  at the run's world size), within 10% and never over the cap, with the GPU NVML found it on (each rank
+  on its own GPU); NCCL's interfaces and transports from its INFO lines (``nccl_summary``); for Ray
+  nodes, the cluster's formation and preflight (``cluster.json``); ``scaling_markdown`` / ``--scaling``:
+  prompts/s against the profile's ``compare_with`` run of the same call (2 GPUs / 1, 2 nodes / 1 box).
 * export (export profiles, ``export_summary``): the bytes of one save (``global_step_N``: actor,
   critic, data.pt) against the plan's prediction (plan.json ``checkpoints.save.total_bytes``, where
   the plan has it), which saves remain, the export's merge and proof seconds, its bytes, the
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -122,6 +129,8 @@ def summarise(run: Path) -> dict:
     predicted = as_ran["peak_mib"] if as_ran else plan.get("predicted_peak_mib")
     predicted = round(predicted) if predicted is not None else None
     breakdown = as_ran["breakdown"] if as_ran else (plan.get("breakdown") or {})
+    gpus = per_gpu(probe, predicted, profile.get("cap_mib")) if world_size(profile) > 1 else None
+    console = (run / "console.log").read_text(errors="replace") if (run / "console.log").is_file() else ""
     gaps = [r for r in probe if r.get("event") == "logprob_gap"]
     gens = [r for r in probe if r.get("event") == "generate" and r.get("sampled")]
     val = {k: v for s in steps.values() for k, v in s.items() if k.startswith("val-")}
@@ -155,8 +164,109 @@ def summarise(run: Path) -> dict:
         "threads": next((r for r in probe if r.get("event") == "threads"), None),
         "profiles": read_profiles(run / "probe"),
         "export": export_summary(run),
+        "gpus": profile.get("gpus", 1), "nodes": profile.get("nodes", 1), "compare_with": profile.get("compare_with"),
+        "per_gpu": gpus, "own_gpu_each": own_gpu_each(gpus) if gpus else None,
+        "per_gpu_within_10pct": all(g["within_10pct"] for g in gpus) if gpus else None,
+        "per_gpu_under_cap": all(g["under_cap"] is not False for g in gpus) if gpus else None,
+        "nccl": nccl_summary(console) if world_size(profile) > 1 else None,
+        "cluster": cluster_summary(run),
+        "refused": result.get("refused"),
     }
     return out
+
+
+def world_size(profile: dict) -> int:
+    """The run's GPUs in all: ``gpus`` per box (or Ray node) times ``nodes``."""
+    return int(profile.get("gpus") or 1) * int(profile.get("nodes") or 1)
+
+
+def per_gpu(probe: list[dict], predicted: float | None, cap: float | None) -> list[dict]:
+    """One row per worker process (a rank of a run: verl's WorkerDict, one per GPU): its peak allocated over the
+    training phases plus the most it held outside torch, against the plan's per-GPU prediction; its reserved
+    peak against the cap; the GPU NVML found it on, its rank, CUDA_VISIBLE_DEVICES and Ray node (the probe's
+    ``device`` record) and the span of its phase records (``own_gpu_each`` reads them)."""
+    devices = {r["pid"]: r for r in probe if r.get("event") == "device"}
+    by_pid: dict[int, list[dict]] = {}
+    for r in probe:
+        if r.get("event") == "phase" and r.get("peak_allocated_mib") is not None:
+            by_pid.setdefault(r["pid"], []).append(r)
+    rows = []
+    for pid, records in by_pid.items():
+        train = [r for r in records if r["phase"] in PHASE_ORDER]
+        if not train:
+            continue
+        alloc = max(r["peak_allocated_mib"] for r in train)
+        reserved = max(r["peak_reserved_mib"] for r in train)
+        outside = max((r["outside_torch_mib"] for r in records if r.get("outside_torch_mib") is not None), default=None)
+        measured = round(alloc + (outside or 0.0))
+        dev = devices.get(pid, {})
+        ratio = round(measured / predicted, 3) if predicted else None
+        rows.append({"pid": pid, "rank": dev.get("rank", next((r.get("rank") for r in records if r.get("rank")), None)),
+                     "gpu": dev.get("gpu", next((r["gpu"] for r in records if r.get("gpu") is not None), None)),
+                     "gpu_uuid": dev.get("gpu_uuid"), "cuda_visible_devices": dev.get("cuda_visible_devices"),
+                     "node_ip": dev.get("node_ip"), "peak_allocated_mib": alloc, "peak_reserved_mib": reserved,
+                     "outside_torch_mib": outside, "measured_peak_mib": measured, "predicted_peak_mib": predicted,
+                     "ratio": ratio, "within_10pct": ratio is not None and abs(ratio - 1) <= 0.10,
+                     "under_cap": reserved <= cap if cap else None,
+                     "span": [min(r["t"] - r["seconds"] for r in records), max(r["t"] for r in records)]})
+    rows.sort(key=lambda r: r["span"][0])
+    runs: list[list[dict]] = []          # processes alive together: one run's ranks (a resume profile has two runs)
+    for r in rows:
+        if runs and r["span"][0] < max(o["span"][1] for o in runs[-1]):
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return [r for run in runs for r in sorted(run, key=lambda r: int(r["rank"]) if str(r["rank"]).isdigit() else -1)]
+
+
+def own_gpu_each(rows: list[dict]) -> bool | None:
+    """Whether no two worker processes that ran at the same time shared a GPU (a resume profile's second run may
+    take the first run's GPUs in another order); None where NVML named no GPU."""
+    if any(r["gpu"] is None for r in rows):
+        return None
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if a["gpu"] == b["gpu"] and a["span"][0] < b["span"][1] and b["span"][0] < a["span"][1]:
+                return False
+    return True
+
+
+NCCL_CHANNEL = re.compile(r"NCCL INFO Channel \d+(?:/\d+)? : \d+\[\w+\] -> \d+\[\w+\](?: \[(?:send|receive)\])? via (\S+)")
+NCCL_USING = re.compile(r"NCCL INFO (Bootstrap|NET/Socket) ?: Using (.+?)\s*$")
+
+
+def nccl_summary(console: str) -> dict:
+    """What NCCL said at its start (NCCL_DEBUG=INFO): the interfaces its bootstrap and socket transport used
+    and how many channel connections each transport took (``P2P/CUMEM/read``, ``NET/Socket/0``, ``SHM/direct/direct``).
+    Empty where the run had no NCCL INFO lines."""
+    transports: dict[str, int] = {}
+    using: dict[str, list[str]] = {}
+    for line in console.splitlines():
+        m = NCCL_CHANNEL.search(line)
+        if m:
+            transports[m.group(1)] = transports.get(m.group(1), 0) + 1
+            continue
+        m = NCCL_USING.search(line)
+        if m and m.group(2) not in using.setdefault(m.group(1), []):
+            using[m.group(1)].append(m.group(2))
+    return {"transports": dict(sorted(transports.items())), "using": using,
+            "families": sorted({t.split("/")[0] if not t.startswith("NET/") else "/".join(t.split("/")[:2])
+                                for t in transports})}
+
+
+def cluster_summary(run: Path) -> dict | None:
+    """A Ray-node run's cluster (``cluster.json``, written by run_profile.py): seconds until the head answered and
+    until every node joined, the nodes Ray listed, the preflight's verdict and seconds; None for a run of one box."""
+    path = run / "cluster.json"
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    pre = record.get("preflight") or {}
+    return {"formed_s": record.get("formed_s"), "head_up_s": record.get("head_up_s"),
+            "nodes_alive": record.get("nodes_alive"), "interface": record.get("interface"),
+            "preflight_ok": pre.get("rc") == 0 if pre else None, "preflight_s": pre.get("seconds"),
+            "preflight": [detail for _, _, detail in pre.get("results") or []],
+            "refused": record.get("refused"), "stopped": record.get("stopped")}
 
 
 def export_summary(run: Path) -> dict | None:
@@ -277,7 +387,8 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
     from tasks.settings import load_settings
 
     settings = load_settings(profile["name"], settings_data(profile))
-    gpu = GpuTarget(profile["gpu_name"], profile["compute_capability"], profile["memory_mib"], 1)
+    # per GPU at the run's world size (a cluster's plan is make_plan at nodes x gpus: tasks.plan.cluster_plan)
+    gpu = GpuTarget(profile["gpu_name"], profile["compute_capability"], profile["memory_mib"], world_size(profile))
     workload = replace(workload_for(settings), rollout_engine=profile.get("rollout") or profile.get("rollout_engine", "auto"),
                        train_batch_size=plan["train_batch_size"])
     mb = plan["micro_batches"]
@@ -455,22 +566,101 @@ def ratios(runs: Path, names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def scaling(rows: list[dict]) -> list[dict]:
+    """Each run with a ``compare_with`` run among ``rows``: prompts/s and s/step of both and their ratio (2 GPUs /
+    1 GPU; 2 Ray nodes / one box of 2 GPUs), with the cluster's formation seconds where it formed one."""
+    by_name = {r["profile"]: r for r in rows}
+    out = []
+    for r in rows:
+        base = by_name.get(r.get("compare_with") or "")
+        if base is None:
+            continue
+        ratio = (round(r["prompts_per_s"] / base["prompts_per_s"], 3)
+                 if r.get("prompts_per_s") and base.get("prompts_per_s") else None)
+        out.append({"profile": r["profile"], "base": base["profile"],
+                    "gpus": r.get("gpus", 1) * r.get("nodes", 1), "base_gpus": base.get("gpus", 1) * base.get("nodes", 1),
+                    "nodes": r.get("nodes", 1), "prompts_per_s": r.get("prompts_per_s"),
+                    "base_prompts_per_s": base.get("prompts_per_s"), "ratio": ratio, "s_per_step": r.get("s_per_step"),
+                    "base_s_per_step": base.get("s_per_step"),
+                    "formed_s": (r.get("cluster") or {}).get("formed_s")})
+    return out
+
+
+def scaling_markdown(rows: list[dict]) -> str:
+    """The scaling table, then every rank of the several-GPU runs: peak against the per-GPU prediction and the cap,
+    its GPU, and NCCL's transports."""
+    lines = _header("| run | against | GPUs (nodes) | prompts/s | against's prompts/s | ratio | s/step (against) | "
+                    "cluster formed s |")
+    for c in scaling(rows):
+        lines.append(f"| {c['profile']} | {c['base']} | {c['gpus']} ({c['nodes']}) | {c['prompts_per_s'] or '-'} | "
+                     f"{c['base_prompts_per_s'] or '-'} | **{c['ratio'] or '-'}** | {c['s_per_step'] or '-'} "
+                     f"({c['base_s_per_step'] or '-'}) | {c['formed_s'] if c['formed_s'] is not None else '-'} |")
+    lines += [""] + _header("| run | rank | GPU (CUDA_VISIBLE_DEVICES) | node | measured peak MiB | predicted per GPU | "
+                            "measured / predicted | reserved peak MiB | cap MiB | NCCL transports |")
+    for r in rows:
+        nccl = r.get("nccl") or {}
+        transports = ", ".join(f"{k} x{v}" for k, v in (nccl.get("transports") or {}).items()) or "-"
+        for g in r.get("per_gpu") or []:
+            lines.append(f"| {r['profile']} | {g['rank']} | {g['gpu']} ({g['cuda_visible_devices']}) | "
+                         f"{g['node_ip'] or '-'} | {g['measured_peak_mib']} | {g['predicted_peak_mib'] or '-'} | "
+                         f"{g['ratio'] or '-'}{'' if g['within_10pct'] else ' (outside 10%)'} | {g['peak_reserved_mib']} | "
+                         f"{r['cap_mib'] or '-'}{'' if g['under_cap'] is not False else ' (over)'} | {transports} |")
+    return "\n".join(lines)
+
+
+def scaling_lines(runs: Path, names: list[str]) -> str:
+    """prompts/s of each named run and its ratio against its ``compare_with`` run, and a cluster's formation and
+    preflight, from the consoles and records alone (no memory model: bench/gpu/run_multi.sh prints it on the
+    device machine)."""
+    lines, speed = [], {}
+    for name in names:
+        profile, steps = read_run(runs / name)
+        run = json.loads((runs / name / "run.json").read_text()) if (runs / name / "run.json").is_file() else {}
+        speed[name] = step_speed(profile, steps)
+        lines.append(f"{name:22} rc {run.get('rc')}  steps {sorted(steps)}  s/step {speed[name]['s_per_step']}  "
+                     f"prompts/s {speed[name]['prompts_per_s']}" + (f"  refused: {run['refused']}" if run.get("refused") else ""))
+        cluster = cluster_summary(runs / name)
+        if cluster:
+            lines.append(f"{'':22} cluster formed in {cluster['formed_s']} s (head up {cluster['head_up_s']} s), "
+                         f"preflight {'passed' if cluster['preflight_ok'] else 'FAILED'} in {cluster['preflight_s']} s")
+        base = profile.get("compare_with")
+        if base and base not in speed and (runs / base).is_dir():
+            speed[base] = step_speed(*read_run(runs / base))
+        if base in speed and speed[name]["prompts_per_s"] and speed[base]["prompts_per_s"]:
+            lines.append(f"{'':22} {name} / {base} = {speed[name]['prompts_per_s'] / speed[base]['prompts_per_s']:.2f} "
+                         "(prompts/s)")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", type=Path)
+    ap.add_argument("runs", type=Path, nargs="+",
+                    help="run folders' parent(s): several calls' folders make one table (--ratios, --scaling: one)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--speed", action="store_true", help="markdown: the before/after table and where the time goes")
     ap.add_argument("--ratios", nargs="+", metavar="PROFILE",
                     help="prompts/s of these runs and after / before per card, from the consoles only")
+    ap.add_argument("--multi", action="store_true",
+                    help="markdown: 2 GPUs / 1 and 2 nodes / 1 box, and every rank's peak against the per-GPU plan")
+    ap.add_argument("--scaling", nargs="+", metavar="PROFILE",
+                    help="prompts/s of these runs against their compare_with runs, from the consoles only")
     args = ap.parse_args(argv)
+    if (args.ratios or args.scaling) and len(args.runs) > 1:
+        ap.error("--ratios and --scaling read one folder of runs")
     if args.ratios:
-        print(ratios(args.runs, args.ratios))
+        print(ratios(args.runs[0], args.ratios))
         return 0
-    rows = [summarise(d) for d in sorted(args.runs.iterdir()) if d.is_dir() and (d / "console.log").is_file()]
+    if args.scaling:
+        print(scaling_lines(args.runs[0], args.scaling))
+        return 0
+    rows = [summarise(d) for runs in args.runs for d in sorted(runs.iterdir())
+            if d.is_dir() and (d / "console.log").is_file()]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if args.speed:
+    if args.multi:
+        print(scaling_markdown(rows))
+    elif args.speed:
         print(speed_markdown(rows))
         print()
         print(time_markdown(rows))

@@ -2,7 +2,7 @@
 
 Runs here (it needs pyinfra, which the GPU machine lacks): reads a real `nvidia-smi` query
 output (default: the H200 capture in bench/gpu/results/h200-gpu-fact.txt), plans for that GPU
-with tasks/plan.py, and writes what deploy/train.py would put in <lab_root>/train (launcher,
+with tasks/plan/, and writes what deploy/train.py would put in <lab_root>/train (launcher,
 env file, plan.json, the GPU reader: tasks.train.training_wanted) into OUT/train. On the GPU machine, copy OUT to lab_root
 and run: python3 <lab_root>/train/train-launcher --check   (bench/gpu/run_preflight.sh).
 """

@@ -19,6 +19,13 @@ files), then runs the profile the way a box runs it:
 The probe (bench/gpu/probe/sitecustomize.py) caps the allocator at the profile's cap and writes
 per-phase memory into ``DIR/<NAME>/probe/``; the console goes to ``DIR/<NAME>/console.log``;
 ``DIR/<NAME>/run.json`` says how it ended.
+
+A profile of several GPUs (``gpus``) runs only where nvidia-smi lists that many (else it is refused
+before anything is laid out: rc 2); Ray gives each of verl's workers its own GPU and the probe caps
+each worker on it. A profile of several Ray nodes (``nodes``) forms its cluster first with the units
+the cluster stage rendered for it (bench/gpu/ray_nodes.py: ``DIR/<NAME>/cluster.json``, the nodes'
+logs ``ray-*.log``), runs the launcher's cluster preflight (``cluster-check``), trains from the head
+with the head's ``ray.env`` (as the training unit's drop-in gives it), and stops the nodes after.
 """
 
 from __future__ import annotations
@@ -35,6 +42,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PAYLOAD = REPO / ".gpu"
 PROBE = REPO / "bench" / "gpu" / "probe"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ray_nodes  # noqa: E402  (bench/gpu/ray_nodes.py, standard library)
+
+FORM_TIMEOUT_S = 180     # the Ray nodes of a profile join within this (the lab boxes' 8 joined in 26 s: docs/cluster.md)
 
 
 def load_env_file(path: Path, env: dict) -> None:
@@ -46,7 +58,10 @@ def load_env_file(path: Path, env: dict) -> None:
             env.setdefault(key, value)
 
 
-def lay_out(profile: dict, src: Path, model: Path) -> Path:
+def lay_out(profile: dict, src: Path, model: Path, payload: Path = PAYLOAD) -> Path:
+    """The lab_root a box has after deploy/full.py: the rendered train dir, an env whose ``bin/python`` and
+    ``bin/ray`` are this machine's python3 (with the payload on PYTHONPATH), the model and the data; for Ray
+    nodes, the head's ``ray.env`` and ``cluster-check`` beside the plan (the cluster stage's files)."""
     root = Path(profile["lab_root"])
     shutil.rmtree(root, ignore_errors=True)
     for sub in ("train/work", "train/checkpoints", "train/cache", "home", "env/bin", "models", "data"):
@@ -54,12 +69,40 @@ def lay_out(profile: dict, src: Path, model: Path) -> Path:
     for f in (src / "train").iterdir():
         shutil.copy2(f, root / "train" / f.name)
     python = shutil.which("python3") or sys.executable
-    wrapper = root / "env" / "bin" / "python"
-    wrapper.write_text(f"#!/bin/sh\nexec {python} \"$@\"\n")   # a venv's python is found only by its path
-    wrapper.chmod(0o755)
+    for name, run in (("python", ""), ("ray", "-m ray.scripts.scripts ")):  # a venv's programs: found by their path
+        wrapper = root / "env" / "bin" / name
+        wrapper.write_text(f"#!/bin/sh\nexec {python} {run}\"$@\"\n")
+        wrapper.chmod(0o755)
+    if profile.get("cluster"):
+        head = src / profile["cluster"]["nodes"][0]["dir"]
+        for name in ("ray.env", "cluster-check"):
+            shutil.copy2(head / name, root / "train" / name)
     (root / "models" / ((profile.get("plan") or {}).get("model_dir") or "Qwen--Qwen2.5-0.5B-Instruct")).symlink_to(model)
-    (root / "data" / "gsm8k").symlink_to(PAYLOAD / "data")
+    (root / "data" / "gsm8k").symlink_to(payload / "data")
     return root
+
+
+def visible_gpus() -> int | None:
+    """GPUs nvidia-smi lists (``-L``: one line each); None where it cannot say."""
+    try:
+        res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return sum(1 for line in res.stdout.splitlines() if line.startswith("GPU ")) if res.returncode == 0 else None
+
+
+def gpus_needed(profile: dict) -> int:
+    return int(profile.get("gpus") or 1) * int(profile.get("nodes") or 1)
+
+
+def resume_runs(cmd: list[str], step: int, export: bool) -> list[list[str]]:
+    """A resume profile's two runs in one lab_root: to ``step`` saving a checkpoint there (an export profile's
+    first run exports nothing: it is not the run's end), then the whole run again, which resumes from it (the
+    plan's resume_mode=auto)."""
+    first = list(cmd)
+    if export and "--no-export" not in first:
+        first.insert(first.index("--no-preflight") + 1, "--no-export")
+    return [first + [f"trainer.total_training_steps={step}", f"trainer.save_freq={step}"], cmd]
 
 
 def command(profile: dict, root: Path, env: dict) -> list[str]:
@@ -108,6 +151,29 @@ def collect_export(checkpoints: Path, out: Path) -> dict:
     return record
 
 
+def form_cluster(profile: dict, src: Path, root: Path, env: dict, out: Path, timeout_s: float, nodes: list) -> dict:
+    """A Ray-node profile's cluster formed (ray_nodes.form: every node started, appended to ``nodes``), ``env``
+    given the head's ray.env (what the training unit's drop-in gives the launcher) and the launcher's cluster
+    preflight run; its record, also in ``out/cluster.json``. Where it cannot form or the preflight fails, the nodes
+    are stopped and the record says why (``refused``)."""
+    try:
+        record = ray_nodes.form(profile["cluster"], src, env, str(root / "env" / "bin" / "python"), out, timeout_s,
+                                nodes)
+        env.update(ray_nodes.read_env_file(root / "train" / "ray.env"))
+        record["preflight"] = ray_nodes.preflight(root / "train", env)
+        if record["preflight"]["rc"]:
+            record["refused"] = "the cluster preflight failed: " + "; ".join(
+                detail for status, _, detail in record["preflight"]["results"] if status == "FAIL")
+    except (ray_nodes.NodeError, subprocess.TimeoutExpired, OSError) as exc:
+        text = str(exc)
+        record = json.loads(text) if text.startswith("{") else {"error": text}
+        record["refused"] = f"the Ray nodes did not form: {record['error']}"
+    if record.get("refused"):
+        record["stopped"] = ray_nodes.stop(nodes)
+    (out / "cluster.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("name")
@@ -120,25 +186,33 @@ def main(argv=None) -> int:
                     help="epoch seconds by which the run must have ended (the device call's own limit)")
     ap.add_argument("--ray-stop", action="store_true",
                     help="afterwards stop every Ray process on the machine (runs one at a time)")
+    ap.add_argument("--payload", type=Path, default=PAYLOAD, help="the payload folder (.gpu: profiles, data, tokenizer)")
     args = ap.parse_args(argv)
-    src = PAYLOAD / "profiles" / args.name
+    src = args.payload / "profiles" / args.name
     profile = json.loads((src / "profile.json").read_text())
     out = args.out / args.name
     shutil.rmtree(out, ignore_errors=True)
     (out / "probe").mkdir(parents=True)
+    have, need = visible_gpus(), gpus_needed(profile)
+    if have is not None and have < need:
+        result = {"name": args.name, "rc": 2, "timed_out": False, "seconds": 0.0,
+                  "refused": f"the profile needs {need} GPUs, nvidia-smi lists {have}"}
+        (out / "run.json").write_text(json.dumps(result) + "\n")
+        print(json.dumps(result), flush=True)
+        return 2
     config = (profile.get("plan") or {}).get("model_config")
     model = args.model
     if config and not config.endswith("qwen2.5-0.5b-instruct/config.json"):
         # another catalog model: random weights of its shape, made once per model on this machine
         model = Path(f"/tmp/model-{Path(config).parent.name}")
         made = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "make_model.py"), "--out", str(model),
-                               "--tokenizer", str(PAYLOAD / "tokenizer"), "--config", str(REPO / config), "--no-check"],
+                               "--tokenizer", str(args.payload / "tokenizer"), "--config", str(REPO / config), "--no-check"],
                               env={**os.environ, "PYTHONPATH": args.site}, capture_output=True, text=True)
         (out / "model.log").write_text(made.stdout + made.stderr)
         if made.returncode:
             print(made.stdout[-2000:] + made.stderr[-2000:], file=sys.stderr)
             return 1
-    root = lay_out(profile, src, model)
+    root = lay_out(profile, src, model, args.payload)
     shutil.copy2(src / "profile.json", out / "profile.json")      # the record of what ran
     if (src / "train" / "plan.json").is_file():
         shutil.copy2(src / "train" / "plan.json", out / "plan.json")
@@ -156,35 +230,50 @@ def main(argv=None) -> int:
         "RAY_TMPDIR": f"/tmp/ray-{args.name}",
     })
     env.pop("RAY_ADDRESS", None)
+    if profile.get("cluster"):      # its own Ray already: the head's --temp-dir, which the other nodes take from it
+        env.pop("RAY_TMPDIR")
     if profile.get("cap_mib"):
         env["VERL_LAB_GPU_CAP_MIB"] = str(profile["cap_mib"])
     if profile.get("probe_profile"):
         env["VERL_LAB_PROFILE"] = profile["probe_profile"]
     env.update(profile.get("env") or {})
     cmd = [c for c in command(profile, root, env) if c]
-    # a resume profile runs twice in the same lab_root: to step N saving a checkpoint there, then
-    # the whole run again, which resumes from it (the plan's resume_mode=auto)
     n = profile.get("resume_after")
-    runs = [cmd + [f"trainer.total_training_steps={n}", f"trainer.save_freq={n}"], cmd] if n else [cmd]
+    runs = resume_runs(cmd, n, bool(profile.get("export"))) if n else [cmd]
     (out / "command.json").write_text(json.dumps(runs if n else cmd, indent=1) + "\n")
     start = time.time()
     rcs, timed_out = [], False
-    with open(out / "console.log", "w") as log:
-        log.write(f"# {profile['name']}: {profile['stands_for']}\n# cap {profile.get('cap_mib')} MiB\n")
-        for i, run in enumerate(runs):
-            if n:
-                log.write(f"# verl-lab harness: run {i + 1} of 2\n")
-            log.flush()
-            proc = subprocess.Popen(run, cwd=root / "train" / "work", env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                rcs.append(proc.wait(timeout=max(1, args.timeout - int(time.time() - start))))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                rcs.append(proc.wait())
-                timed_out = True
-            if rcs[-1] or timed_out:
-                break
+    nodes: list = []
+    cluster = None
+    if profile.get("cluster"):   # the Ray nodes, then the launcher's cluster preflight; the launcher trains from the head
+        cluster = form_cluster(profile, src, root, env, out, min(FORM_TIMEOUT_S, max(1, args.timeout - 60)), nodes)
+        if cluster.get("refused"):
+            result = {"name": args.name, "rc": 3, "timed_out": False, "seconds": round(time.time() - start, 1),
+                      "refused": cluster["refused"]}
+            (out / "run.json").write_text(json.dumps(result) + "\n")
+            print(json.dumps(result), flush=True)
+            return 3
+    try:
+        with open(out / "console.log", "w") as log:
+            log.write(f"# {profile['name']}: {profile['stands_for']}\n# cap {profile.get('cap_mib')} MiB\n")
+            for i, run in enumerate(runs):
+                if n:
+                    log.write(f"# verl-lab harness: run {i + 1} of 2\n")
+                log.flush()
+                proc = subprocess.Popen(run, cwd=root / "train" / "work", env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                try:
+                    rcs.append(proc.wait(timeout=max(1, args.timeout - int(time.time() - start))))
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    rcs.append(proc.wait())
+                    timed_out = True
+                if rcs[-1] or timed_out:
+                    break
+    finally:
+        if nodes:
+            cluster["stopped"] = ray_nodes.stop(nodes)
+            (out / "cluster.json").write_text(json.dumps(cluster, indent=1) + "\n")
     rc = next((r for r in rcs if r), 0)
     if profile.get("export"):
         collect_export(root / "train" / "checkpoints", out / "export")

@@ -12,11 +12,7 @@
 # the ~40 s of setup). runs.tgz comes back as with run_ppo.sh; bench/gpu/ppo_results.py RUNS --speed prints
 # the full table (peak against prediction and cap, the log-prob gap, where the time went) here.
 set -uo pipefail
-budget=560
-while getopts "d:" opt; do
-  case $opt in d) budget=$OPTARG ;; *) exit 2 ;; esac
-done
-shift $((OPTIND - 1))
+. "$(dirname "$0")/limited_runs.sh"      # -d SECONDS (budget), specs_for
 # each run's time limit: ~65 s of start-up + 2 steps (before: GPU calls 10 and 13; after: the speed model,
 # tasks/speed.py) + the probe's profiling windows, with room
 declare -A limit=([gtx1080-before]=480 [rtx3060-before]=360 [rtx2080ti-before]=380
@@ -26,12 +22,7 @@ case "${1:-all}" in
   before) set -- gtx1080-before rtx3060-before rtx2080ti-before ;;
   after) set -- gtx1080-after rtx3060-after rtx2080ti-after ;;
 esac
-specs=()
-for p in "$@"; do
-  [ -n "${limit[$p]:-}" ] || { echo "run_speed.sh: unknown profile $p (known: ${!limit[*]})" >&2; exit 2; }
-  [ -f ".gpu/profiles/$p/profile.json" ] || { echo "run_speed.sh: $p is not rendered (.gpu/profiles/$p)" >&2; exit 2; }
-  specs+=("$p:${limit[$p]}")
-done
+specs_for run_speed.sh "$@" || exit 2
 bash bench/gpu/run_ppo.sh -d "$budget" "${specs[@]}"
 OUT=${OUT:-/tmp/gpu-out}
 python3 bench/gpu/ppo_results.py "$OUT/runs" --ratios "$@"

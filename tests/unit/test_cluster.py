@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 
 from tasks import hostdata
-from tasks.cluster import (HOSTS_MARK, Cluster, ClusterError, Interface, RayNode, check_clusters,
-                           choose_interface, cluster_plan, cluster_wanted, hosts_file, weakest_gpu)
-from tasks.plan import GpuTarget, doc_workload, make_plan
-from tasks.settings import SettingsError, load_settings
+from tasks.cluster import HOSTS_MARK, ClusterError, Interface, RayNode, choose_interface, cluster_wanted, hosts_file
+from tasks.plan import GpuTarget, cluster_plan, doc_workload, make_plan, weakest_gpu
+from tasks.settings import Cluster, SettingsError, check_clusters, load_settings
 
 ROUTES = Path(__file__).resolve().parents[1] / "fixtures" / "facts" / "cluster.RouteToHead"
 LOOKUPS = ROUTES.parent / "cluster.HostnameLookup"

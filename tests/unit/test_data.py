@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tasks import data as data_stage
+from tasks.data_plan import data_plan
 from verl_lab_box import hf_snapshot
 from verl_lab_box.hf_snapshot import RepoSpec, SnapshotError
 from tasks.settings import SettingsError, load_settings
@@ -45,7 +46,7 @@ def settings_for_endpoint(ep: HfEndpoint, tmp_path: Path, **extra):
 
 
 def plan_for(ep, tmp_path, **extra):
-    return data_stage.data_plan(settings_for_endpoint(ep, tmp_path, **extra))
+    return data_plan(settings_for_endpoint(ep, tmp_path, **extra))
 
 
 def test_plan_from_settings(endpoint, tmp_path):
@@ -65,7 +66,7 @@ def test_plan_from_settings(endpoint, tmp_path):
 
 
 def test_plan_of_the_real_catalog():
-    plan = data_stage.data_plan(load_settings("box1", {"mirror_profile": "cn"}))
+    plan = data_plan(load_settings("box1", {"mirror_profile": "cn"}))
     assert plan.endpoint == "https://hf-mirror.com"
     assert plan.rows == {"train": 7473, "test": 1319, "val_small": 64}
     assert plan.model.files["model.safetensors"]["size"] == 988097824
@@ -76,18 +77,18 @@ def test_plan_refuses_moving_revisions_and_wrong_kinds(endpoint, tmp_path):
     over = catalog_overrides(endpoint)
     over["qwen_model"]["revision"] = "main"
     with pytest.raises(SettingsError, match=r"catalog_overrides.qwen_model.revision.*not a 40-digit commit"):
-        data_stage.data_plan(load_settings("box1", {"catalog_overrides": over}))
+        data_plan(load_settings("box1", {"catalog_overrides": over}))
     with pytest.raises(SettingsError, match=r"model_artifact: artifact 'gsm8k' is of kind 'hf-dataset'"):
-        data_stage.data_plan(load_settings("box1", {"model_artifact": "gsm8k"}))
+        data_plan(load_settings("box1", {"model_artifact": "gsm8k"}))
     over = catalog_overrides(endpoint)
     over["gsm8k"]["files"] = {"data/other.parquet": {"size": 3}}
     with pytest.raises(SettingsError, match="cannot tell which file is the train split"):
-        data_stage.data_plan(load_settings("box1", {"catalog_overrides": over}))
+        data_plan(load_settings("box1", {"catalog_overrides": over}))
 
 
 def test_controller_fetch_verifies_and_then_needs_no_network(endpoint, tmp_path):
     settings = settings_for_endpoint(endpoint, tmp_path)
-    plan = data_stage.data_plan(settings)
+    plan = data_plan(settings)
     mdir = data_stage.controller_snapshot(settings, plan.model, plan.endpoint)
     ddir = data_stage.controller_snapshot(settings, plan.dataset, plan.endpoint)
     model = endpoint.repos[("model", MODEL_REPO)]
@@ -184,7 +185,7 @@ def test_token_is_sent_but_never_shown(tmp_path):
     secret = "hf_TESTTOKEN_do_not_print_0123456789"
     with HfEndpoint(standard_repos(token=secret)) as ep:
         settings = settings_for_endpoint(ep, tmp_path)
-        plan = data_stage.data_plan(settings)
+        plan = data_plan(settings)
         with pytest.raises(SnapshotError, match=r"no such repo \(or it is private\).*hf_token_file") as err:
             hf_snapshot.fetch(plan.dataset, tmp_path / "d0", ep.url, progress=False)
         assert secret not in str(err.value)
@@ -213,7 +214,7 @@ def test_token_is_sent_but_never_shown(tmp_path):
 
 def test_relay_install_checks_every_pushed_file(endpoint, tmp_path):
     settings = settings_for_endpoint(endpoint, tmp_path)
-    plan = data_stage.data_plan(settings)
+    plan = data_plan(settings)
     local = data_stage.controller_snapshot(settings, plan.model, plan.endpoint)
     manifest = hf_snapshot.read_stamp(local)["files"]
     staging = tmp_path / "box" / "model.staging"
@@ -256,7 +257,7 @@ def test_too_little_disk_for_the_model_fails_before_any_fetch():
     before it fetches anything, and says how much is needed."""
     from tasks.data import disk_shortfall
 
-    plan = data_stage.data_plan(load_settings("box1", {"workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}}))
+    plan = data_plan(load_settings("box1", {"workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}}))
     disk = {"path": "/opt", "filesystem": "/dev/vda1", "mount": "/", "size_mib": 20000, "free_mib": 4000}
     text = disk_shortfall([plan.model, plan.dataset], disk, plan.model_dir)
     assert text.startswith("not enough free disk on / for Qwen/Qwen2.5-3B-Instruct@aa8e72537993 and openai/gsm8k@")

@@ -34,7 +34,7 @@ FUTURE = Distro("future", "1", "Future 1", ("main",), (
     DistroBranch(590, ("d-590",), "m-590", "s-590")))
 
 # every GPU the catalog knows: the lab's stand-ins (tests/lab/gpus.py), docs/plan.md's table
-# (tasks/plan.py DOC_GPUS), the A10 and L40S the project's GPU table also lists; plus Maxwell and Blackwell
+# (tasks/plan/doc_tables.py DOC_GPUS), the A10 and L40S the project's GPU table also lists; plus Maxwell and Blackwell
 CATALOG = sorted({(g.name, g.compute_cap) for g in GPUS.values()} | {(n, cc) for n, cc, _, _ in DOC_GPUS}
                  | {("NVIDIA A10", "8.6"), ("NVIDIA L40S", "8.9"), ("Tesla M40", "5.2"), ("NVIDIA B200", "10.0"),
                     ("NVIDIA GeForce RTX 5090", "12.0")})

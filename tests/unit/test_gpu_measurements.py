@@ -3,7 +3,7 @@
 The raw records of the GPU harness (console logs and the workers' per-phase memory probes) are
 committed; bench/gpu/ppo_results.py reads them and re-estimates, with the memory model as it is
 in this tree, exactly the workload each profile ran (PPO with the critic, or GRPO with the actor
-on FSDP2 CPU offload: calls 7-9). A change to tasks/memory.py or tasks/plan.py that moves a
+on FSDP2 CPU offload: calls 7-9). A change to tasks/memory.py or tasks/plan/ that moves a
 prediction more than 10% from what verl measured fails here.
 What this cannot show: a configuration that was not run (docs/training-runs.md lists them).
 """

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tasks import plan as planmod
+from tasks.plan import memory_fit
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.plan import (
     OFFLOAD_KNOBS,
@@ -458,7 +459,7 @@ def test_offload_rung_comes_after_grpo_and_ranks_by_the_speed_model(monkeypatch)
     assert {c[1:] for c in calls if c[0]} >= {(m, ckpt) for m in (16, 8, 4, 2, 1) for ckpt in (False, True)}
     gated = make_plan(gpu, workload(), estimator=estimator(True))     # the update's knobs stay off until measured
     assert {k for k in OFFLOAD_KNOBS if getattr(gated.memory, k)} == set(OFFLOAD_KNOBS) - planmod.UNMEASURED_KNOBS
-    monkeypatch.setattr(planmod, "UNMEASURED_KNOBS", frozenset())     # the ranking once every knob is measured
+    monkeypatch.setattr(memory_fit, "UNMEASURED_KNOBS", frozenset())  # once every knob is measured (knob_values reads it)
     q = make_plan(gpu, workload(), estimator=estimator(True))
     assert all(getattr(q.memory, k) for k in OFFLOAD_KNOBS)                   # HF rollout: its knob too
     assert (q.memory.actor_micro_batch, q.memory.grad_ckpt) == (1, False)

@@ -1,4 +1,4 @@
-"""The speed model of the CPU-offload rung (tasks/speed.py) and the plan's use of it (tasks/plan.py
+"""The speed model of the CPU-offload rung (tasks/speed.py) and the plan's use of it (tasks/plan/memory_fit.py
 search_offload): pure, plain values. What the model rests on is in its docstring; its constants are inferred
 from GPU calls 9-10 until the speed runs measure them (bench/gpu/run_speed.sh, docs/training-runs.md)."""
 
@@ -17,8 +17,6 @@ from tasks.plan import (
     UNMEASURED_KNOBS,
     GpuTarget,
     Workload,
-    _divisors,
-    _micro_choices,
     default_estimator,
     load_model_config,
     knob_values,
@@ -26,6 +24,7 @@ from tasks.plan import (
     offload_seconds,
     rollout_chunk_choices,
 )
+from tasks.plan.memory_fit import _divisors, _micro_choices
 from tasks.speed import DECODE_STEP_S, OffloadStep, offload_step_seconds
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tasks import hostdata
-from tasks.cluster import check_clusters
 from tasks.plan import GpuTarget
-from tasks.settings import load_settings
+from tasks.settings import check_clusters, load_settings
 from tasks.validation import inventory_problems, plan_problem, training_plan
 
 T4_8GB = {"name": "Tesla T4", "compute_capability": "7.5", "memory_mib": 8192, "count": 1}

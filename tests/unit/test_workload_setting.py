@@ -1,5 +1,5 @@
 """The ``workload`` setting (tasks/settings.py): checked before any host changes, and what the
-plan makes of it (tasks/plan.py ``workload_for``)."""
+plan makes of it (tasks/plan/workload.py ``workload_for``)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,13 @@ PYTHONPATH. Measurement only; it changes no training behaviour except the memory
   - one line per verl worker call (``phase``: generate_sequences, compute_log_prob,
     compute_values, update_critic, update_actor, init_model, ...) with torch's peak allocated
     and reserved bytes during the call (peaks reset at its start), what the process holds
-    outside torch (NVML, per process), the seconds it took, and the OOM message if it ran out;
+    outside torch (NVML, per process), the seconds it took, and the OOM message if it ran out,
+    the worker's rank (verl's ``RANK``) and the GPU it runs on (``gpu``: NVML's index, the physical
+    one, whatever ``CUDA_VISIBLE_DEVICES`` Ray gave the process);
+  - once per process, after its first ``init_model``: where it runs (``device``): its rank, local
+    rank and world size, ``CUDA_VISIBLE_DEVICES``, the devices torch sees, the GPU NVML finds this
+    process on (index and UUID) and the Ray node's address: each worker of a several-GPU run on
+    its own GPU, capped there;
   - one line per HF ``generate()`` chunk (prompts, new tokens, seconds);
   - on ``compute_log_prob``, the largest gap between the rollout's own log-probs of the tokens
     it sampled (recorded from the probability rows the sampler drew from) and the actor's
@@ -118,27 +124,63 @@ def _cap_torch(torch) -> None:
             for i in range(cuda.device_count()):
                 total = cuda.get_device_properties(i).total_memory
                 cuda.set_per_process_memory_fraction(min(1.0, cap / total), i)
-            _write({"event": "cap", "cap_mib": int(_CAP_MIB), "devices": cuda.device_count()})
+            _write({"event": "cap", "cap_mib": int(_CAP_MIB), "devices": cuda.device_count(),
+                    "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "rank": os.environ.get("RANK")})
 
     cuda._lazy_init = lazy_init
 
 
 # ------------------------------------------------------------------ per-phase memory
 
-def _outside_torch_mib(torch) -> float | None:
-    """GPU memory this process holds that torch's allocator did not reserve (CUDA context,
-    NCCL, cuBLAS), from NVML's per-process accounting; None where NVML cannot say."""
+def nvml_process() -> dict | None:
+    """This process on the GPUs as NVML lists them: the GPU it holds the most memory on, by NVML's
+    index (the physical one: torch's device 0 is whichever GPU ``CUDA_VISIBLE_DEVICES`` names first),
+    ``{"gpu", "gpu_uuid", "used_bytes"}``; None where NVML cannot say."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid == os.getpid() and proc.usedGpuMemory:
-                return round((proc.usedGpuMemory - torch.cuda.memory_reserved()) / _MIB, 1)
+        found = None
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory and (
+                        found is None or proc.usedGpuMemory > found["used_bytes"]):
+                    uuid = pynvml.nvmlDeviceGetUUID(handle)
+                    found = {"gpu": index, "gpu_uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+                             "used_bytes": proc.usedGpuMemory}
+        return found
     except Exception:  # noqa: BLE001
         return None
-    return None
+
+
+def _outside_torch_mib(torch, here: dict | None) -> float | None:
+    """GPU memory this process holds that torch's allocator did not reserve (CUDA context,
+    NCCL, cuBLAS), from NVML's per-process accounting (``nvml_process``); None where NVML cannot say."""
+    if not here:
+        return None
+    return round((here["used_bytes"] - torch.cuda.memory_reserved()) / _MIB, 1)
+
+
+_DEVICE_WRITTEN: list = []
+
+
+def device_record(torch, here: dict | None) -> dict:
+    """Where this worker process runs: verl's rank, Ray's CUDA_VISIBLE_DEVICES, what torch sees, the GPU NVML finds
+    it on, the Ray node's address."""
+    node_ip = None
+    ray = sys.modules.get("ray")
+    if ray is not None:
+        try:
+            node_ip = ray.util.get_node_ip_address()
+        except Exception:  # noqa: BLE001
+            pass
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return {"event": "device", "rank": os.environ.get("RANK"), "local_rank": os.environ.get("LOCAL_RANK"),
+            "world_size": os.environ.get("WORLD_SIZE"), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device_count": torch.cuda.device_count() if cuda else 0,
+            "current_device": torch.cuda.current_device() if cuda else None,
+            "gpu": (here or {}).get("gpu"), "gpu_uuid": (here or {}).get("gpu_uuid"), "node_ip": node_ip}
 
 
 _CENSUS_CALLS = {"update_actor": 2, "update_critic": 1}     # census at the start of the first calls
@@ -409,7 +451,8 @@ def _phase_wrapper(role: str, name: str, method):
                 except Exception:  # noqa: BLE001 - after an OOM the stream may be unusable
                     pass
             seconds = time.time() - start
-            record = {"event": "phase", "role": role, "phase": name, "call": call, "seconds": round(seconds, 3)}
+            record = {"event": "phase", "role": role, "phase": name, "call": call, "seconds": round(seconds, 3),
+                      "rank": os.environ.get("RANK")}
             if _SPLITS:
                 record["splits"] = dict(_SPLITS)
             if prof is not None:
@@ -421,17 +464,23 @@ def _phase_wrapper(role: str, name: str, method):
                         _finish_profile(prof, role, name, call, seconds)
                 except Exception as exc:  # noqa: BLE001 - a probe never breaks the run
                     _write({"event": "profile_error", "phase": name, "error": f"{type(exc).__name__}: {exc}"})
+            here = None
             if torch.cuda.is_available() and torch.cuda.is_initialized():
+                here = nvml_process()
                 record.update({
                     "allocated_before_mib": round(before / _MIB, 1) if ok else None,
                     "peak_allocated_mib": round(torch.cuda.max_memory_allocated() / _MIB, 1),
                     "peak_reserved_mib": round(torch.cuda.max_memory_reserved() / _MIB, 1),
                     "allocated_after_mib": round(torch.cuda.memory_allocated() / _MIB, 1),
-                    "outside_torch_mib": _outside_torch_mib(torch),
+                    "outside_torch_mib": _outside_torch_mib(torch, here),
+                    "gpu": (here or {}).get("gpu"),
                 })
             if oom:
                 record["oom"] = oom
             _write(record)
+            if name == "init_model" and not _DEVICE_WRITTEN:
+                _DEVICE_WRITTEN.append(True)
+                _write(device_record(torch, here))
 
     return wrapper
 
