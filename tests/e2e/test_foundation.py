@@ -105,7 +105,7 @@ def test_verify_base_layout(lab, converged, name):
 
 
 STAGES = ("cuda", "env", "data", "train")
-PLANS = {  # what each stand-in GPU must get (tasks/plan.py decides; docs/plan.md says why)
+PLANS = {  # what each stand-in GPU must get (the plan package, tasks/plan/, decides; docs/plan.md says why)
     "p40": {"rollout": "hf", "train_dtype": "fp32"},
     "t4": {"rollout": "vllm", "train_dtype": "fp32"},
     "rtx3090": {"rollout": "vllm", "train_dtype": "bf16"},
