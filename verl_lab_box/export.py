@@ -15,14 +15,12 @@ demand). For ``DIR/global_step_N/actor`` (N: ``--step``, else the step in verl's
    ``actor/huggingface/config.json`` with ``save_pretrained``, the generation config and the
    tokenizer); its output goes to this program's, so its errors reach the journal as verl,
    torch and transformers print them (files/doctor/export.toml knows them);
-2. proves the folder (``prove``): it loads with transformers (no missing, unexpected or
-   mismatched weights), its tensors equal exactly the checkpoint's weights rebuilt here from the shards
-   (``full_weights``: each rank's local shard placed at its offset in the global shape the DTensor
-   records, every element covered once; not the merger's code path) in the export's dtype, and
-   the logits of both (the checkpoint's weights under the config verl saved beside them,
-   ``actor/huggingface/config.json``) on fixed chat prompts, computed on the CPU in fp32, differ by at most
-   ``LOGIT_TOLERANCE`` (the difference is recorded, and beside it the difference to the
-   checkpoint's own dtype, which is the export's bf16 rounding);
+2. proves the folder (``prove``, verl_lab_box/export_proof.py, placed beside this program as
+   ``verl_lab_export_proof.py``): it loads with transformers, every tensor equals exactly the
+   checkpoint's weight (rebuilt from the shards, not the merger's code path) in the export's dtype,
+   and its logits on fixed chat prompts are the checkpoint's own (in the checkpoint's dtype, under
+   the checkpoint's config) within the limit stated for the pair of dtypes; on the GPU once training
+   has released it, else on the CPU;
 3. renames ``.hf.partial`` to ``DIR/global_step_N/hf`` and writes ``DIR/global_step_N/hf.proof.json``
    last (the merge and proof seconds, the export's files and bytes, the differences, the shards'
    names, sizes and mtimes).
@@ -47,22 +45,33 @@ TRACKER = "latest_checkpointed_iteration.txt"     # verl's RayPPOTrainer._save_c
 EXPORT = "hf"
 PARTIAL = ".hf.partial"
 PROOF = "hf.proof.json"
-FORMAT = 1
-LOGIT_TOLERANCE = 1e-3
-# Fixed prompts through the export's own chat template (GSM8K-shaped, as training sees them).
-PROMPTS = (
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May? Let's think step by step and output "
-    "the final answer after \"####\".",
-    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much "
-    "did she earn? Let's think step by step and output the final answer after \"####\".",
-    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it "
-    "take? Let's think step by step and output the final answer after \"####\".",
-)
+FORMAT = 2      # 2: the logits are compared with the checkpoint's own dtype, under a limit for the pair
+PROOF_MODULES = ("verl_lab_export_proof.py", "export_proof.py")   # its sibling: placed beside it, or in the repo
 
 
-class ExportError(Exception):
-    """The checkpoint cannot become a proven export; the message says which file and what to do."""
+def _sibling(module_name: str, names: tuple) -> object:
+    """A box module shipped beside this program (placed name first, then its name in the repo)."""
+    import importlib.util
+
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in names:
+        path = os.path.join(here, name)
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+            return module
+    raise ImportError(f"no {' or '.join(names)} beside {os.path.abspath(__file__)}: re-run deploy/train.py")
+
+
+_proof = _sibling("verl_lab_export_proof", PROOF_MODULES)
+ExportError = _proof.ExportError      # the proof's failures and this program's are one kind
+full_weights = _proof.full_weights
+prove = _proof.prove
+read_json = _proof.read_json
 
 
 def log(msg: str) -> None:
@@ -103,15 +112,6 @@ def folder_identity(folder: str) -> list[dict]:
     return sorted(out, key=lambda f: f["name"])
 
 
-def read_json(path: str) -> dict | None:
-    try:
-        with open(path) as fh:
-            found = json.load(fh)
-        return found if isinstance(found, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
 def write_json(path: str, data: dict) -> None:
     part = path + ".part"
     with open(part, "w") as fh:
@@ -134,163 +134,6 @@ def proven(checkpoint_dir: str, step: int) -> dict | None:
     if proof.get("files") != folder_identity(export):
         return None
     return proof
-
-
-# ---------------------------------------------------------------- the checkpoint's own weights
-
-def full_weights(actor_dir: str) -> tuple[dict, dict]:
-    """Every parameter of the checkpoint in full, in the dtype the ranks saved it, rebuilt from the
-    shards: each rank's local tensor goes to the offset its DTensor placement gives it (torch's
-    chunking: ``ceil(n / W)`` rows per rank, the last ranks fewer), and every element of the global
-    shape must be covered. Returns (weights, facts: FSDP version, world size, dtype)."""
-    import torch
-
-    config = read_json(os.path.join(actor_dir, "fsdp_config.json"))
-    if not config or not isinstance(config.get("world_size"), int):
-        raise ExportError(f"{actor_dir}/fsdp_config.json is missing or has no world_size: not a verl FSDP checkpoint")
-    world = config["world_size"]
-    shards = []
-    for rank in range(world):
-        path = os.path.join(actor_dir, f"model_world_size_{world}_rank_{rank}.pt")
-        if not os.path.isfile(path):
-            raise ExportError(f"{path} is missing: the checkpoint has {world} ranks (fsdp_config.json) and every rank's "
-                              "shard is needed")
-        shards.append(torch.load(path, map_location="cpu", weights_only=False))
-    keys = sorted(shards[0])
-    for rank, shard in enumerate(shards[1:], 1):
-        if sorted(shard) != keys:
-            raise ExportError(f"rank {rank}'s shard names other parameters than rank 0's: shards of two checkpoints?")
-    weights, dtypes = {}, set()
-    for key in keys:
-        parts = [shard.pop(key) for shard in shards]
-        weights[key] = _join(key, parts, world)
-        dtypes.add(str(weights[key].dtype).removeprefix("torch."))
-    return weights, {"fsdp_version": config.get("FSDP_version"), "world_size": world,
-                     "checkpoint_dtype": ",".join(sorted(dtypes))}
-
-
-def _join(key: str, parts: list, world: int):
-    import torch
-
-    first = parts[0]
-    if not hasattr(first, "placements"):           # a plain tensor: one rank holds it all
-        if world != 1:
-            raise ExportError(f"{key}: a plain tensor in a checkpoint of {world} ranks (not a DTensor): "
-                              "this layout is not supported")
-        return first.detach().clone()
-    mesh = first.device_mesh.mesh.flatten().tolist()
-    if len(first.placements) != 1 or len(mesh) != world:
-        raise ExportError(f"{key}: a {len(first.placements)}-dimensional device mesh of {len(mesh)} ranks; "
-                          f"only a 1-D mesh over all {world} ranks (verl's FSDP without fsdp_size) is supported")
-    placement, shape = first.placements[0], tuple(first.shape)
-    local = [p.to_local() for p in parts]
-    if placement.is_replicate():
-        for rank, t in enumerate(local[1:], 1):
-            if not torch.equal(t, local[0]):
-                raise ExportError(f"{key}: replicated, but rank {rank} holds other values than rank 0")
-        return local[0].clone()
-    if not placement.is_shard():
-        raise ExportError(f"{key}: placement {placement} cannot be joined")
-    dim = placement.dim
-    n = shape[dim]
-    chunk = -(-n // world)
-    full = torch.empty(shape, dtype=local[0].dtype)
-    covered = 0
-    for rank, coord in ((r, mesh.index(r)) for r in range(world)):
-        start = min(n, coord * chunk)
-        rows = max(0, min(n, start + chunk) - start)
-        t = local[rank]
-        want = shape[:dim] + (rows,) + shape[dim + 1:]
-        if tuple(t.shape) != want:
-            raise ExportError(f"{key}: rank {rank} holds shape {tuple(t.shape)}, its place in {shape} is {want}")
-        full.narrow(dim, start, rows).copy_(t)
-        covered += rows
-    if covered != n:
-        raise ExportError(f"{key}: the shards cover {covered} of {n} rows")
-    return full
-
-
-# ---------------------------------------------------------------- the proof
-
-def _logits(model, inputs: list) -> list:
-    import torch
-
-    with torch.no_grad():
-        return [model(input_ids=ids, use_cache=False).logits.float() for ids in inputs]
-
-
-def _max_diff(a: list, b: list) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
-
-
-def prove(export: str, actor_dir: str) -> dict:
-    """The folder loads with transformers, holds exactly the checkpoint's weights in its dtype, and
-    gives the same logits as they do. Raises ExportError with what differs."""
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    weights, facts = full_weights(actor_dir)
-    stored = {}
-    for name in sorted(os.listdir(export)):
-        if name.endswith(".safetensors"):
-            stored.update(load_file(os.path.join(export, name)))
-    if not stored:
-        raise ExportError(f"{export} holds no *.safetensors")
-    missing, extra = sorted(set(weights) - set(stored)), sorted(set(stored) - set(weights))
-    if missing or extra:
-        raise ExportError(f"the export's tensors differ from the checkpoint's: missing {missing[:5]}, extra {extra[:5]}")
-    export_dtype = {t.dtype for t in stored.values()}
-    if len(export_dtype) != 1:
-        raise ExportError(f"the export mixes dtypes {sorted(map(str, export_dtype))}")
-    dtype = export_dtype.pop()
-    worst, worst_key = 0.0, None
-    for key, t in stored.items():
-        want = weights[key].to(dtype)
-        if t.shape != want.shape:
-            raise ExportError(f"{key}: the export holds shape {tuple(t.shape)}, the checkpoint {tuple(want.shape)}")
-        d = float((t.float() - want.float()).abs().max()) if t.numel() else 0.0
-        if d > worst:
-            worst, worst_key = d, key
-    del stored
-    if worst > 0:          # the merger casts each shard to the export's dtype: the same rounding as here
-        raise ExportError(f"the export's {worst_key} differs from the checkpoint's weights (in {dtype}) by {worst:.3g}")
-
-    tokenizer = AutoTokenizer.from_pretrained(export)
-    inputs = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                      tokenize=False), return_tensors="pt",
-                        add_special_tokens=False)["input_ids"] for p in PROMPTS]
-    try:
-        loaded, info = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32,
-                                                            attn_implementation="eager", output_loading_info=True)
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise ExportError(f"transformers cannot load {export}: {type(exc).__name__}: {exc}") from None
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys",
-                                                           "error_msgs")}
-    if bad:
-        raise ExportError(f"transformers loads {export} with problems: {bad}")
-    loaded.eval()
-    got = _logits(loaded, inputs)
-    del loaded
-    config = AutoConfig.from_pretrained(os.path.join(actor_dir, "huggingface"))   # the checkpoint's own, as saved
-
-    def rebuilt(cast):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, attn_implementation="eager")
-        model.load_state_dict({k: (v.to(cast) if cast else v).to(torch.float32) for k, v in weights.items()},
-                              strict=True)
-        return model.eval()
-
-    in_dtype = _logits(rebuilt(dtype), inputs)
-    diff = _max_diff(got, in_dtype)
-    own = _logits(rebuilt(None), inputs)
-    if diff > LOGIT_TOLERANCE:
-        raise ExportError(f"the export's logits differ from the checkpoint's weights (in {dtype}) by {diff:.3g}, more "
-                          f"than {LOGIT_TOLERANCE}")
-    return {**facts, "export_dtype": str(dtype).removeprefix("torch."), "tensors": len(weights),
-            "max_abs_weight_diff": worst, "max_abs_weight_diff_key": worst_key,
-            "prompts": len(inputs), "prompt_tokens": sum(int(i.shape[1]) for i in inputs),
-            "max_abs_logit_diff": diff, "max_abs_logit_diff_vs_checkpoint_dtype": _max_diff(got, own),
-            "logit_tolerance": LOGIT_TOLERANCE}
 
 
 # ---------------------------------------------------------------- the export
@@ -350,8 +193,8 @@ def export(checkpoint_dir: str, step: int | None = None, final: bool = False, py
              "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **found, **versions()}
     write_json(os.path.join(folder, PROOF), proof)
     log(f"step {step}: {target} proven ({proof['export_bytes']} bytes, {found['export_dtype']}; logits within "
-        f"{found['max_abs_logit_diff']:.3g} of the checkpoint's weights in that dtype, {found['max_abs_logit_diff_vs_checkpoint_dtype']:.3g} "
-        f"of its {found['checkpoint_dtype']}; merge {merge_s:.1f} s, proof {prove_s:.1f} s)")
+        f"{found['max_abs_logit_diff']:.3g} of the checkpoint's in its {found['checkpoint_dtype']} (limit "
+        f"{found['logit_tolerance']}); merge {merge_s:.1f} s, proof {prove_s:.1f} s on {found['proof_device']})")
     return proof
 
 

@@ -12,8 +12,13 @@ the chat template to one message, prints the token count and runs one forward pa
 A random model never emits EOS: every response runs to max_response_length (the worst case for
 memory and time) and every reward is 0.
 
+A model over ``save_pretrained``'s shard size (5 GB in bf16: the 3B) is written as transformers shards
+it, ``model-0000N-of-0000M.safetensors`` with ``model.safetensors.index.json``, as the real 3B's
+snapshot is.
+
 Idempotent: the folder is built under a temporary name and renamed into place; an existing
-folder with config.json and model.safetensors is kept (the load check still runs).
+folder with config.json and its weights (one file, or an index whose shards are all there) is
+kept (the load check still runs).
 
     PYTHONPATH=/tmp/site python3 bench/gpu/make_model.py --out /tmp/qwen2.5-0.5b-random \\
         --tokenizer .gpu/tokenizer
@@ -45,9 +50,24 @@ GENERATION_CONFIG = {
     "transformers_version": "4.37.0",
 }
 WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"   # a model over save_pretrained's shard size (5 GB: the 3B) is sharded
 
 
-def build(out: Path, tokenizer: Path, config_path: Path, seed: int, device: str) -> None:
+def has_weights(folder: Path) -> bool:
+    """One ``model.safetensors``, or an index whose every shard is there."""
+    if (folder / WEIGHTS).is_file():
+        return True
+    if not (folder / INDEX).is_file():
+        return False
+    shards = set(json.loads((folder / INDEX).read_text()).get("weight_map", {}).values())
+    return bool(shards) and all((folder / s).is_file() for s in shards)
+
+
+def weight_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def build(out: Path, tokenizer: Path, config_path: Path, seed: int, device: str, max_shard_size: str = "5GB") -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -69,7 +89,7 @@ def build(out: Path, tokenizer: Path, config_path: Path, seed: int, device: str)
     params = sum(p.numel() for p in model.parameters())
     print(f"make_model: Qwen2ForCausalLM {params / 1e6:.1f}M parameters on {dev} in {time.time() - t0:.1f} s",
           flush=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
     del model
     # the project's config and the real generation config, not what save_pretrained wrote
     shutil.copyfile(config_path, tmp / "config.json")
@@ -78,9 +98,12 @@ def build(out: Path, tokenizer: Path, config_path: Path, seed: int, device: str)
         shutil.copyfile(tokenizer / name, tmp / name)
     if out.exists():
         shutil.rmtree(out)
-    os.chmod(tmp / WEIGHTS, 0o644)
+    for f in tmp.glob("*.safetensors"):
+        os.chmod(f, 0o644)
+    if not has_weights(tmp):
+        raise SystemExit(f"make_model: save_pretrained left no complete weights in {tmp}")
     os.replace(tmp, out)
-    size = (out / WEIGHTS).stat().st_size
+    size = weight_bytes(out)
     print(f"make_model: wrote {out} ({size} bytes of weights) in {time.time() - t0:.1f} s", flush=True)
 
 
@@ -115,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--no-check", action="store_true", help="skip loading the folder back")
+    ap.add_argument("--max-shard-size", default="5GB", help="save_pretrained's shard size (its default: 5GB)")
     args = ap.parse_args(argv)
     import torch
 
@@ -124,15 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make_model: {args.tokenizer} lacks {', '.join(missing)} (run bench/gpu/payload.py)", file=sys.stderr)
         return 1
     out = args.out.resolve()
-    if (out / "config.json").is_file() and (out / WEIGHTS).is_file():
-        print(f"make_model: {out} already has config.json and {WEIGHTS}: kept", flush=True)
+    if (out / "config.json").is_file() and has_weights(out):
+        print(f"make_model: {out} already has config.json and its weights: kept", flush=True)
         for name in TOKENIZER_FILES:  # a rebuilt payload tokenizer replaces the folder's copy
             have = out / name
             if not have.is_file() or have.read_bytes() != (args.tokenizer / name).read_bytes():
                 shutil.copyfile(args.tokenizer / name, out / name)
                 print(f"make_model: {name} updated from {args.tokenizer}", flush=True)
     else:
-        build(out, args.tokenizer, args.config, args.seed, device)
+        build(out, args.tokenizer, args.config, args.seed, device, args.max_shard_size)
     if not args.no_check:
         check(out, device)
     return 0

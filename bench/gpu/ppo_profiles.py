@@ -40,7 +40,9 @@ RAY_PORT = 6379                  # a Ray-node profile's cluster port (the settin
 # address (ray 2.46 ray/_private/services.py resolve_ip_for_localhost), so the head would not be on lo.
 NODE_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 TODAY_REF = "7d6e4b8"            # main before the training-path fixes (issue 14)
-SPEED_BEFORE_REF = "aa9f1e3"     # main before the 8-12 GB cards' speed work (issue 29): code "speed-before"
+SPEED_BEFORE_REF = "aa9f1e3"
+PROOF_BEFORE_REF = "50d4e45"     # main before the fast proof (issue 34): its export.py proves on the CPU
+TENSORBOARD_LOGGER = "trainer.logger=['console','tensorboard']"   # verl 0.5.0's own tracker (verl/utils/tracking.py)     # main before the 8-12 GB cards' speed work (issue 29): code "speed-before"
 OUTSIDE_TORCH_MIB = 1311         # CUDA context etc. per process on the H200 (docs/training-runs.md)
 STEPS = 5
 # Every run: no checkpoint (12 GB of fp32 states, ~18 s, not what is measured) and validation
@@ -75,6 +77,8 @@ class Profile:
     gpus: int = 1                        # GPUs of the box (of each Ray node when nodes > 1), each capped on its own
     nodes: int = 1                       # Ray nodes on the one host (tasks/cluster.py's units, bench/gpu/ray_nodes.py)
     compare_with: str = ""               # the profile whose prompts/s this one's is a ratio against (same machine)
+    tensorboard: bool = False            # verl's own TensorBoard logger too (trainer.logger), its events kept
+    proof_baseline: str = ""             # a git ref: after the run, its export proof timed against today's
 
     @property
     def cap_mib(self) -> int | None:
@@ -203,15 +207,16 @@ PROFILES = [
     # the two PPO runs keep one save (12.43 GB each predicted: fp32 actor and critic with AdamW states): with the
     # plans' keep + 1 = 2 on disk the three side by side would hold about 62 GB at once on the device's 64 GiB
     # disk. The GTX 1080 run keeps the plan's (5.94 GB a save).
-    Profile("p40-export", "Tesla P40", "6.1", 24576, steps=3, validate=False, export=True,
+    Profile("p40-export", "Tesla P40", "6.1", 24576, steps=3, validate=False, export=True, tensorboard=True,
             overrides=("data.train_batch_size=64", *PPO_KEEP_ONE),
             stands_for="Tesla P40 plan (PPO with the critic, FSDP1, fp32, HF rollout) on 64 prompts a step: saves, "
                        "export, proof, GSM8K scores"),
     Profile("rtx3090-export", "NVIDIA GeForce RTX 3090", "8.6", 24576, rollout_engine="hf", steps=3, validate=False,
-            export=True, overrides=("data.train_batch_size=64", *PPO_KEEP_ONE),
+            export=True, tensorboard=True, overrides=("data.train_batch_size=64", *PPO_KEEP_ONE),
             stands_for="RTX 3090 plan (PPO with the critic, FSDP1, bf16; HF rollout instead of the plan's vLLM) on 64 "
                        "prompts a step: saves, export, proof, GSM8K scores"),
     Profile("gtx1080-export", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=3, validate=False, export=True,
+            tensorboard=True, proof_baseline=PROOF_BEFORE_REF,
             overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
             stands_for="GTX 1080 plan (grpo-cpu-offload: GRPO, the actor on FSDP2 CPUOffloadPolicy, fp32, HF rollout) "
                        "on 16 prompts a step: saves, export, proof, GSM8K scores"),
@@ -422,6 +427,12 @@ def render(names: list[str], out_root: Path, today_ref: str, steps: int | None =
             if "-- KEY=VALUE" not in (out / "train" / "train-launcher").read_text():
                 record["kind"] = "print-overrides"
         record["extra_overrides"] += list(profile.overrides)
+        if profile.tensorboard:
+            record["extra_overrides"].append(TENSORBOARD_LOGGER)
+        if profile.proof_baseline:
+            old = subprocess.run(["git", "-C", str(REPO), "show", f"{profile.proof_baseline}:verl_lab_box/export.py"],
+                                 capture_output=True, text=True, check=True).stdout
+            (out / "old_export.py").write_text(old)
         if not profile.validate:
             record["extra_overrides"].append("trainer.test_freq=-1")
         (out / "profile.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -269,6 +269,19 @@ def cluster_summary(run: Path) -> dict | None:
             "refused": record.get("refused"), "stopped": record.get("stopped")}
 
 
+def read_run_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def logit_diffs(proof: dict) -> dict:
+    """{in the export's dtype, against the checkpoint's own dtype} of an export's proof, either format."""
+    if "max_abs_logit_diff_vs_checkpoint_dtype" in proof:          # format 1
+        return {"logit_diff_in_export_dtype": proof.get("max_abs_logit_diff"),
+                "logit_diff_vs_checkpoint_dtype": proof.get("max_abs_logit_diff_vs_checkpoint_dtype")}
+    return {"logit_diff_in_export_dtype": proof.get("max_abs_logit_diff_in_export_dtype"),
+            "logit_diff_vs_checkpoint_dtype": proof.get("max_abs_logit_diff")}
+
+
 def export_summary(run: Path) -> dict | None:
     """What an export profile's run saved, kept, exported and scored (``run/export/``, written by
     run_profile.collect_export); None for a profile without one."""
@@ -302,8 +315,11 @@ def export_summary(run: Path) -> dict | None:
         "export_bytes": (proof or {}).get("export_bytes"),
         "merge_seconds": (proof or {}).get("merge_seconds"), "proof_seconds": (proof or {}).get("proof_seconds"),
         "export_seconds": round(proof["merge_seconds"] + proof["proof_seconds"], 2) if proof else None,
-        "max_abs_logit_diff": (proof or {}).get("max_abs_logit_diff"),
-        "max_abs_logit_diff_vs_checkpoint_dtype": (proof or {}).get("max_abs_logit_diff_vs_checkpoint_dtype"),
+        # the logits against the checkpoint's weights in the export's dtype, and against its own dtype: a
+        # proof of format 2 (issue 34) names them so; format 1 recorded the first as max_abs_logit_diff
+        **logit_diffs(proof or {}),
+        "logit_tolerance": (proof or {}).get("logit_tolerance"), "proof_device": (proof or {}).get("proof_device"),
+        "proof_bench": read_run_json(run / "proof-bench.json"),
         "max_abs_weight_diff": (proof or {}).get("max_abs_weight_diff"),
         "fsdp_version": (proof or {}).get("fsdp_version"), "world_size": (proof or {}).get("world_size"),
         "base": score(base), "trained": score(trained),
@@ -487,8 +503,8 @@ def phase_markdown(rows: list[dict]) -> str:
 
 def export_markdown(rows: list[dict]) -> str:
     lines = _header("| profile | saves kept | one save (bytes) | predicted | measured / predicted | export (bytes) | "
-                    "merge + proof s | logit diff (bf16 / checkpoint dtype) | GSM8K base -> trained (rows) | "
-                    "eval prompts/s (base, trained) |")
+                    "merge + proof s (device) | logit diff (bf16 / checkpoint dtype, limit) | GSM8K base -> trained (rows) | "
+                    "eval prompts/s (base, trained) | proof before / today s (same step) |")
     for r in rows:
         e = r.get("export")
         if not e:
@@ -496,11 +512,21 @@ def export_markdown(rows: list[dict]) -> str:
         base, trained = e["base"] or {}, e["trained"] or {}
         lines.append(f"| {r['profile']} | {', '.join(e['kept'] or []) or '-'} | {e['save_bytes'] or '-'} | "
                      f"{e['predicted_save_bytes'] or '-'} | {e['save_ratio'] or '-'} | {e['export_bytes'] or '-'} | "
-                     f"{e['merge_seconds']} + {e['proof_seconds']} | {e['max_abs_logit_diff']} / "
-                     f"{e['max_abs_logit_diff_vs_checkpoint_dtype']} | {base.get('accuracy')} -> {trained.get('accuracy')} "
+                     f"{e['merge_seconds']} + {e['proof_seconds']} ({e.get('proof_device') or 'cpu'}) | "
+                     f"{e['logit_diff_in_export_dtype']} / {e['logit_diff_vs_checkpoint_dtype']}, "
+                     f"{e.get('logit_tolerance')} | {base.get('accuracy')} -> {trained.get('accuracy')} "
                      f"({trained.get('rows') or base.get('rows')}) | {base.get('prompts_per_s')}, "
-                     f"{trained.get('prompts_per_s')} |")
+                     f"{trained.get('prompts_per_s')} | {_bench(e.get('proof_bench'))} |")
     return "\n".join(lines)
+
+
+def _bench(bench: dict | None) -> str:
+    if not bench:
+        return "-"
+    if bench.get("skipped"):
+        return f"skipped ({bench['skipped']})"
+    side = lambda r: ("cut at %s s" % r.get("timeout")) if r.get("timed_out") else r.get("seconds")  # noqa: E731
+    return f"{side(bench.get('before') or {})} / {side(bench.get('today') or {})}"
 
 
 def speed_markdown(rows: list[dict]) -> str:

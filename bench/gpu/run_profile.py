@@ -151,6 +151,21 @@ def collect_export(checkpoints: Path, out: Path) -> dict:
     return record
 
 
+def proof_baseline(checkpoints: Path, old: Path, out: Path, args, env: dict) -> None:
+    """Today's export proof and the earlier one (``old``) timed on the run's last exported step, in the time
+    left (bench/gpu/proof_bench.py: ``out/proof-bench.json``)."""
+    steps = sorted((p for p in checkpoints.glob("global_step_*") if (p / "hf").is_dir() and (p / "actor").is_dir()),
+                   key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    left = (args.deadline - time.time()) if args.deadline else 300.0
+    if not steps or left < 60:
+        (out / "proof-bench.json").write_text(json.dumps({"skipped": "no exported step" if not steps else
+                                                          f"{left:.0f} s left"}) + "\n")
+        return
+    subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "proof_bench.py"), str(steps[-1]), "--old", str(old),
+                    "--out", str(out / "proof-bench.json"), "--timeout", str(int(left - 20))],
+                   env={**env, "PYTHONPATH": args.site}, capture_output=True, text=True)
+
+
 def form_cluster(profile: dict, src: Path, root: Path, env: dict, out: Path, timeout_s: float, nodes: list) -> dict:
     """A Ray-node profile's cluster formed (ray_nodes.form: every node started, appended to ``nodes``), ``env``
     given the head's ray.env (what the training unit's drop-in gives the launcher) and the launcher's cluster
@@ -236,6 +251,8 @@ def main(argv=None) -> int:
         env["VERL_LAB_GPU_CAP_MIB"] = str(profile["cap_mib"])
     if profile.get("probe_profile"):
         env["VERL_LAB_PROFILE"] = profile["probe_profile"]
+    if profile.get("tensorboard"):      # verl's TensorBoard writer (TaskRunner, a Ray actor: it inherits this)
+        env["TENSORBOARD_DIR"] = str(out / "tensorboard")
     env.update(profile.get("env") or {})
     cmd = [c for c in command(profile, root, env) if c]
     n = profile.get("resume_after")
@@ -275,6 +292,8 @@ def main(argv=None) -> int:
             cluster["stopped"] = ray_nodes.stop(nodes)
             (out / "cluster.json").write_text(json.dumps(cluster, indent=1) + "\n")
     rc = next((r for r in rcs if r), 0)
+    if profile.get("proof_baseline") and profile.get("export") and not rc and not timed_out:
+        proof_baseline(root / "train" / "checkpoints", src / "old_export.py", out, args, env)
     if profile.get("export"):
         collect_export(root / "train" / "checkpoints", out / "export")
         # the saves' bytes are recorded: free the disk for the runs beside and after this one

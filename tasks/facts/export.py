@@ -16,7 +16,7 @@ STEP_FILE = re.compile(r"/global_step_(\d+)/hf\.(proof|gsm8k)\.json$")
 SCORE_KEYS = ("accuracy", "correct", "rows", "prompts_per_s", "seconds", "engine", "dtype", "batch", "step", "final",
               "label", "max_new_tokens")
 PROOF_KEYS = ("ok", "final", "export", "export_bytes", "export_dtype", "checkpoint_dtype", "fsdp_version", "world_size",
-              "max_abs_logit_diff", "max_abs_logit_diff_vs_checkpoint_dtype", "merge_seconds", "proof_seconds")
+              "max_abs_logit_diff", "logit_tolerance", "proof_device", "merge_seconds", "proof_seconds")
 
 
 class RunExports(FactBase[dict]):

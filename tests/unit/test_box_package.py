@@ -23,7 +23,7 @@ SIBLINGS = {p.stem for p in MODULES} | {"verl_lab_box"}
 LATE_IMPORTS = {
     "cluster_check": {"ray"},                                # the env's Ray, on the head
     "env_prove": {"torch", "vllm", "xformers", "verl"},      # the env's python proves its env
-    "export": {"torch", "transformers", "safetensors"},      # the env's python: the export's proof
+    "export_proof": {"torch", "transformers", "safetensors", "accelerate"},   # the env's python: the export's proof
     "gpu": {"pynvml"},                                       # read_nvml, in the training env
     "nvidia_driver": {"verl_lab_gpu"},                       # gpu.py, shipped beside it on the box
     "gsm8k": {"pyarrow"},                                    # the env's pyarrow (verl's own)

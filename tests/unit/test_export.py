@@ -90,10 +90,12 @@ def test_the_latest_checkpoint_becomes_a_proven_hugging_face_folder(lab, checkpo
     assert proof["ok"] and proof["step"] == STEPS and proof["final"] is True
     assert (proof["fsdp_version"], proof["world_size"]) == (fsdp_version, 2)
     assert (proof["checkpoint_dtype"], proof["export_dtype"]) == ("float32", "bfloat16")
-    # the export holds exactly the checkpoint's weights in bf16, and its logits are theirs
-    assert proof["max_abs_weight_diff"] == 0.0
-    assert proof["max_abs_logit_diff"] <= proof["logit_tolerance"] == 1e-3
-    assert 0 < proof["max_abs_logit_diff_vs_checkpoint_dtype"] < 0.1      # the bf16 rounding, recorded
+    # the export holds exactly the checkpoint's weights in bf16, its logits are theirs under the checkpoint's
+    # config, and the fp32 checkpoint's own within the limit for a bf16 export of it (the rounding, recorded)
+    assert proof["max_abs_weight_diff"] == 0.0 and proof["max_abs_logit_diff_in_export_dtype"] <= 1e-3
+    assert proof["logit_tolerance"] == pytest.approx(0.25 * proof["max_abs_logit"])
+    assert 0 < proof["max_abs_logit_diff"] <= proof["logit_tolerance"]
+    assert proof["proof_device"] == "cpu" and proof["format"] == 2
     names = {f["name"] for f in proof["files"]}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json"} <= names
@@ -145,6 +147,21 @@ def test_the_proof_refuses_an_export_that_is_not_the_checkpoint(lab, exported, t
     found = json.loads(res.stdout.strip().splitlines()[-1])
     assert "model.norm.weight differs from the checkpoint's weights" in found[str(moved)]
     assert "logits differ from the checkpoint's weights" in found[str(config)]
+
+
+def test_the_bf16_limit_is_enforced(lab, exported):
+    """The export's gap to the fp32 checkpoint is checked, not only recorded: under a limit of zero the same
+    export fails, naming the gap and the limit."""
+    step = exported["fsdp"][0]
+    code = ("import sys, export\n"
+            "export._proof.BF16_RELATIVE_TOLERANCE = 0.0\n"
+            "export._proof.SAME_DTYPE_TOLERANCE = 0.0\n"
+            "try:\n    export.prove(sys.argv[1], sys.argv[2]); print('proven')\n"
+            "except export.ExportError as exc:\n    print(exc)")
+    res = lab.run("-c", code, step / "hf", step / "actor")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "logits differ from the checkpoint's own (in float32)" in res.stdout and "allowed a bfloat16 export" \
+        in res.stdout
 
 
 def _broken(checkpoints, tmp_path: Path, name: str) -> Path:

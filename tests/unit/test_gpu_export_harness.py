@@ -104,10 +104,35 @@ def test_a_runs_checkpoints_are_collected_and_summed_up(tmp_path):
     assert summary["save_bytes"] == 15100 and summary["predicted_save_bytes"] == 15000
     assert summary["save_ratio"] == pytest.approx(15100 / 15000, abs=1e-4)
     assert summary["kept"] == ["global_step_1", "global_step_2"] and summary["finished"]["step"] == 2
-    assert summary["proven"] and summary["export_seconds"] == 18.75 and summary["max_abs_logit_diff"] == 0.0
+    assert summary["proven"] and summary["export_seconds"] == 18.75
+    # a format-1 proof (GPU call A's) read as format 2 names it: in the export's dtype, and against the checkpoint's
+    assert (summary["logit_diff_in_export_dtype"], summary["logit_diff_vs_checkpoint_dtype"]) == (0.0, 0.04)
     assert (summary["base"]["accuracy"], summary["trained"]["accuracy"], summary["trained"]["rows"]) == (0.0, 0.0078, 256)
     table = _module("ppo_results").export_markdown([{"profile": "p40-export", "export": summary}])
-    assert "| p40-export | global_step_1, global_step_2 | 15100 | 15000 | 1.0067 | 2500 | 11.5 + 7.25 |" in table
+    assert "| p40-export | global_step_1, global_step_2 | 15100 | 15000 | 1.0067 | 2500 | 11.5 + 7.25 (cpu) | 0.0 / 0.04," \
+        in table
     (run / "plan.json").write_text("{}")                 # a plan from before save sizes were predicted
     assert _module("ppo_results").export_summary(run)["save_ratio"] is None
     assert _module("ppo_results").export_summary(tmp_path / "runs" / "other") is None
+
+
+def test_a_format_2_proof_and_the_proof_bench_are_summed_up(tmp_path):
+    """Today's proof (verl_lab_box/export_proof.py) names both differences itself; proof_bench.py's record gives
+    the before / today seconds of one step, and a cut proof says so."""
+    ck = _checkpoints(tmp_path)
+    (ck / "global_step_2" / "hf.proof.json").write_text(json.dumps(
+        {"ok": True, "export_bytes": 2500, "merge_seconds": 11.5, "proof_seconds": 4.5, "max_abs_logit_diff": 0.27,
+         "max_abs_logit_diff_in_export_dtype": 0.0, "logit_tolerance": 0.86, "proof_device": "cuda"}))
+    run = tmp_path / "runs" / "gtx1080-export"
+    _module("run_profile").collect_export(ck, run / "export")
+    (run / "proof-bench.json").write_text(json.dumps({"today": {"seconds": 6.2}, "before": {"seconds": 98.4}}))
+    results = _module("ppo_results")
+    summary = results.export_summary(run)
+    assert (summary["logit_diff_in_export_dtype"], summary["logit_diff_vs_checkpoint_dtype"]) == (0.0, 0.27)
+    assert (summary["logit_tolerance"], summary["proof_device"]) == (0.86, "cuda")
+    row = results.export_markdown([{"profile": "gtx1080-export", "export": summary}]).splitlines()[-1]
+    assert "11.5 + 4.5 (cuda) | 0.0 / 0.27, 0.86 |" in row and row.endswith("| 98.4 / 6.2 |")
+    (run / "proof-bench.json").write_text(json.dumps({"today": {"seconds": 6.2},
+                                                      "before": {"timed_out": True, "timeout": 120.0}}))
+    row = results.export_markdown([{"profile": "x", "export": results.export_summary(run)}]).splitlines()[-1]
+    assert row.endswith("| cut at 120.0 s / 6.2 |")
