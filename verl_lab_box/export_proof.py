@@ -209,9 +209,13 @@ def _export_logits(export: str, inputs: list, device: str) -> tuple[list, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    # on a GPU: read in the stored dtype straight onto it and upcast there (the CPU's cast of every weight
+    # and its copy are most of the load); on the CPU: read as fp32
+    on_gpu = device != "cpu"
+    place = {"torch_dtype": "auto", "device_map": {"": device}} if on_gpu else {"torch_dtype": torch.float32}
     try:
-        loaded, info = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32,
-                                                            attn_implementation="eager", output_loading_info=True)
+        loaded, info = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager",
+                                                            output_loading_info=True, **place)
     except (OSError, RuntimeError, ValueError) as exc:
         raise ExportError(f"transformers cannot load {export}: {type(exc).__name__}: {exc}") from None
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys",
@@ -219,12 +223,12 @@ def _export_logits(export: str, inputs: list, device: str) -> tuple[list, int]:
     if bad:
         raise ExportError(f"transformers loads {export} with problems: {bad}")
     parameters = sum(p.numel() for p in loaded.parameters())
-    got = _logits(loaded.to(device).eval(), inputs, device)
+    got = _logits(loaded.to(device).float().eval(), inputs, device)
     del loaded
     return got, parameters
 
 
-def _compare_tensors(export: str, weights: dict, tied: dict) -> tuple[str, float, str | None]:
+def _compare_tensors(export: str, weights: dict, tied: dict, device: str = "cpu") -> tuple[str, float, str | None]:
     """Every tensor of the folder's safetensors, one at a time, against its weight in the export's dtype;
     a weight tied to another (``tied``: the output head to the embedding, which ``save_pretrained`` stores
     once) may be left out when it equals that one. Returns (the export's dtype, the largest difference,
@@ -239,14 +243,14 @@ def _compare_tensors(export: str, weights: dict, tied: dict) -> tuple[str, float
     seen, dtypes = set(), set()
     worst, worst_key = 0.0, None
     for name in files:
-        with safe_open(os.path.join(export, name), framework="pt") as fh:
+        with safe_open(os.path.join(export, name), framework="pt", device=device) as fh:
             for key in fh.keys():
                 t = fh.get_tensor(key)
                 seen.add(key)
                 dtypes.add(t.dtype)
                 if key not in weights:
                     continue
-                want = weights[key].to(t.dtype)
+                want = weights[key].to(device).to(t.dtype)
                 if t.shape != want.shape:
                     raise ExportError(f"{key}: the export holds shape {tuple(t.shape)}, the checkpoint {tuple(want.shape)}")
                 d = float((t.float() - want.float()).abs().max()) if t.numel() else 0.0
@@ -315,7 +319,7 @@ def prove(export: str, actor_dir: str, device: str | None = None) -> dict:
     weights, facts = full_weights(actor_dir)
     config = read_json(os.path.join(actor_dir, "huggingface", "config.json")) or {}
     tied = TIED if config.get("tie_word_embeddings") else {}
-    dtype, worst, worst_key = _compare_tensors(export, weights, tied)
+    dtype, worst, worst_key = _compare_tensors(export, weights, tied, device)
     t_tensors = time.monotonic()
     tensors = len(weights)
     own, rounded = _checkpoint_logits(actor_dir, weights, inputs, device, getattr(torch, dtype))
