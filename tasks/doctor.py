@@ -283,7 +283,8 @@ def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | No
                     if f is None:
                         f = findings[rule.id] = Finding(rule.id, rule.cause, rule.fix, rule.setting, [], source)
                         if rule.id in ANALYSES:
-                            f.details = ANALYSES[rule.id](lines[max(0, i - 60): i + 5], plan)
+                            end = len(lines) if ANALYSES[rule.id] is analyse_disk else i + 5   # sizes come later
+                            f.details = ANALYSES[rule.id](lines[max(0, i - 60): end], plan)
                     if len(f.evidence) < 3:
                         f.evidence.append(line.strip())
     yields = {r.id: r.yields_to for r in rules}

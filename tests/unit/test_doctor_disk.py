@@ -49,6 +49,10 @@ LOGS: dict[str, tuple[str, list[str]]] = {
     for f in sorted(FIXTURES.glob("*.log")) if not f.name.endswith(".not.log")
     and f.name.removesuffix(".log") in DISK_RULES}
 LOGS.update({
+    # a cluster run's console: the head's and a worker's raylet under Ray's "(raylet, ip=A)" prefixes, the
+    # TaskRunner's OutOfDiskError in the driver's RayTaskError (texts of the real run above, Ray 2.46's)
+    "ray: a cluster, under Ray's prefixes": ((FIXTURES / "ray-temp-disk-full.cluster.txt").read_text(),
+                                             ["ray-temp-disk-full"]),
     "export: Python's OSError": (
         EXPORT_CMD + "\n  File \"/opt/verl-lab/src/verl/verl/model_merger/base_model_merger.py\", line 289, in "
         "save_hf_model_and_tokenizer\nOSError: [Errno 28] No space left on device: "
@@ -94,6 +98,10 @@ LOGS.update({
         f"{ESC}[36m(raylet){ESC}[0m [2026-12-04 13:52:11,402 E 1900 1931] (raylet) file_system_monitor.cc:116: "
         f"/tmp/ray/{SESSION} is over 95% full, available space: 0.912354 GB; capacity: 19.5518 GB. Object creation "
         "will fail if spilling is required.", ["ray-temp-disk-full"]),
+    "ray: its log sink": (
+        "[*** LOG ERROR #0001 ***] [2026-12-05 04:52:29] [ray_log_sink] Failed flush to file /tmp/ray/session_2026-"
+        "12-05_04-52-08_785724_21057/logs/python-core-driver-01000000ffffffffffffffffffffffffffffffffffffffffffffffff_"
+        "21057.log: No space left on device", ["ray-temp-disk-full"]),
     "ray: OutOfDiskError alone": (
         "ray.exceptions.OutOfDiskError: Local disk is full\nThe object cannot be created because the local object "
         "store is full and the local disk's utilization is over capacity (95% by default).Tip: Use `df` on this "
@@ -141,9 +149,11 @@ def test_details_name_the_disk_and_what_was_needed():
         (finding,) = diagnose("box", {"journal": LOGS[name][0]}).findings
         return finding.details
 
-    ray = details("ray-temp-disk-full.log")
-    assert ray["path"] == f"/opt/verl-lab/ray/tmp/{SESSION}" and ray["threshold_percent"] == 95.0
-    assert ray["available_gb"] == 1.2e-05 and ray["capacity_gb"] == 19.5518
+    ray = details("ray-temp-disk-full.log")          # Ray 2.46.0's own run on a 160 MiB tmpfs
+    assert ray["path"] == "/tmp/ray/session_2026-12-05_04-52-08_785724_21057" and ray["threshold_percent"] == 95.0
+    assert ray["available_gb"] == 0.0 and ray["capacity_gb"] == 0.15625
+    ray = details("ray: a cluster, under Ray's prefixes")
+    assert ray["path"] == f"/opt/verl-lab/ray/tmp/{SESSION}" and ray["available_gb"] == 1.2e-05
     hf = details("hf-download-disk-full.log")
     assert hf["needs_at_least_bytes_more"] == 988097824 - 1048576 and hf["path"].endswith(".part")
     assert "941.3 MiB more" in hf["advice"]
