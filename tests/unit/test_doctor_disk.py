@@ -115,6 +115,9 @@ LOGS.update({
         "OSError: [Errno 28] No space left on device: '/opt/verl-lab/envs/verl.gen2/lib/python3.10/site-packages/"
         "torch/__pycache__/__init__.cpython-310.pyc'", ["env-disk-full"]),
     "conda, Miniforge's create": ("\nNoSpaceLeftError: No space left on devices.\n", ["conda-disk-full"]),
+    "conda: its package cache named": (
+        "[Errno 28] No space left on device: '/opt/verl-lab/miniforge3/pkgs/python-3.10.16-he725a3c_1_cpython/lib/"
+        "libpython3.10.so.1.0'", ["conda-disk-full"]),
     "tar on a full disk": ("tar: ./data/gsm8k/train.parquet: Cannot write: No space left on device", ["disk-full"]),
 })
 
