@@ -291,3 +291,11 @@ def test_the_real_message_on_a_full_tmpfs_gets_its_places_rule(real, case):
     diag = diagnose("box", {"journal": log})
     assert [f.rule for f in diag.findings] == [rule], log
     assert "no rule matched" not in render(diag)
+
+
+def test_docs_name_every_disk_rule():
+    """docs/refusals.md's full-disk table has a row for each rule (and no rule it does not have)."""
+    doc = (REPO / "docs" / "refusals.md").read_text()
+    section = doc.split("## The doctor on a full disk", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z-]+-full|disk-full)`", section))
+    assert named == set(DISK_RULES)
