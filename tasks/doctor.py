@@ -263,7 +263,7 @@ ANALYSES = {"cuda-oom": analyse_oom, "vllm-v1-kv-cache-short": analyse_vllm_kv,
             "checkpoint-files-disk-full": analyse_checkpoint_disk, "checkpoint-disk-short": analyse_checkpoint_disk,
             "export-disk-full": analyse_checkpoint_disk,
             **dict.fromkeys(("ray-temp-disk-full", "ray-object-store-full", "hf-download-disk-full", "env-disk-full",
-                             "pip-disk-full", "conda-disk-full", "disk-full"), analyse_disk)}
+                             "pip-disk-full", "conda-disk-full", "stage-disk-short", "disk-full"), analyse_disk)}
 
 
 def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | None = None,

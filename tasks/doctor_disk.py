@@ -25,6 +25,8 @@ HF_SPACE = re.compile(r"The expected file size is: ([\d.]+) MB\. The target loca
 # verl_lab_box/hf_snapshot.py
 CUT = re.compile(r"was cut at (\d+) of (\d+) bytes \(\[Errno 28\][^)]*\); the partial file (\S+) is kept")
 STAGING = re.compile(r"completed files are kept in (\S+?)(?: and|$)")
+# verl-lab's own disk checks (tasks/data.py, tasks/cuda.py)
+STAGE_SHORT = re.compile(r"not enough free disk on (\S+) .*?: (\d+) MiB free, (\d+) MiB needed")
 # the env build's own line (files/templates/env-build.sh.j2)
 ENV_GEN = re.compile(r"verl-lab: building (\S+)")
 
@@ -47,6 +49,8 @@ def analyse_disk(lines: Sequence[str], plan: Mapping[str, Any] | None = None) ->
                        needs_at_least_bytes_more=int(m[2]) - int(m[1]))
         elif m := STAGING.search(line):
             out.setdefault("path", m[1])
+        if m := STAGE_SHORT.search(line):
+            out.update(path=m[1], free_mib=int(m[2]), needed_mib=int(m[3]))
         if m := ENV_GEN.search(line):
             out["env_generation_being_built"] = m[1]
     if "needs_at_least_bytes_more" in out:

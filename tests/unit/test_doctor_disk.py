@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "doctor"
 DISK_RULES = ("checkpoint-disk-full", "checkpoint-files-disk-full", "export-disk-full", "ray-temp-disk-full",
               "ray-object-store-full", "hf-download-disk-full", "env-disk-full", "pip-disk-full", "conda-disk-full",
-              "shm-full", "disk-full")
+              "stage-disk-short", "shm-full", "disk-full")
 ESC = "\x1b"
 WORKER = f"{ESC}[36m(WorkerDict pid=2000, ip=10.0.0.6){ESC}[0m "      # Ray's prefix for an actor's lines
 TASK_RUNNER = f"{ESC}[36m(TaskRunner pid=1840){ESC}[0m "
@@ -121,6 +121,14 @@ LOGS.update({
     "a DataLoader worker's shared memory (torch 2.13's text, made on a 1 MiB /dev/shm here)": (
         f"{TASK_RUNNER}RuntimeError: unable to allocate shared memory(shm) for file </torch_4179_69093763_0>: No space "
         "left on device (28)", ["shm-full"]),
+    "the data stage's own check (as deploy/data.py printed it in tests/e2e/test_doctor_disk.py)": (
+        "    [directbox] verl-lab data: not enough free disk on /opt/verl-lab/models for Qwen/Qwen2.5-0.5B-Instruct@"
+        "c00bc09078d6 and openai/gsm8k@5571f88ea720: 1 MiB free, 512 MiB needed; free space there or set lab_root to "
+        "a larger filesystem", ["stage-disk-short"]),
+    "the CUDA stage's own check": (
+        "verl-lab cuda: not enough free disk on /var/tmp (tmpfs): 4000 MiB free, 10240 MiB needed (/var/tmp/verl-lab: "
+        "10240 MiB for the runfile to unpack). Free some space, or point install_tmpdir / cuda_prefix / lab_root at a "
+        "filesystem with room.", ["stage-disk-short"]),
     "tar on a full disk": ("tar: ./data/gsm8k/train.parquet: Cannot write: No space left on device", ["disk-full"]),
 })
 
@@ -168,6 +176,7 @@ def test_details_name_the_disk_and_what_was_needed():
     assert details("env-disk-full.log")["path"].startswith("/opt/verl-lab/envs/verl.gen2/lib/")
     assert details("pip-disk-full.log") == {"env_generation_being_built": "/opt/verl-lab/envs/verl.gen2"}
     assert details("disk-full.log")["path"] == "/srv/backup/run.log"       # a copy: the destination filled
+    assert details("the CUDA stage's own check") == {"path": "/var/tmp", "free_mib": 4000, "needed_mib": 10240}
 
 
 def test_the_export_and_the_checkpoint_give_the_plans_numbers():
@@ -302,5 +311,6 @@ def test_docs_name_every_disk_rule():
     """docs/refusals.md's full-disk table has a row for each rule (and no rule it does not have)."""
     doc = (REPO / "docs" / "refusals.md").read_text()
     section = doc.split("## The doctor on a full disk", 1)[1].split("\n## ", 1)[0]
-    named = set(re.findall(r"`([a-z-]+-full|disk-full)`", section))
+    rows = [line.split("|") for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    named = {rule for row in rows for rule in re.findall(r"`([a-z-]+)`", row[2])}
     assert named == set(DISK_RULES)
