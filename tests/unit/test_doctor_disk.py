@@ -314,3 +314,34 @@ def test_docs_name_every_disk_rule():
     rows = [line.split("|") for line in section.splitlines() if line.startswith("| ") and "`" in line]
     named = {rule for row in rows for rule in re.findall(r"`([a-z-]+)`", row[2])}
     assert named == set(DISK_RULES)
+
+
+# ------------------------------------------------------------------ verl's own save on a full disk
+
+@pytest.fixture(scope="module")
+def verl_saves(verl_python, patched_verl_root, tmp_path_factory):
+    """verl 0.5.0's FSDPCheckpointManager (with the project's patches, as the boxes run it) saving
+    on CPU onto a 64 KiB tmpfs and onto one that holds the .pt files but not huggingface/
+    (tests/fixtures/doctor/verl_save_full_disk.py; about 25 s)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("full tmpfs folders of their own: root only")
+    work = tmp_path_factory.mktemp("verl-save")
+    out = work / "out.json"
+    res = subprocess.run(["unshare", "-m", str(verl_python), str(FIXTURES / "verl_save_full_disk.py"), str(work),
+                          str(out)], cwd=patched_verl_root, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and out.is_file(), res.stdout[-2000:] + res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case,rule", [("shards", "checkpoint-disk-full"), ("huggingface", "checkpoint-files-disk-full")])
+def test_verls_own_save_on_a_full_disk_is_the_checkpoint_folder(verl_saves, case, rule):
+    """As the worker prints it, under Ray's prefix; with the plan, the numbers for the fix."""
+    text = verl_saves[case]
+    assert "save_checkpoint" in text and re.search("unexpected pos|No space left on device", text), text
+    log = "".join(f"{WORKER}{line}\n" for line in text.splitlines())
+    plan = {"checkpoints": {"save_bytes_this_box": 6 << 30, "keep": 2, "max_ckpt_to_keep": 3,
+                            "export_bytes": 1 << 30, "disk_bytes_this_box": 19 << 30}}
+    diag = diagnose("box", {"journal": log}, plan)
+    assert [f.rule for f in diag.findings] == [rule], log
+    assert "keep = 1 needs 6.0 GiB less" in diag.findings[0].details["advice"]
+    assert "no rule matched" not in render(diag)
