@@ -321,8 +321,8 @@ def test_docs_name_every_disk_rule():
 @pytest.fixture(scope="module")
 def verl_saves(verl_python, patched_verl_root, tmp_path_factory):
     """verl 0.5.0's FSDPCheckpointManager (with the project's patches, as the boxes run it) saving
-    on CPU onto a 64 KiB tmpfs and onto one that holds the .pt files but not huggingface/
-    (tests/fixtures/doctor/verl_save_full_disk.py; about 25 s)."""
+    on CPU onto a 64 KiB tmpfs and onto one that holds the .pt files but not huggingface/, then its
+    model merger exporting onto a 64 KiB tmpfs (tests/fixtures/doctor/verl_save_full_disk.py; about 30 s)."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("full tmpfs folders of their own: root only")
     work = tmp_path_factory.mktemp("verl-save")
@@ -333,12 +333,16 @@ def verl_saves(verl_python, patched_verl_root, tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case,rule", [("shards", "checkpoint-disk-full"), ("huggingface", "checkpoint-files-disk-full")])
-def test_verls_own_save_on_a_full_disk_is_the_checkpoint_folder(verl_saves, case, rule):
-    """As the worker prints it, under Ray's prefix; with the plan, the numbers for the fix."""
+@pytest.mark.parametrize("case,rule,frame", [("shards", "checkpoint-disk-full", "in save_checkpoint"),
+                                             ("huggingface", "checkpoint-files-disk-full", "in save_checkpoint"),
+                                             ("export", "export-disk-full", "in merge_and_save")])
+def test_verls_own_save_and_merger_on_a_full_disk(verl_saves, case, rule, frame):
+    """The saves as the worker prints them, under Ray's prefix; the export as the unit's launcher
+    prints it (the merger also calls save_pretrained: the export's rule alone); with the plan, the
+    numbers for the fix."""
     text = verl_saves[case]
-    assert "save_checkpoint" in text and re.search("unexpected pos|No space left on device", text), text
-    log = "".join(f"{WORKER}{line}\n" for line in text.splitlines())
+    assert frame in text and re.search("unexpected pos|No space left on device", text), text
+    log = text if case == "export" else "".join(f"{WORKER}{line}\n" for line in text.splitlines())
     plan = {"checkpoints": {"save_bytes_this_box": 6 << 30, "keep": 2, "max_ckpt_to_keep": 3,
                             "export_bytes": 1 << 30, "disk_bytes_this_box": 19 << 30}}
     diag = diagnose("box", {"journal": log}, plan)
