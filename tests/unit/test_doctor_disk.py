@@ -1,13 +1,16 @@
 """The doctor names every full disk: the checkpoint folder, the export, Ray's temp, Hugging Face
-downloads, the env, pip and conda, and any other ENOSPC, never "no rule matched".
+downloads, the env, pip and conda, a stage's own disk check, /dev/shm, and any other ENOSPC,
+never "no rule matched".
 
-Two kinds of text: the libraries' messages made for real on a full tmpfs (root: a mount namespace
-of its own; tests/fixtures/doctor/full_disk.py: Python's OSError, safetensors, pip, huggingface_hub,
-verl-lab's own download, torch where the CPU test env is built), and excerpts for what cannot run
-here (Ray's raylet and object store, conda, verl's frames), quoted from the releases' source as
-cited in files/doctor/disk.toml. Each log ends with its full disk and must get its place's rule
-alone; each pattern, near, unless and yields_to of the disk rules is needed by some log (a
-mutation of any fails test_every_part_of_each_disk_rule_is_needed).
+Three kinds of text: the libraries' messages made for real here on full tmpfs folders (root: a
+mount namespace of its own; tests/fixtures/doctor/full_disk.py: Python's OSError, safetensors, pip,
+huggingface_hub, verl-lab's own download, torch's writer and shared memory;
+tests/fixtures/doctor/verl_save_full_disk.py: verl 0.5.0's own checkpoint save and model merger),
+a real Ray 2.46.0 run recorded once (tests/fixtures/doctor/ray_full_disk.py), and excerpts for what
+cannot run here (conda, Ray's raylet.out-only and object-store lines) quoted from the releases'
+source as cited in files/doctor/disk.toml. Each log ends with its full disk and must get its
+place's rule alone; each pattern, near, unless and yields_to of the disk rules is needed by some
+log (a mutation of any fails test_every_part_of_each_disk_rule_is_needed).
 """
 
 from __future__ import annotations
