@@ -148,10 +148,12 @@ def test_a_log_that_ends_in_a_full_disk_gets_its_places_rule_alone(name):
     assert diag.failed and "no rule matched" not in render(diag)
 
 
-def test_a_ray_prefixed_repeat_of_the_same_error_keeps_the_specific_rule():
-    """The worker's line names Ray's session folder; the driver repeats the error in its
-    RayTaskError without the path (and far from any frame): the general rule yields."""
-    worker = f"{WORKER}OSError: [Errno 28] No space left on device: '/tmp/ray/{SESSION}/logs/worker-3f65.err'\n"
+@pytest.mark.parametrize("prefix", [WORKER, f"{ESC}[36m(pid=2345, ip=10.0.0.6){ESC}[0m ", TASK_RUNNER, ""])
+def test_a_ray_prefixed_repeat_of_the_same_error_keeps_the_specific_rule(prefix):
+    """The worker's line (under each of Ray's prefixes: an actor's, a task's, the TaskRunner's, none)
+    names Ray's session folder; the driver repeats the error in its RayTaskError without the path
+    (and far from any frame): the general rule yields."""
+    worker = f"{prefix}OSError: [Errno 28] No space left on device: '/tmp/ray/{SESSION}/logs/worker-3f65.err'\n"
     repeat = ("ray.exceptions.RayTaskError(OSError): ray::WorkerDict.actor_rollout_generate_sequences() (pid=2000, "
               "ip=10.0.0.6, actor_id=3f653b9b10c3f0f70e39d87f01000000)\n" + "\n" * 100
               + f"{TASK_RUNNER}OSError: [Errno 28] No space left on device\n")
