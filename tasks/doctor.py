@@ -7,7 +7,8 @@ also runs alone on saved logs:
 
 An out-of-memory finding is read against the box's plan (plan.json beside the launcher): the
 phase that failed (rollout, reference, critic, actor) is found from the traceback, and the
-report names that component's estimate and what the plan would change next.
+report names that component's estimate and what the plan would change next. A full disk is read
+by tasks/doctor_disk.py: the path that filled and the sizes its message gives.
 """
 
 from __future__ import annotations
