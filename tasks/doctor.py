@@ -7,7 +7,8 @@ also runs alone on saved logs:
 
 An out-of-memory finding is read against the box's plan (plan.json beside the launcher): the
 phase that failed (rollout, reference, critic, actor) is found from the traceback, and the
-report names that component's estimate and what the plan would change next.
+report names that component's estimate and what the plan would change next. A full disk is read
+by tasks/doctor_disk.py: the path that filled and the sizes its message gives.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from tasks.catalog import REPO_ROOT, tomllib
+from tasks.doctor_disk import analyse_checkpoint_disk, analyse_disk
 
 RULES_DIR = REPO_ROOT / "files" / "doctor"
 RULES_PATH = RULES_DIR / "rules.toml"     # the general rules; each other *.toml there holds one area's
@@ -37,6 +39,7 @@ class Rule:
     fix: str
     setting: str = ""
     near: tuple[re.Pattern, ...] = ()     # each must match one of the NEAR_LINES lines before (a traceback's frames)
+    yields_to: tuple[str, ...] = ()       # rule ids: this rule's finding is dropped when one of them is found
 
     def hit(self, line: str, before: Sequence[str] = ()) -> bool:
         return (any(p.search(line) for p in self.match) and not any(p.search(line) for p in self.unless)
@@ -132,8 +135,11 @@ def load_rules(path: Path | None = None, folder: Path = RULES_DIR) -> list[Rule]
             match=tuple(re.compile(p) for p in raw["match"]),
             unless=tuple(re.compile(p) for p in raw.get("unless", [])),
             cause=raw["cause"], fix=raw["fix"], setting=raw.get("setting", ""),
-            near=tuple(re.compile(p) for p in raw.get("near", [])),
+            near=tuple(re.compile(p) for p in raw.get("near", [])), yields_to=tuple(raw.get("yields_to", [])),
         ))
+    unknown = [f"{r.id} -> {y}" for r in rules for y in r.yields_to if y not in seen]
+    if unknown:
+        raise ValueError(f"a rule's yields_to names no rule: {', '.join(unknown)}")
     return rules
 
 
@@ -222,26 +228,6 @@ def analyse_oom(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dict[st
     return out
 
 
-def analyse_checkpoint_disk(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The plan's checkpoint numbers for a disk that filled: one save on this box, how many are on
-    disk at once, the export, and what one kept save fewer would free."""
-    cp = (plan or {}).get("checkpoints")
-    if not cp:
-        return {"advice": "no plan.json with checkpoint sizes for this box: re-run deploy/train.py."}
-    from verl_lab_box.checkpoints import gib
-
-    save, keep, export = cp["save_bytes_this_box"], cp["keep"], cp["export_bytes"]
-    out = {"save_bytes_this_box": save, "saves_on_disk_at_once": cp["max_ckpt_to_keep"], "export_bytes": export,
-           "disk_bytes_this_box": cp["disk_bytes_this_box"]}
-    out["advice"] = (f"one save here is {gib(save)}; checkpoints keep = {keep} holds {cp['max_ckpt_to_keep']} on disk "
-                     f"at once ({keep} whole + 1 being written), with the export {gib(export)}: "
-                     f"{gib(cp['disk_bytes_this_box'])} before margin. "
-                     + (f"keep = {keep - 1} needs {gib(save)} less." if keep > 1 else
-                        "keep = 1 is the fewest: free space or use a larger disk."))
-    return out
-
-
-
 VLLM_V1_KV = re.compile(r"max seq len \((\d+)\), \(([\d.]+) GiB KV cache is needed, which is larger than the "
                         r"available KV cache memory \((-?[\d.]+) GiB\)")
 VLLM_V0_KV = re.compile(r"The model's max seq len \((\d+)\) is larger than the maximum number of tokens that can be "
@@ -275,7 +261,10 @@ def analyse_vllm_kv(lines: Sequence[str], plan: Mapping[str, Any] | None) -> dic
 # rule id -> what else a finding reads from the lines before it (and the box's plan)
 ANALYSES = {"cuda-oom": analyse_oom, "vllm-v1-kv-cache-short": analyse_vllm_kv,
             "vllm-v0-kv-cache-short": analyse_vllm_kv, "checkpoint-disk-full": analyse_checkpoint_disk,
-            "checkpoint-files-disk-full": analyse_checkpoint_disk, "checkpoint-disk-short": analyse_checkpoint_disk}
+            "checkpoint-files-disk-full": analyse_checkpoint_disk, "checkpoint-disk-short": analyse_checkpoint_disk,
+            "export-disk-full": analyse_checkpoint_disk,
+            **dict.fromkeys(("ray-temp-disk-full", "ray-object-store-full", "hf-download-disk-full", "env-disk-full",
+                             "pip-disk-full", "conda-disk-full", "stage-disk-short", "disk-full"), analyse_disk)}
 
 
 def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | None = None,
@@ -295,9 +284,12 @@ def diagnose(host: str, sources: Mapping[str, str], plan: Mapping[str, Any] | No
                     if f is None:
                         f = findings[rule.id] = Finding(rule.id, rule.cause, rule.fix, rule.setting, [], source)
                         if rule.id in ANALYSES:
-                            f.details = ANALYSES[rule.id](lines[max(0, i - 60): i + 5], plan)
+                            end = len(lines) if ANALYSES[rule.id] is analyse_disk else i + 5   # sizes come later
+                            f.details = ANALYSES[rule.id](lines[max(0, i - 60): end], plan)
                     if len(f.evidence) < 3:
                         f.evidence.append(line.strip())
+    yields = {r.id: r.yields_to for r in rules}
+    findings = {k: f for k, f in findings.items() if not set(yields[k]) & findings.keys()}
     is_failed = bool(findings) or bool(relevant) if failed is None else failed
     tail = [] if findings else relevant[-TAIL_LINES:]
     if is_failed and not findings and not tail:
