@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tasks import driver as stage
+from tasks import driver_settle as stage
 from verl_lab_box import nvidia_driver as box
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"

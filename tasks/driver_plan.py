@@ -1,0 +1,171 @@
+"""The driver stage's plan (pure): refuse, install, hold, settle or done, from the box's driver fact,
+its distro and the branch chosen for its GPUs (docs/driver.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from tasks.driver_choice import BranchChoice, Distro, DriverTable, GpuSeen, choose_branch, load_table
+from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
+from tasks.gpu_support import min_driver
+from tasks.settings import TRAIN_UNIT, LabSettings
+from verl_lab_box.nvidia_driver import installed_from, upstream, verdict
+
+SOURCES_FILE = "/etc/apt/sources.list.d/verl-lab-nvidia.sources"
+PIN_FILE = "/etc/apt/preferences.d/verl-lab-nvidia-driver"
+BLACKLIST_FILE = "/etc/modprobe.d/verl-lab-blacklist-nouveau.conf"
+BLACKLIST = ("# verl-lab driver stage: the NVIDIA driver owns the GPUs; nouveau must not bind them first.\n"
+             "blacklist nouveau\noptions nouveau modeset=0\n")
+SECURE_BOOT_FIX = (
+    "Either turn Secure Boot off in the firmware setup, or enrol a Machine Owner Key and let DKMS sign "
+    "the module with it (`mokutil --import /var/lib/dkms/mok.pub` on Debian, "
+    "/var/lib/shim-signed/mok/MOK.der on Ubuntu; confirm the enrolment at the next boot's MOK manager) and "
+    "install the driver yourself; or, on Ubuntu, install Canonical's signed prebuilt modules "
+    "(linux-modules-nvidia-NNN-server-generic). Then keep driver = 'check' for this box")
+
+
+# ---------------------------------------------------------------- the plan (pure)
+
+
+@dataclass(frozen=True)
+class DriverWant:
+    reboot: bool
+    lab_root: str
+    marker: str
+    python: str
+    min_branch: int
+    table: DriverTable
+    unit: str = TRAIN_UNIT
+    catalog: object = None                  # the host's catalog (torch's archs, CUDA's minimum driver)
+
+    @property
+    def libexec(self) -> str:
+        return f"{self.lab_root}/libexec/driver"
+
+    @property
+    def program(self) -> str:
+        return f"{self.libexec}/nvidia_driver.py"
+
+    @property
+    def plan_path(self) -> str:
+        return f"{self.libexec}/driver-plan.json"
+
+    @property
+    def log(self) -> str:
+        return f"{self.lab_root}/logs/driver.log"
+
+
+def driver_want(settings: LabSettings) -> DriverWant:
+    return DriverWant(reboot=settings.driver_reboot, lab_root=settings.lab_root, marker=settings.marker("driver"),
+                      python=settings.launcher_python, min_branch=int(min_driver(settings.catalog).split(".")[0]),
+                      table=load_table(), catalog=settings.catalog)
+
+
+@dataclass(frozen=True)
+class DriverFacts:
+    os_release: Mapping[str, str]
+    state: Mapping                          # DriverState
+    gpus: tuple[GpuSeen, ...]
+    gpus_from: str
+    marker: Mapping[str, str] | None
+    paths: Mapping[str, Mapping | None] = field(default_factory=dict)   # PathStates of the placed files
+
+
+@dataclass(frozen=True)
+class DriverPlan:
+    action: str                             # refuse | done | install | hold | settle
+    reason: str
+    problems: tuple[str, ...] = ()
+    choice: BranchChoice | None = None
+    distro: Distro | None = None
+    box_plan: Mapping | None = None         # driver-plan.json for the box-side program
+    sources: str = ""                       # the deb822 text to place ("" : nothing to add)
+
+
+def refusals(want: DriverWant, facts: DriverFacts, distro: Distro | None) -> list[str]:
+    """Why this box cannot get a driver from the stage; checked before anything changes."""
+    problems = []
+    os_release, state = facts.os_release, facts.state
+    if distro is None:
+        name = os_release.get("PRETTY_NAME") or f"{os_release.get('ID', 'unknown')} {os_release.get('VERSION_ID', '')}"
+        known = ", ".join(d.name for d in want.table.distros)
+        problems.append(f"the driver stage does not know {name.strip()!r} (/etc/os-release ID={os_release.get('ID')}, "
+                        f"VERSION_ID={os_release.get('VERSION_ID')}): it installs from {known} only. Install the "
+                        "driver yourself and keep driver = 'check' for this box")
+    sb = state.get("secure_boot") or {}
+    if sb.get("state") == "enabled":
+        problems.append(f"Secure Boot is on ({sb.get('said')}): the kernel refuses the unsigned module DKMS builds "
+                        f"(modprobe: 'Key was rejected by service'). {SECURE_BOOT_FIX}")
+    run = state.get("runfile") or {}
+    unowned = [path for path, owner in (run.get("libs") or {}).items() if owner is None]
+    if run.get("uninstaller") or run.get("installer_version") or unowned:
+        signs = ([f"{run['uninstaller']} exists"] if run.get("uninstaller") else []) + \
+                ([f"/var/log/nvidia-installer.log says installer version {run['installer_version']}"]
+                 if run.get("installer_version") else []) + \
+                [f"{path} belongs to no package" for path in unowned]
+        problems.append(f"this box's NVIDIA driver came from NVIDIA's .run installer ({'; '.join(signs)}): the distro's "
+                        "packages would fight it (two libcuda, two kernel modules). verl-lab does not remove it: "
+                        "keep driver = 'check', or run `nvidia-uninstall`, reboot, and re-run with driver = 'install'")
+    return problems
+
+
+def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
+    distro = want.table.distro(facts.os_release)
+    problems = refusals(want, facts, distro)
+    choice = None
+    if distro is not None:
+        choice = choose_branch(facts.gpus, distro, want.table, want.min_branch, want.catalog)
+        problems += choice.problems
+    if problems:
+        return DriverPlan("refuse", "pre-checks failed", tuple(problems), choice, distro)
+    branch = choice.branch
+    state = facts.state
+    ours = set((state.get("pin") or {}).get("packages") or [])
+    held_elsewhere = sorted(p["name"] for p in state.get("packages", ()) if p["held"] and p["installed"]
+                            and p["source"] != branch.source and p["name"] not in ours
+                            and p["source"].startswith("nvidia-graphics-drivers"))
+    if held_elsewhere:
+        return DriverPlan("refuse", "pre-checks failed", (
+            f"NVIDIA driver packages of another branch are held, not by verl-lab: {', '.join(held_elsewhere)}. "
+            f"Installing R{branch.branch} would have to replace them: `apt-mark unhold` them first, or keep "
+            "driver = 'check'",), choice, distro)
+    entries = parse_sources(state.get("sources") or {})
+    if not any("main" in e["components"] for e in entries):
+        return DriverPlan("refuse", "pre-checks failed", (
+            "no enabled apt source with the 'main' component was found (/etc/apt/sources.list, "
+            "/etc/apt/sources.list.d/): the driver stage installs from the box's own archive",), choice, distro)
+    chosen_for = ", ".join(dict.fromkeys(g.label for g in facts.gpus))
+    box_plan = {"branch": branch.branch, "packages": list(branch.packages), "module_package": branch.module_package,
+                "source": branch.source, "headers": list(headers_packages(distro, state.get("kernel") or "")),
+                "distro": distro.name, "pin": PIN_FILE, "log": want.log, "unit": want.unit,
+                "chosen_for": f"{chosen_for} (read by {facts.gpus_from})", "reason": choice.reason}
+    common = dict(choice=choice, distro=distro, box_plan=box_plan,
+                  sources=sources_to_add(entries, distro.components))
+
+    pkgs = installed_from(state, branch.source)
+    module = next((p for p in pkgs if p["name"] == branch.module_package), None)
+    names = {p["name"] for p in pkgs}
+    if module is None or not set(branch.packages) <= names or {p["version"] for p in pkgs} != {module["version"]}:
+        have = module["version"] if module else "none"
+        return DriverPlan("install", f"R{branch.branch} from {distro.name}'s {branch.source} (installed now: {have})",
+                          **common)
+    if not state.get("headers_installed"):
+        return DriverPlan("install", f"{branch.source} {module['version']} is installed, not the running kernel's "
+                                     f"headers ({box_plan['headers'][0]}) DKMS builds its module with", **common)
+    version = module["version"]
+    pin = state.get("pin") or {}
+    if not all(p["held"] for p in pkgs) or pin.get("version") != version or set(pin.get("packages") or ()) != names:
+        return DriverPlan("hold", f"{branch.source} {version} is installed; holding and pinning it", **common)
+    v = verdict(dict(state), branch.module_package)
+    marker = facts.marker or {}
+    if (v["verdict"] == "loaded" and marker.get("branch") == str(branch.branch)
+            and marker.get("version") == upstream(version)):
+        return DriverPlan("done", f"NVIDIA driver {upstream(version)} (R{branch.branch}) installed, held, loaded "
+                                  "and proven", **common)
+    return DriverPlan("settle", f"{branch.source} {version} is installed and held; {v['reason']}", **common)
+
+
+def refusal_text(host_name: str, problems: Sequence[str]) -> str:
+    return "\n".join([f"verl-lab driver: {host_name}: nothing was changed by the driver stage:"]
+                     + [f"  - {p}" for p in problems])
