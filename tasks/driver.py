@@ -42,7 +42,7 @@ from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import server
 
 from tasks.catalog import REPO_ROOT
-from tasks.driver_plan import (BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverFacts, DriverPlan, DriverWant,
+from tasks.driver_plan import (BLACKLIST, BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverFacts, DriverPlan, DriverWant,
                                driver_want, plan_driver, refusal_text)
 from tasks.driver_choice import gpus_seen
 from tasks.driver_settle import settle_driver
@@ -55,8 +55,6 @@ from tasks.settings import LabSettings
 from tasks.target import HostTarget
 
 BOX_PACKAGE = REPO_ROOT / "verl_lab_box"
-BLACKLIST = ("# verl-lab driver stage: the NVIDIA driver owns the GPUs; nouveau must not bind them first.\n"
-             "blacklist nouveau\noptions nouveau modeset=0\n")
 
 
 # ---------------------------------------------------------------- pyinfra
@@ -68,6 +66,8 @@ def placed_files(want: DriverWant, plan: DriverPlan) -> list:
                          (BOX_PACKAGE / "nvidia_driver.py").read_bytes(), mode="700"),
              wanted_file(f"{want.libexec}/verl_lab_gpu.py", "GPU reader beside it",
                          (BOX_PACKAGE / "gpu.py").read_bytes()),
+             *(wanted_file(f"{want.libexec}/{name}", f"driver stage program's {name}", (BOX_PACKAGE / name).read_bytes())
+               for name in ("nvidia_driver_state.py", "nvidia_driver_apt.py")),
              wanted_file(want.plan_path, "driver plan", json.dumps(plan.box_plan, indent=1, sort_keys=True) + "\n",
                          mode="600"),
              wanted_file(BLACKLIST_FILE, "nouveau blacklisted", BLACKLIST)]
@@ -79,9 +79,11 @@ def placed_files(want: DriverWant, plan: DriverPlan) -> list:
 def gather_facts(settings: LabSettings, want: DriverWant, gpu: HostTarget) -> DriverFacts:
     """One command: the distro, the driver fact, the marker and the placed files' states."""
     paths = [f"{want.lab_root}/libexec", want.libexec, f"{want.libexec}/nvidia_driver.py",
-             f"{want.libexec}/verl_lab_gpu.py", want.plan_path, BLACKLIST_FILE, SOURCES_FILE]
+             f"{want.libexec}/verl_lab_gpu.py", f"{want.libexec}/nvidia_driver_state.py",
+             f"{want.libexec}/nvidia_driver_apt.py", want.plan_path, BLACKLIST_FILE, SOURCES_FILE]
     distro, state, marker, states = ask(
-        (LinuxDistribution, {}), (DriverState, {"pin": PIN_FILE, "unit": want.unit, "skip_sources": SOURCES_FILE}),
+        (LinuxDistribution, {}), (DriverState, {"pin": PIN_FILE, "unit": want.unit, "skip_sources": SOURCES_FILE,
+                                          "watch": want.table.watch()}),
         (Marker, {"path": want.marker}), (PathStates, {"paths": paths}))
     state = state or DriverState.default()
     gpus, source = gpus_seen(gpu.inventory, state.get("pci") or (), settings.gpu_override)
@@ -112,6 +114,8 @@ def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
     run = f"{q(want.python)} {q(want.program)} {{}} --plan {q(want.plan_path)}"
     if plan.action == "install":
         server.shell(name=f"NVIDIA driver: install {plan.choice.reason}", commands=[run.format("install")])
+    elif plan.action == "headers":
+        server.shell(name=f"NVIDIA driver: {plan.reason}", commands=[run.format("headers")])
     elif plan.action == "hold":
         server.shell(name=f"NVIDIA driver: {plan.reason}", commands=[run.format("hold")])
     settle_driver(name=f"NVIDIA driver: load R{plan.choice.branch.branch} (reboot: "

@@ -46,6 +46,10 @@ class DriverTable:
         return next((d for d in self.distros if (d.id, d.version) ==
                      (os_release.get("ID"), os_release.get("VERSION_ID"))), None)
 
+    def watch(self) -> list[str]:
+        """The module packages of every branch the table knows: their archive versions are read."""
+        return sorted({b.module_package for d in self.distros for b in d.branches})
+
     def chip_cc(self, pci_name: str) -> str | None:
         """The lowest compute capability of the architecture lspci's chip code names ("GP102GL" ->
         Pascal -> "6.0"), or None where the code is not known."""

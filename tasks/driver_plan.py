@@ -10,7 +10,7 @@ from tasks.driver_choice import BranchChoice, Distro, DriverTable, GpuSeen, choo
 from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
 from tasks.gpu_support import min_driver
 from tasks.settings import TRAIN_UNIT, LabSettings
-from verl_lab_box.nvidia_driver import installed_from, upstream, verdict
+from verl_lab_box.nvidia_driver_state import installed_from, upstream, verdict
 
 SOURCES_FILE = "/etc/apt/sources.list.d/verl-lab-nvidia.sources"
 PIN_FILE = "/etc/apt/preferences.d/verl-lab-nvidia-driver"
@@ -74,7 +74,7 @@ class DriverFacts:
 
 @dataclass(frozen=True)
 class DriverPlan:
-    action: str                             # refuse | done | install | hold | settle
+    action: str                             # refuse | done | install | headers | hold | settle
     reason: str
     problems: tuple[str, ...] = ()
     choice: BranchChoice | None = None
@@ -108,6 +108,20 @@ def refusals(want: DriverWant, facts: DriverFacts, distro: Distro | None) -> lis
                         "packages would fight it (two libcuda, two kernel modules). verl-lab does not remove it: "
                         "keep driver = 'check', or run `nvidia-uninstall`, reboot, and re-run with driver = 'install'")
     return problems
+
+
+def busy_problem(state: Mapping, unit: str) -> str | None:
+    """Why no driver package may change now: the training unit runs, or processes hold /dev/nvidia*
+    (new user-space libraries under their loaded module: NVML's "Driver/library version mismatch")."""
+    fix = (f"Stop training first: set train_unit_state = 'stopped' and re-run the train stage (or `systemctl stop "
+           f"{unit}`), then re-run the driver stage")
+    if state.get("unit_active"):
+        return (f"{unit} is active: the driver stage changes no driver package under a running job (every new "
+                f"process would get NVML's 'Driver/library version mismatch'). {fix}")
+    if state.get("busy"):
+        who = ", ".join(f"{b[0]} ({b[1] if len(b) > 1 else '?'})" for b in state["busy"])
+        return f"processes hold /dev/nvidia* ({who}): the driver stage changes no driver package under them. {fix}"
+    return None
 
 
 def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
@@ -148,11 +162,15 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
     names = {p["name"] for p in pkgs}
     if module is None or not set(branch.packages) <= names or {p["version"] for p in pkgs} != {module["version"]}:
         have = module["version"] if module else "none"
+        busy = busy_problem(state, want.unit)
+        if busy:
+            return DriverPlan("refuse", "the GPUs are in use", (busy,), choice, distro)
         return DriverPlan("install", f"R{branch.branch} from {distro.name}'s {branch.source} (installed now: {have})",
                           **common)
     if not state.get("headers_installed"):
-        return DriverPlan("install", f"{branch.source} {module['version']} is installed, not the running kernel's "
-                                     f"headers ({box_plan['headers'][0]}) DKMS builds its module with", **common)
+        return DriverPlan("headers", f"{branch.source} {module['version']} is installed, not the running kernel's "
+                                     f"headers ({box_plan['headers'][0]}) DKMS builds its module with: the headers "
+                                     "alone are installed, the driver and its hold stay as they are", **common)
     version = module["version"]
     pin = state.get("pin") or {}
     if not all(p["held"] for p in pkgs) or pin.get("version") != version or set(pin.get("packages") or ()) != names:

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tasks.driver_plan import PIN_FILE, SOURCES_FILE  # noqa: E402
 from tasks.settings import TRAIN_UNIT  # noqa: E402
-from verl_lab_box.nvidia_driver import fact_command  # noqa: E402
+from verl_lab_box.nvidia_driver_state import fact_command  # noqa: E402
 
 
 def main(out_dir: str) -> int:

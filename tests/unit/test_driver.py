@@ -21,7 +21,7 @@ from tasks.plan import DOC_GPUS
 from tasks.settings import load_settings
 from tasks.target import decide_compiler
 from tests.lab.gpus import GPUS
-from verl_lab_box.nvidia_driver import verdict
+from verl_lab_box.nvidia_driver_state import verdict
 
 TABLE = load_table()
 BOOKWORM = {"ID": "debian", "VERSION_ID": "12", "PRETTY_NAME": "Debian GNU/Linux 12 (bookworm)"}
@@ -230,7 +230,22 @@ def test_done_only_when_loaded_held_pinned_and_marked():
     assert plan_driver(want(), facts(nopin, marker=marker)).action == "hold"
     noheaders = copy.deepcopy(state)
     noheaders["headers_installed"] = False                                            # booted a new kernel
-    assert plan_driver(want(), facts(noheaders, marker=marker)).action == "install"
+    headers = plan_driver(want(), facts(noheaders, marker=marker))
+    assert headers.action == "headers" and "the driver and its hold stay as they are" in headers.reason
+
+
+def test_no_driver_change_while_the_training_unit_runs_or_a_process_holds_the_gpu():
+    """An install (the driver packages change) is refused on a box that trains; the headers alone
+    are not a driver change."""
+    active = dict(case("debian12_fresh"), unit_active=True)
+    plan = plan_driver(want(), facts(active))
+    assert plan.action == "refuse" and "verl-lab-train.service is active" in plan.problems[0]
+    assert "set train_unit_state = 'stopped'" in plan.problems[0]
+    busy = dict(case("debian12_fresh"), busy=[["4242", "python3"]])
+    assert "processes hold /dev/nvidia* (4242 (python3))" in plan_driver(want(), facts(busy)).problems[0]
+    held = dict(loaded(case("debian12_held_no_module")), unit_active=True, headers_installed=False)
+    assert plan_driver(want(), facts(held)).action == "headers"
+    assert plan_driver(want(), facts(dict(held, headers_installed=True))).action == "settle"
 
 
 def test_refusals_on_recorded_states():
