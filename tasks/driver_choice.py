@@ -105,6 +105,8 @@ class BranchChoice:
     branch: DistroBranch | None
     reason: str
     problems: tuple[str, ...] = ()
+    low: int = 0                            # the branches every GPU here runs: low .. high (None: no end)
+    high: int | None = None
 
 
 def _window(gpu: GpuSeen, table: DriverTable, min_branch: int, catalog=None) -> tuple[int, int | None, str] | str:
@@ -153,4 +155,4 @@ def choose_branch(gpus: Sequence[GpuSeen], distro: Distro, table: DriverTable, m
                                        "driver = 'check'",))
     best = max(fits, key=lambda b: b.branch)
     return BranchChoice(best, f"R{best.branch}: the newest branch {distro.name} ships that runs CUDA 11.8 (R{min_branch}+) "
-                              f"and every GPU here ({per_gpu})")
+                              f"and every GPU here ({per_gpu})", low=low, high=high)

@@ -10,7 +10,7 @@ from tasks.driver_choice import BranchChoice, Distro, DriverTable, GpuSeen, choo
 from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
 from tasks.gpu_support import min_driver
 from tasks.settings import TRAIN_UNIT, LabSettings
-from verl_lab_box.nvidia_driver_state import installed_from, upstream, verdict
+from verl_lab_box.nvidia_driver_state import branch_of, installed_from, upstream, verdict
 
 SOURCES_FILE = "/etc/apt/sources.list.d/verl-lab-nvidia.sources"
 PIN_FILE = "/etc/apt/preferences.d/verl-lab-nvidia-driver"
@@ -124,6 +124,34 @@ def busy_problem(state: Mapping, unit: str) -> str | None:
     return None
 
 
+def _is_module_package(name: str) -> bool:
+    return "nvidia" in name and ("dkms" in name or name.startswith("linux-modules-nvidia"))
+
+
+def foreign_module(state: Mapping, choice: BranchChoice) -> str | None:
+    """An installed NVIDIA kernel module package the stage did not leave there (not its pin's version)
+    whose branch is not the chosen one: a 590 from NVIDIA's CUDA repository carries Debian's
+    package and source names, and would be planned "hold" on a Pascal box that R590 no longer runs."""
+    branch = choice.branch.branch
+    pin = state.get("pin") or {}
+    for p in state.get("packages", ()):
+        got = branch_of(p["version"])
+        if not (p["installed"] and _is_module_package(p["name"])) or got is None or got == branch:
+            continue
+        if p["name"] in (pin.get("packages") or ()) and p["version"] == pin.get("version"):
+            continue                        # the stage's own earlier install: it may replace it
+        seen = [e["from"] for e in (state.get("archive") or {}).get(p["name"], []) if e["version"] == p["version"]]
+        where = seen[0] if seen else "no archive this box lists (a .deb installed by hand, or a repository since removed)"
+        window = f"R{choice.low} .. R{choice.high}" if choice.high else f"R{choice.low} or newer"
+        outside = "" if choice.low <= got <= (choice.high or got) else \
+            f"; R{got} is outside what the GPUs here run ({window})"
+        return (f"the installed NVIDIA kernel module is {p['name']} {p['version']} (R{got}, from {where}), but "
+                f"R{branch} was chosen ({choice.reason}){outside}. The driver stage does not replace a driver it did "
+                f"not install: remove it (`apt-get purge` the packages of {p['source']}, and the repository it "
+                "came from), reboot, and re-run; or keep driver = 'check'")
+    return None
+
+
 def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
     distro = want.table.distro(facts.os_release)
     problems = refusals(want, facts, distro)
@@ -136,6 +164,9 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
     branch = choice.branch
     state = facts.state
     ours = set((state.get("pin") or {}).get("packages") or [])
+    foreign = foreign_module(state, choice)
+    if foreign:
+        return DriverPlan("refuse", "pre-checks failed", (foreign,), choice, distro)
     held_elsewhere = sorted(p["name"] for p in state.get("packages", ()) if p["held"] and p["installed"]
                             and p["source"] != branch.source and p["name"] not in ours
                             and p["source"].startswith("nvidia-graphics-drivers"))
@@ -160,7 +191,8 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
     pkgs = installed_from(state, branch.source)
     module = next((p for p in pkgs if p["name"] == branch.module_package), None)
     names = {p["name"] for p in pkgs}
-    if module is None or not set(branch.packages) <= names or {p["version"] for p in pkgs} != {module["version"]}:
+    if (module is None or branch_of(module["version"]) != branch.branch or not set(branch.packages) <= names
+            or {p["version"] for p in pkgs} != {module["version"]}):
         have = module["version"] if module else "none"
         busy = busy_problem(state, want.unit)
         if busy:

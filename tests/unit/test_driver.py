@@ -349,3 +349,38 @@ def test_check_mode_asks_the_box_nothing(monkeypatch):
     monkeypatch.setattr(stage, "ask", no_fact)
     target = HostTarget(GpuInventory(), None, "none")
     assert stage.install_driver.__wrapped__(load_settings("box1", {}), target) is target
+
+
+# ---------------------------------------------------------------- the installed module's branch
+
+
+def with_packages(state, version, source="nvidia-graphics-drivers", held=False):
+    state = copy.deepcopy(state)
+    for p in state["packages"]:
+        if p["source"] == "nvidia-graphics-drivers":
+            p.update(version=version, source=source, held=held)
+    state["pin"] = None
+    return state
+
+
+def test_a_590_driver_on_a_pascal_box_is_refused_not_held():
+    """NVIDIA's CUDA repository ships 590 under Debian's own package and source names: before, the
+    plan said "hold" and the marker R535 while the box ran a branch that no longer runs Pascal."""
+    state = with_packages(case("debian12_held_no_module"), "590.44.01-1")
+    state["archive"] = {"nvidia-kernel-dkms": [
+        {"version": "590.44.01-1", "from": "https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64  Packages"},
+        {"version": "535.261.03-1", "from": "http://deb.debian.org/debian bookworm/non-free amd64 Packages"}]}
+    plan = plan_driver(want(), facts(state))
+    assert plan.action == "refuse", plan
+    text = plan.problems[0]
+    assert "the installed NVIDIA kernel module is nvidia-kernel-dkms 590.44.01-1 (R590, from https://developer." in text
+    assert "R535 was chosen" in text and "R590 is outside what the GPUs here run (R520 .. R580)" in text
+    assert "apt-get purge" in text
+    # installed by hand: said so; a T4 box (no upper end) is refused too: R590 is not the chosen branch
+    state["archive"] = {}
+    text = plan_driver(want(), facts(state, gpus=(("Tesla T4", "7.5"),))).problems[0]
+    assert "from no archive this box lists" in text and "outside" not in text
+    # the stage's own pinned install of another branch may be replaced (Ubuntu: 535-server -> 580-server)
+    ours = with_packages(case("debian12_held_no_module"), "470.256.02-1")
+    ours["pin"] = {"packages": ["nvidia-kernel-dkms"], "version": "470.256.02-1"}
+    assert plan_driver(want(), facts(ours)).action == "install"
