@@ -88,15 +88,16 @@ class GpuSeen:
 
 def gpus_seen(inventory: GpuInventory | None, pci: Sequence[Mapping], override: Mapping | None
               ) -> tuple[tuple[GpuSeen, ...], str]:
-    """The box's GPUs and where they were read: nvidia-smi, else the PCI bus, else gpu_override."""
+    """The box's GPUs and where they were read: gpu_override where it is set (the user's word wins:
+    the refusal "architecture cannot be told" tells them to set it), else nvidia-smi, else the PCI bus."""
+    if override:
+        return (GpuSeen(override["name"], override["compute_capability"]),) * int(override.get("count", 1)), \
+            "gpu_override"
     if inventory is not None and inventory.gpus:
         return tuple(GpuSeen(g.name, g.compute_capability) for g in inventory.gpus), "nvidia-smi"
     if pci:
         return tuple(GpuSeen(f"{p.get('name') or 'Device'} (PCI 10de:{p.get('device')})", None, p.get("name") or "")
                      for p in pci), "lspci"
-    if override:
-        return (GpuSeen(override["name"], override["compute_capability"]),) * int(override.get("count", 1)), \
-            "gpu_override"
     return (), "none"
 
 

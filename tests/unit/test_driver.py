@@ -130,14 +130,28 @@ def test_gpus_from_lspci_use_the_chip_code():
     assert "architecture cannot be told" in choose_branch([unknown], UBUNTU24, TABLE, 520).problems[0]
 
 
-def test_gpus_seen_prefers_nvidia_smi_then_lspci_then_gpu_override():
+def test_gpus_seen_prefers_gpu_override_then_nvidia_smi_then_lspci():
     inv = GpuInventory(gpus=(Gpu(0, "Tesla T4", "7.5", 15360, 15000, "535.104.05"),))
     pci = [{"slot": "3b:00.0", "name": "GP102GL [Tesla P40]", "device": "1b38"}]
     override = {"name": "Tesla V100-SXM2-32GB", "compute_capability": "7.0", "memory_mib": 32768, "count": 2}
-    assert gpus_seen(inv, pci, override) == ((GpuSeen("Tesla T4", "7.5"),), "nvidia-smi")
-    assert gpus_seen(GpuInventory(problem="no smi"), pci, override)[1] == "lspci"
-    assert gpus_seen(None, [], override) == ((GpuSeen("Tesla V100-SXM2-32GB", "7.0"),) * 2, "gpu_override")
+    v100s = ((GpuSeen("Tesla V100-SXM2-32GB", "7.0"),) * 2, "gpu_override")
+    assert gpus_seen(inv, pci, override) == v100s            # set: it wins over what the box says
+    assert gpus_seen(GpuInventory(problem="no smi"), pci, override) == v100s
+    assert gpus_seen(inv, pci, None) == ((GpuSeen("Tesla T4", "7.5"),), "nvidia-smi")
+    assert gpus_seen(GpuInventory(problem="no smi"), pci, None)[1] == "lspci"
     assert gpus_seen(None, [], None) == ((), "none")
+
+
+def test_gpu_override_answers_the_refusal_that_names_it():
+    """lspci lists a device pci.ids does not know: the refusal says to set gpu_override; set, it is used."""
+    state = case("no_driver_nouveau_lspci")
+    seen, source = gpus_seen(None, state["pci"], None)
+    refused = plan_driver(want(), DriverFacts(NOBLE, state, seen, source, None))
+    assert refused.action == "refuse" and "Set gpu_override" in refused.problems[0]
+    override = {"name": "NVIDIA H200", "compute_capability": "9.0", "memory_mib": 143771, "count": 1}
+    seen, source = gpus_seen(None, state["pci"], override)
+    plan = plan_driver(want(), DriverFacts(NOBLE, state, seen, source, None))
+    assert plan.action == "install" and plan.box_plan["chosen_for"] == "NVIDIA H200 (9.0) (read by gpu_override)"
 
 
 # ---------------------------------------------------------------- apt sources and headers
