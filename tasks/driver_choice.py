@@ -25,6 +25,7 @@ class DistroBranch:
     packages: tuple[str, ...]
     module_package: str                     # its version is the kernel module's
     source: str                             # the source package every held binary comes from
+    fabricmanager: str | None = None        # NVIDIA Fabric Manager of this branch (NVSwitch boxes); None: not shipped
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ def load_table(path: Path = DRIVERS_PATH) -> DriverTable:
         chips=dict(raw["chips"]),
         products=tuple((p["match"], p["first_branch"]) for p in raw.get("product", [])),
         distros=tuple(Distro(d["id"], d["version"], d["name"], tuple(d["components"]),
-                             tuple(DistroBranch(b["branch"], tuple(b["packages"]), b["module_package"], b["source"])
+                             tuple(DistroBranch(b["branch"], tuple(b["packages"]), b["module_package"], b["source"],
+                                                b.get("fabricmanager"))
                                    for b in d["branch"])) for d in raw["distro"]),
     )
 

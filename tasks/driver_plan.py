@@ -14,6 +14,7 @@ from verl_lab_box.nvidia_driver_state import branch_of, installed_from, upstream
 
 SOURCES_FILE = "/etc/apt/sources.list.d/verl-lab-nvidia.sources"
 PIN_FILE = "/etc/apt/preferences.d/verl-lab-nvidia-driver"
+FM_SERVICE = "nvidia-fabricmanager.service"   # the unit NVIDIA's and Ubuntu's Fabric Manager packages ship
 BLACKLIST_FILE = "/etc/modprobe.d/verl-lab-blacklist-nouveau.conf"
 BLACKLIST = ("# verl-lab driver stage: the NVIDIA driver owns the GPUs; nouveau must not bind them first.\n"
              "blacklist nouveau\noptions nouveau modeset=0\n")
@@ -175,6 +176,16 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
             f"NVIDIA driver packages of another branch are held, not by verl-lab: {', '.join(held_elsewhere)}. "
             f"Installing R{branch.branch} would have to replace them: `apt-mark unhold` them first, or keep "
             "driver = 'check'",), choice, distro)
+    switches = state.get("nvswitches") or []
+    if switches and not branch.fabricmanager:
+        ids = ", ".join(sorted({f"10de:{s['device']}" for s in switches}))
+        return DriverPlan("refuse", "pre-checks failed", (
+            f"{len(switches)} NVSwitch(es) on the PCI bus ({ids}): an HGX board, where CUDA needs NVIDIA Fabric "
+            f"Manager of the driver's exact version, and {distro.name} ships none (without it the driver loads and "
+            "nvidia-smi answers, but CUDA fails with error 802, 'system not ready'). Use Ubuntu 22.04 or 24.04 "
+            "(the stage installs nvidia-fabricmanager-NNN there), or install the driver and Fabric Manager of one "
+            "version from NVIDIA's CUDA repository yourself (cuda-drivers-fabricmanager-NNN) and keep "
+            "driver = 'check'",), choice, distro)
     entries = parse_sources(state.get("sources") or {})
     if not any("main" in e["components"] for e in entries):
         return DriverPlan("refuse", "pre-checks failed", (
@@ -184,15 +195,19 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
     box_plan = {"branch": branch.branch, "packages": list(branch.packages), "module_package": branch.module_package,
                 "source": branch.source, "headers": list(headers_packages(distro, state.get("kernel") or "")),
                 "distro": distro.name, "pin": PIN_FILE, "log": want.log, "unit": want.unit,
-                "chosen_for": f"{chosen_for} (read by {facts.gpus_from})", "reason": choice.reason}
+                "chosen_for": f"{chosen_for} (read by {facts.gpus_from})", "reason": choice.reason,
+                "fabricmanager": {"package": branch.fabricmanager, "service": FM_SERVICE} if switches else None}
     common = dict(choice=choice, distro=distro, box_plan=box_plan,
                   sources=sources_to_add(entries, distro.components))
 
     pkgs = installed_from(state, branch.source)
     module = next((p for p in pkgs if p["name"] == branch.module_package), None)
     names = {p["name"] for p in pkgs}
+    fm = next((p for p in state.get("packages", ()) if switches and p["name"] == branch.fabricmanager
+               and p["installed"]), None)
     if (module is None or branch_of(module["version"]) != branch.branch or not set(branch.packages) <= names
-            or {p["version"] for p in pkgs} != {module["version"]}):
+            or {p["version"] for p in pkgs} != {module["version"]}
+            or (switches and (fm is None or upstream(fm["version"]) != upstream(module["version"])))):
         have = module["version"] if module else "none"
         busy = busy_problem(state, want.unit)
         if busy:
@@ -205,7 +220,9 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
                                      "alone are installed, the driver and its hold stay as they are", **common)
     version = module["version"]
     pin = state.get("pin") or {}
-    if not all(p["held"] for p in pkgs) or pin.get("version") != version or set(pin.get("packages") or ()) != names:
+    held = [*pkgs, *([fm] if fm else [])]
+    if (not all(p["held"] for p in held) or pin.get("version") != version
+            or set(pin.get("packages") or ()) != {p["name"] for p in held}):
         return DriverPlan("hold", f"{branch.source} {version} is installed; holding and pinning it", **common)
     v = verdict(dict(state), branch.module_package)
     marker = facts.marker or {}

@@ -161,7 +161,7 @@ def judge(plan: dict, sim: str, old: dict | None, log: Log, headers_only: bool) 
                         "driver = 'check'")
     fm = plan.get("fabricmanager")
     if fm and fm["package"] in would and would.get(plan["module_package"]) and \
-            apt.upstream(would[fm["package"]]) != apt.upstream(would[plan["module_package"]]):
+            box_state.upstream(would[fm["package"]]) != box_state.upstream(would[plan["module_package"]]):
         problems.append(f"Fabric Manager {would[fm['package']]} is not the driver's version "
                         f"{would[plan['module_package']]}: Fabric Manager refuses a driver of another version")
     check = plan.get("supported_gpus")
@@ -207,7 +207,7 @@ def do_install(plan: dict, log: Log, headers_only: bool = False) -> None:
     wanted = list(plan["headers"]) if headers_only else \
         [*plan["packages"], *([fm["package"]] if fm else []), *plan["headers"]]
     moves_pin = not headers_only and old is not None and (
-        plan.get("update") or apt.branch_of(old["version"]) != plan["branch"])
+        plan.get("update") or box_state.branch_of(old["version"]) != plan["branch"])
     opts = ["-o", f"Dir::Etc::PreferencesParts={prefs_without(plan['pin'])}"] if moves_pin else []
     res = log.run([*APT_INSTALL, *opts, "--allow-change-held-packages", "--simulate", *wanted],
                   check=False, env=APT_ENV)
@@ -266,7 +266,7 @@ def do_hold(plan: dict, log: Log) -> None:
     stanzas = [(names, versions[0])]
     fm = plan.get("fabricmanager")
     if fm:
-        fms = box_state.installed_from(state, fm["source"])
+        fms = [p for p in state.get("packages", ()) if p["name"] == fm["package"] and p["installed"]]
         if not fms:
             raise Failed(f"{fm['package']} is not installed: an NVSwitch box needs Fabric Manager; nothing was held")
         stanzas.append((sorted(p["name"] for p in fms), fms[0]["version"]))

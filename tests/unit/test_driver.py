@@ -398,3 +398,53 @@ def test_a_590_driver_on_a_pascal_box_is_refused_not_held():
     ours = with_packages(case("debian12_held_no_module"), "470.256.02-1")
     ours["pin"] = {"packages": ["nvidia-kernel-dkms"], "version": "470.256.02-1"}
     assert plan_driver(want(), facts(ours)).action == "install"
+
+
+# ---------------------------------------------------------------- NVSwitch boxes (HGX)
+
+
+LSPCI_HGX = (Path(__file__).resolve().parents[1] / "fixtures" / "driver" / "lspci-hgx-h100.txt").read_text()
+
+
+def hgx_state():
+    from verl_lab_box.nvidia_driver_state import SECTION, parse_fact_output
+
+    state = parse_fact_output(f"{SECTION}pci\n{LSPCI_HGX}")
+    assert len(state["pci"]) == 8 and len(state["nvswitches"]) == 4
+    assert state["nvswitches"][0] == {"slot": "05:00.0", "name": "GH100 [H100 NVSwitch]", "device": "22a3"}
+    fresh = copy.deepcopy(case("debian12_fresh"))
+    fresh.update(pci=state["pci"], nvswitches=state["nvswitches"], kernel="6.8.0-45-generic")
+    fresh["sources"] = UBUNTU_SOURCES
+    return fresh
+
+
+def test_an_nvswitch_box_gets_fabric_manager_on_ubuntu_and_is_refused_on_debian():
+    h100s = (("NVIDIA H100 80GB HBM3", "9.0"),) * 8
+    debian = plan_driver(want(), facts(hgx_state(), gpus=h100s))
+    assert debian.action == "refuse"
+    assert "4 NVSwitch(es) on the PCI bus (10de:22a3)" in debian.problems[0]
+    assert "error 802" in debian.problems[0] and "Debian 12 (bookworm) ships none" in debian.problems[0]
+    ubuntu = plan_driver(want(), facts(hgx_state(), os_release=NOBLE, gpus=h100s))
+    assert ubuntu.action == "install"
+    assert ubuntu.box_plan["fabricmanager"] == {"package": "nvidia-fabricmanager-580",
+                                                "service": "nvidia-fabricmanager.service"}
+    # installed and held without Fabric Manager: installed again (with it)
+    state = hgx_state()
+    state["packages"] = [{"name": n, "source": "nvidia-graphics-drivers-580-server", "version": "580.196.07-0ubuntu0.24.04.1",
+                          "installed": True, "held": True}
+                         for n in ("nvidia-headless-580-server", "nvidia-utils-580-server", "nvidia-dkms-580-server")]
+    state["headers_installed"] = True
+    state["pin"] = {"packages": [p["name"] for p in state["packages"]], "version": "580.196.07-0ubuntu0.24.04.1"}
+    assert plan_driver(want(), facts(state, os_release=NOBLE, gpus=h100s)).action == "install"
+    fm = {"name": "nvidia-fabricmanager-580", "source": "fabric-manager-580", "version": "580.196.07-0ubuntu0.24.04.1",
+          "installed": True, "held": False}
+    state["packages"].append(fm)
+    assert plan_driver(want(), facts(state, os_release=NOBLE, gpus=h100s)).action == "hold"      # FM not held
+    fm["held"] = True
+    state["pin"]["packages"].append(fm["name"])
+    assert plan_driver(want(), facts(state, os_release=NOBLE, gpus=h100s)).action == "settle"
+    fm["version"] = "580.95.05-0ubuntu0.24.04.2"                                                   # not the driver's
+    assert plan_driver(want(), facts(state, os_release=NOBLE, gpus=h100s)).action == "install"
+    # no NVSwitch: no Fabric Manager
+    plain = dict(hgx_state(), nvswitches=[])
+    assert plan_driver(want(), facts(plain, os_release=NOBLE, gpus=h100s)).box_plan["fabricmanager"] is None

@@ -349,3 +349,66 @@ def test_settle_gives_up_when_the_box_does_not_come_back(no_sleep, monkeypatch):
     monkeypatch.setattr(time, "monotonic", lambda: next(clock))
     h = FakeHost("reboot", boots_after=10**9)
     assert settle(h, reboot=True) is False and "did not come back within 60 s" in h.logged[-1]
+
+
+# ---------------------------------------------------------------- NVSwitch: Fabric Manager
+
+
+def ubuntu_plan(plan, **extra):
+    return {**plan, "branch": 580, "packages": ["nvidia-headless-580-server", "nvidia-utils-580-server"],
+            "module_package": "nvidia-dkms-580-server", "source": "nvidia-graphics-drivers-580-server",
+            "headers": ["linux-headers-6.8.0-45-generic"], "distro": "Ubuntu 24.04 (noble)",
+            "fabricmanager": {"package": "nvidia-fabricmanager-580", "service": "nvidia-fabricmanager.service"}, **extra}
+
+
+def ubuntu_state(fm_version: str | None, held: bool = False) -> str:
+    v = "580.196.07-0ubuntu0.24.04.1"
+    h = "h" if held else "i"
+    rows = [f"{n}\tnvidia-graphics-drivers-580-server\t{v}\t{h}ii" for n in
+            ("nvidia-headless-580-server", "nvidia-utils-580-server", "nvidia-dkms-580-server")]
+    if fm_version:
+        rows.append(f"nvidia-fabricmanager-580\tfabric-manager-580\t{fm_version}\t{h}ii")
+    return recorded("debian12_fresh").replace(st.SECTION + "packages\n", st.SECTION + "packages\n" + "\n".join(rows) + "\n")
+
+
+NOBLE_FM = "".join(f"Inst {p} (580.196.07-0ubuntu0.24.04.1 Ubuntu:24.04/noble-updates [amd64])\n"
+                   for p in ("nvidia-dkms-580-server", "nvidia-headless-580-server", "nvidia-utils-580-server"))
+
+
+def test_fabric_manager_of_the_drivers_version_is_installed_held_and_enabled(monkeypatch, tmp_path, plan):
+    v = "580.196.07-0ubuntu0.24.04.1"
+    sim = NOBLE_FM + f"Inst nvidia-fabricmanager-580 ({v} Ubuntu:24.04/noble-updates/multiverse [amd64])\n"
+    fake = FakeBox([recorded("debian12_fresh"), ubuntu_state(v)], simulate=(0, sim))
+    assert run_main(monkeypatch, tmp_path, ubuntu_plan(plan), fake, "install") == 0
+    install = next(c for c in fake.calls if c[:2] == ["apt-get", "-y"])
+    assert "nvidia-fabricmanager-580" in install
+    assert ["systemctl", "enable", "nvidia-fabricmanager.service"] in fake.calls
+    pin = st.parse_pin(Path(plan["pin"]).read_text())
+    assert pin["stanzas"][1] == {"packages": ["nvidia-fabricmanager-580"], "version": v}
+    hold = next(c for c in fake.calls if c[:2] == ["apt-mark", "hold"])
+    assert "nvidia-fabricmanager-580" in hold
+
+
+def test_fabric_manager_of_another_version_is_refused(monkeypatch, tmp_path, plan, capsys):
+    sim = NOBLE_FM + "Inst nvidia-fabricmanager-580 (580.95.05-0ubuntu0.24.04.2 Ubuntu:24.04/noble-updates [amd64])\n"
+    fake = FakeBox(recorded("debian12_fresh"), simulate=(0, sim))
+    assert run_main(monkeypatch, tmp_path, ubuntu_plan(plan), fake, "install") == 1
+    assert not [c for c in fake.calls if c[:2] == ["apt-get", "-y"]]
+    assert "Fabric Manager 580.95.05-0ubuntu0.24.04.2 is not the driver's version" in capsys.readouterr().err
+
+
+def test_on_an_nvswitch_box_the_proof_is_cuinit(monkeypatch, tmp_path, plan, capsys):
+    """nvidia-smi answers on an HGX box without a working fabric; CUDA does not (error 802)."""
+    smi = (0, "0, NVIDIA H100 80GB HBM3, 580.196.07\n")
+    state = loaded_state("580.196.07").replace("535.261.03-1", "580.196.07-0ubuntu0.24.04.1")
+    p = ubuntu_plan(plan, module_package="nvidia-kernel-dkms")
+    monkeypatch.setattr(box, "cuda_init", lambda: 802)
+    assert run_main(monkeypatch, tmp_path, p, FakeBox(state, smi=smi), "prove") == 1
+    err = capsys.readouterr().err
+    assert "cuInit failed (802: system not ready" in err and "nvidia-fabricmanager.service" in err
+    monkeypatch.setattr(box, "cuda_init", lambda: 0)
+    assert run_main(monkeypatch, tmp_path, p, FakeBox(state, smi=smi), "prove") == 0
+    assert "ok    cuInit" in capsys.readouterr().err
+    fake = FakeBox(state)
+    assert run_main(monkeypatch, tmp_path, p, fake, "load") == 0
+    assert fake.calls[-1] == ["systemctl", "start", "nvidia-fabricmanager.service"]
