@@ -26,6 +26,7 @@ class DistroBranch:
     module_package: str                     # its version is the kernel module's
     source: str                             # the source package every held binary comes from
     fabricmanager: str | None = None        # NVIDIA Fabric Manager of this branch (NVSwitch boxes); None: not shipped
+    supported_gpus: str | None = None       # the package whose supported-gpus.json the install checks the GPUs against
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,9 @@ class Distro:
 @dataclass(frozen=True)
 class DriverTable:
     chips: Mapping[str, str]                # lspci's chip code -> architecture (tasks/gpu_support.py's names)
-    products: tuple[tuple[str, int], ...]   # (a word of the GPU's name, its first branch)
+    products: tuple[tuple[frozenset, tuple, int], ...]   # (PCI device IDs, nvidia-smi's exact names, first branch)
     distros: tuple[Distro, ...]
+    unlisted: tuple[Mapping, ...] = ()      # supported GPUs NVIDIA's supported-gpus.json leaves out
 
     def distro(self, os_release: Mapping[str, str]) -> Distro | None:
         return next((d for d in self.distros if (d.id, d.version) ==
@@ -64,10 +66,12 @@ def load_table(path: Path = DRIVERS_PATH) -> DriverTable:
         raw = tomllib.load(fh)
     return DriverTable(
         chips=dict(raw["chips"]),
-        products=tuple((p["match"], p["first_branch"]) for p in raw.get("product", [])),
+        products=tuple((frozenset(d.lower() for d in p["devices"]), tuple(p["names"]),
+                        p["first_branch"]) for p in raw.get("product", [])),
+        unlisted=tuple(dict(u) for u in raw.get("unlisted", [])),
         distros=tuple(Distro(d["id"], d["version"], d["name"], tuple(d["components"]),
                              tuple(DistroBranch(b["branch"], tuple(b["packages"]), b["module_package"], b["source"],
-                                                b.get("fabricmanager"))
+                                                b.get("fabricmanager"), b.get("supported_gpus"))
                                    for b in d["branch"])) for d in raw["distro"]),
     )
 
@@ -82,6 +86,7 @@ class GpuSeen:
     name: str
     compute_capability: str | None = None   # nvidia-smi / gpu_override
     pci_name: str | None = None             # lspci: "GP102GL [Tesla P40]"
+    device: str | None = None               # lspci: the PCI device ID, "1b38"
 
     @property
     def label(self) -> str:
@@ -98,8 +103,8 @@ def gpus_seen(inventory: GpuInventory | None, pci: Sequence[Mapping], override: 
     if inventory is not None and inventory.gpus:
         return tuple(GpuSeen(g.name, g.compute_capability) for g in inventory.gpus), "nvidia-smi"
     if pci:
-        return tuple(GpuSeen(f"{p.get('name') or 'Device'} (PCI 10de:{p.get('device')})", None, p.get("name") or "")
-                     for p in pci), "lspci"
+        return tuple(GpuSeen(f"{p.get('name') or 'Device'} (PCI 10de:{p.get('device')})", None, p.get("name") or "",
+                             p.get("device")) for p in pci), "lspci"
     return (), "none"
 
 
@@ -124,9 +129,10 @@ def _window(gpu: GpuSeen, table: DriverTable, min_branch: int, catalog=None) -> 
         return f"{gpu.label}: {refused[0]} {refused[1]}"
     arch, last = architecture(parse_compute_capability(cc))
     low, why = min_branch, arch
-    for word, first in table.products:
-        if re.search(rf"\b{re.escape(word)}\b", f"{gpu.name} {gpu.pci_name or ''}", re.I) and first > low:
-            low, why = first, f"{arch}, the {word} needs R{first} or newer"
+    for devices, names, first in table.products:
+        known = gpu.device.lower() in devices if gpu.device else gpu.name.strip().lower() in {n.lower() for n in names}
+        if known and first > low:
+            low, why = first, f"{arch}, the {names[0] if names else gpu.name} needs R{first} or newer"
     if last is not None:
         why += f", supported up to R{last}"
     return low, last, why

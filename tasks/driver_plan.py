@@ -153,6 +153,16 @@ def foreign_module(state: Mapping, choice: BranchChoice) -> str | None:
     return None
 
 
+def gpus_to_check(state: Mapping, gpus: Sequence[GpuSeen]) -> list[dict]:
+    """What the install checks against the candidate package's supported-gpus.json: every NVIDIA
+    display controller's PCI device ID where the bus is read (a box's truth, whatever named the GPUs
+    for the choice), else the GPUs' exact names (a box whose PCI bus shows none: a container)."""
+    pci = state.get("pci") or []
+    if pci:
+        return [{"name": p.get("name") or "Device", "device": p.get("device")} for p in pci]
+    return [{"name": g.name, "device": None} for g in dict.fromkeys(gpus)]
+
+
 def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
     distro = want.table.distro(facts.os_release)
     problems = refusals(want, facts, distro)
@@ -196,7 +206,10 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
                 "source": branch.source, "headers": list(headers_packages(distro, state.get("kernel") or "")),
                 "distro": distro.name, "pin": PIN_FILE, "log": want.log, "unit": want.unit,
                 "chosen_for": f"{chosen_for} (read by {facts.gpus_from})", "reason": choice.reason,
-                "fabricmanager": {"package": branch.fabricmanager, "service": FM_SERVICE} if switches else None}
+                "fabricmanager": {"package": branch.fabricmanager, "service": FM_SERVICE} if switches else None,
+                "supported_gpus": {"package": branch.supported_gpus, "unlisted": list(want.table.unlisted)}
+                if branch.supported_gpus else None,
+                "gpus": gpus_to_check(state, facts.gpus)}
     common = dict(choice=choice, distro=distro, box_plan=box_plan,
                   sources=sources_to_add(entries, distro.components))
 

@@ -169,7 +169,7 @@ def judge(plan: dict, sim: str, old: dict | None, log: Log, headers_only: bool) 
         version = would.get(check["package"]) or installed_version(check["package"])
         if version:
             chips, where = candidate_json(check["package"], version, log)
-            bad = apt.unsupported(chips, plan.get("gpus") or [], version)
+            bad = apt.unsupported(chips, plan.get("gpus") or [], version, check.get("unlisted"))
             if bad:
                 problems.append(f"the candidate driver's own list ({where}) does not support this box's GPUs: "
                                 f"{'; '.join(bad)}")

@@ -74,11 +74,14 @@ def supported_chips(text: str) -> list[dict]:
     return chips
 
 
-def unsupported(chips: list[dict], gpus: list[dict], version: str) -> list[str]:
+def unsupported(chips: list[dict], gpus: list[dict], version: str, unlisted: list[dict] | None = None) -> list[str]:
     """The GPUs (``{"name", "device"}``: the PCI device ID, e.g. "2702", where the bus shows it; else
     nvidia-smi's exact name) the driver ``version``'s own list does not support: absent, or listed
     only for a legacy branch. Keyed by device ID, so an "RTX 4080 SUPER" is not taken for an
-    "RTX 4080"."""
+    "RTX 4080". ``unlisted``: GPUs (``{"device", "name"}``) the driver supports that NVIDIA's list
+    leaves out (files/drivers.toml says which and how that was found)."""
+    spared = {(u.get("device") or "").lower() for u in unlisted or ()} | \
+        {(u.get("name") or "").strip().lower() for u in unlisted or ()}
     by_id: dict[str, list[dict]] = {}
     by_name: dict[str, list[dict]] = {}
     for chip in chips:
@@ -89,6 +92,8 @@ def unsupported(chips: list[dict], gpus: list[dict], version: str) -> list[str]:
         device = (gpu.get("device") or "").lower()
         rows = by_id.get(device, []) if device else by_name.get((gpu.get("name") or "").strip().lower(), [])
         what = f"{gpu.get('name')} (PCI 10de:{device})" if device else f"{gpu.get('name')!r} (by its name: no PCI ID read)"
+        if not rows and (device or (gpu.get("name") or "").strip().lower()) in spared - {""}:
+            continue
         if not rows:
             out.append(f"{what}: not in the supported-GPU list of {version}")
         elif all(r.get("legacybranch") for r in rows):

@@ -111,7 +111,7 @@ def test_refusal_reasons_name_the_rule():
     assert kepler.startswith("Tesla K80 (3.7): the pinned stack (torch 2.6.0+cu118, CUDA 11.8) cannot run this GPU")
     assert "NVIDIA's last driver branch for Kepler GPUs is R470, older than CUDA 11.8 needs" in kepler
     h200 = choose_branch([GpuSeen("NVIDIA H200", "9.0")], DEBIAN, TABLE, 520).problems[0]
-    assert "Debian 12 (bookworm) ships R535; this box needs R550 or newer" in h200
+    assert "Debian 12 (bookworm) ships R535; this box needs R550 or newer" in h200 and "the NVIDIA H200 needs R550" in h200
     b200 = choose_branch([GpuSeen("NVIDIA B200", "10.0")], UBUNTU24, TABLE, 520).problems[0]
     assert "compute capability 10.0 (Blackwell): torch 2.6.0+cu118 ships GPU code for" in b200
     odd = choose_branch([GpuSeen("PCI device 10de:2335", None, "Device")], UBUNTU24, TABLE, 520).problems[0]
@@ -124,8 +124,13 @@ def test_gpus_from_lspci_use_the_chip_code():
     pascal = GpuSeen("GP102GL [Tesla P40]", None, "GP102GL [Tesla P40]")
     hopper = GpuSeen("GH100[H100 SXM5 80GB]", None, "GH100[H100 SXM5 80GB]")
     assert choose_branch([pascal, hopper], FUTURE, TABLE, 520).branch.branch == 580
-    h200 = GpuSeen("GH100 [H200 SXM 141GB]", None, "GH100 [H200 SXM 141GB]")
-    assert choose_branch([h200], DEBIAN, TABLE, 520).branch is None           # the name says H200
+    h200 = GpuSeen("GH100 [H200 SXM 141GB]", None, "GH100 [H200 SXM 141GB]", "2335")
+    assert choose_branch([h200], DEBIAN, TABLE, 520).branch is None           # its PCI device ID is the H200's
+    # a word of the name is not the GPU: an "H200"-named device of another ID is not taken for one
+    other = GpuSeen("GH100 [H200-like]", None, "GH100 [H200-like]", "2330")
+    assert choose_branch([other], DEBIAN, TABLE, 520).branch.branch == 535
+    assert choose_branch([GpuSeen("NVIDIA H200", "9.0")], DEBIAN, TABLE, 520).branch is None     # nvidia-smi's name
+    assert choose_branch([GpuSeen("NVIDIA H200 NVL-ish", "9.0")], UBUNTU24, TABLE, 520).reason.count("R550") == 0
     unknown = GpuSeen("PCI device 10de:2335", None, "Device")
     assert "architecture cannot be told" in choose_branch([unknown], UBUNTU24, TABLE, 520).problems[0]
 
@@ -152,6 +157,13 @@ def test_gpu_override_answers_the_refusal_that_names_it():
     seen, source = gpus_seen(None, state["pci"], override)
     plan = plan_driver(want(), DriverFacts(NOBLE, state, seen, source, None))
     assert plan.action == "install" and plan.box_plan["chosen_for"] == "NVIDIA H200 (9.0) (read by gpu_override)"
+    # what the install checks against the package's supported-gpus.json: the bus's device IDs, not the override
+    assert plan.box_plan["gpus"] == [{"name": "GP102GL [Tesla P40]", "device": "1b38"},
+                                     {"name": "Device", "device": "2335"}]
+    assert plan.box_plan["supported_gpus"]["package"] == "nvidia-kernel-common-580-server"
+    no_bus = plan_driver(want(), facts(case("debian12_fresh")))                 # a container: nvidia-smi's names
+    assert no_bus.box_plan["gpus"] == [{"name": "Tesla P40", "device": None}]
+    assert no_bus.box_plan["supported_gpus"]["package"] == "nvidia-driver"
 
 
 # ---------------------------------------------------------------- apt sources and headers

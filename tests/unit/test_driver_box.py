@@ -21,6 +21,8 @@ from verl_lab_box import nvidia_driver as box
 from verl_lab_box import nvidia_driver_apt as apt
 from verl_lab_box import nvidia_driver_state as st
 
+REAL_RUN = subprocess.run
+
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 SIMULATE = (FIX / "driver" / "apt-simulate-bookworm.txt").read_text()
 NO_HEADERS = (FIX / "driver" / "apt-simulate-no-headers.txt").read_text()
@@ -87,7 +89,7 @@ class FakeBox:
             import shutil
             shutil.copy(self.download, cwd)          # the real package, from the tests' cache
         elif argv[:2] == ["dpkg-deb", "-x"]:
-            return subprocess.run(argv, capture_output=True, text=True)      # the real dpkg-deb
+            return REAL_RUN(argv, capture_output=True, text=True)            # the real dpkg-deb
         elif argv[0] == "nvidia-smi":
             rc, out = self.smi
         return subprocess.CompletedProcess(argv, rc, out, "")
@@ -412,3 +414,53 @@ def test_on_an_nvswitch_box_the_proof_is_cuinit(monkeypatch, tmp_path, plan, cap
     fake = FakeBox(state)
     assert run_main(monkeypatch, tmp_path, p, fake, "load") == 0
     assert fake.calls[-1] == ["systemctl", "start", "nvidia-fabricmanager.service"]
+
+
+# ---------------------------------------------------------------- the candidate's own supported-gpus.json
+
+
+@pytest.fixture(scope="module")
+def debian_535():
+    """The real nvidia-driver 535.261.03-1 of Debian 12 (fetched and sha256-checked into the tests'
+    cache: tests/fixtures/driver/debian_package.py)."""
+    from tests.fixtures.driver.debian_package import debian_nvidia_driver, supported_gpus_json
+
+    return debian_nvidia_driver(), apt.supported_chips(supported_gpus_json())
+
+
+def test_the_real_debian_535_list_by_pci_device_id(debian_535):
+    _, chips = debian_535
+    ok = [{"name": "Tesla P40", "device": "1b38"}, {"name": "GeForce RTX 4080", "device": "2704"},
+          {"name": "H100 SXM5 80GB", "device": "2330"}, {"name": "A100-SXM4-80GB", "device": "20b2"}]
+    assert apt.unsupported(chips, ok, "535.261.03-1") == []
+    # NVIDIA's list leaves the T4 out (files/drivers.toml [[unlisted]]): spared by the table's exception only
+    t4 = [{"name": "TU104GL [Tesla T4]", "device": "1eb8"}]
+    assert apt.unsupported(chips, t4, "535.261.03-1") == [
+        "TU104GL [Tesla T4] (PCI 10de:1eb8): not in the supported-GPU list of 535.261.03-1"]
+    from tasks.driver_choice import load_table
+    assert apt.unsupported(chips, t4, "535.261.03-1", list(load_table().unlisted)) == []
+    newer = {"2335": "H200", "2685": "RTX 4090 D", "2702": "RTX 4080 SUPER", "28b0": "RTX 2000 Ada",
+             "25b0": "RTX A1000", "25b2": "RTX A400"}
+    bad = apt.unsupported(chips, [{"name": n, "device": d} for d, n in newer.items()], "535.261.03-1")
+    assert len(bad) == len(newer) and all("not in the supported-GPU list of 535.261.03-1" in b for b in bad)
+    kepler = apt.unsupported(chips, [{"name": "Tesla K80", "device": "102d"}], "535.261.03-1")
+    assert kepler == ["Tesla K80 (PCI 10de:102d): listed by 535.261.03-1 for the legacy branch 470.xx only"]
+    # no PCI ID read (a container): nvidia-smi's exact name, never a word of it
+    assert apt.unsupported(chips, [{"name": "NVIDIA GeForce RTX 4080", "device": None}], "v") == []
+    assert apt.unsupported(chips, [{"name": "NVIDIA GeForce RTX 4080 SUPER", "device": None}], "v")
+
+
+def test_the_install_reads_the_list_from_the_package_apt_would_install(monkeypatch, tmp_path, plan, capsys, debian_535):
+    deb, _ = debian_535
+    checked = dict(plan, supported_gpus={"package": "nvidia-driver"},
+                   gpus=[{"name": "GP102GL [Tesla P40]", "device": "1b38"}, {"name": "AD103 [RTX 4080 SUPER]", "device": "2702"}])
+    fake = FakeBox(recorded("debian12_fresh"), download=deb)
+    assert run_main(monkeypatch, tmp_path, checked, fake, "install") == 1
+    assert ["apt-get", "download", "nvidia-driver=535.261.03-1"] in fake.calls       # the simulation's candidate
+    assert not [c for c in fake.calls if c[:2] == ["apt-get", "-y"]]
+    err = capsys.readouterr().err
+    assert ("the candidate driver's own list (nvidia-driver 535.261.03-1: usr/share/doc/nvidia-driver/"
+            "supported-gpus.json.gz) does not support this box's GPUs: AD103 [RTX 4080 SUPER] (PCI 10de:2702)") in err
+    fake = FakeBox([recorded("debian12_fresh"), recorded("debian12_held_no_module")], download=deb)
+    assert run_main(monkeypatch, tmp_path, dict(checked, gpus=checked["gpus"][:1]), fake, "install") == 0
+    assert "ok    every GPU here is in nvidia-driver 535.261.03-1" in capsys.readouterr().out
