@@ -36,7 +36,7 @@ import json
 import shlex
 from dataclasses import replace
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import deploy
 from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import server
@@ -46,6 +46,7 @@ from tasks.driver_plan import (BLACKLIST, BLACKLIST_FILE, PIN_FILE, SOURCES_FILE
                                driver_want, plan_driver, refusal_text)
 from tasks.driver_choice import gpus_seen
 from tasks.driver_settle import settle_driver
+from tasks.driver_status import driver_notes
 from tasks.failure import fail_host
 from tasks.facts.bundle import ask
 from tasks.facts.driver import DriverState
@@ -91,6 +92,16 @@ def gather_facts(settings: LabSettings, want: DriverWant, gpu: HostTarget) -> Dr
                        marker=marker, paths=states or {})
 
 
+def held_driver_notes(settings: LabSettings) -> list[str]:
+    """For the status (deploy/status.py): what driver_notes says of this box's held driver; reads only."""
+    want = driver_want(settings)
+    distro, state = ask((LinuxDistribution, {}), (DriverState, {"pin": PIN_FILE, "unit": want.unit,
+                                                                "skip_sources": SOURCES_FILE,
+                                                                "watch": want.table.watch()}))
+    os_release = (distro or {}).get("release_meta") or {}
+    return driver_notes(state or DriverState.default(), want.table.distro(os_release))
+
+
 @deploy("NVIDIA driver")
 def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
     """With ``driver = "install"``: choose, install, hold and prove the NVIDIA driver; return the
@@ -112,8 +123,12 @@ def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
         return managed
     q = shlex.quote
     run = f"{q(want.python)} {q(want.program)} {{}} --plan {q(want.plan_path)}"
+    for note in driver_notes(facts.state, plan.distro):
+        logger.warning(f"[{settings.host}] verl-lab {note}")
     if plan.action == "install":
         server.shell(name=f"NVIDIA driver: install {plan.choice.reason}", commands=[run.format("install")])
+    elif plan.action == "update":
+        server.shell(name=f"NVIDIA driver: update {plan.reason}", commands=[run.format("install")])
     elif plan.action == "headers":
         server.shell(name=f"NVIDIA driver: {plan.reason}", commands=[run.format("headers")])
     elif plan.action == "hold":

@@ -27,6 +27,7 @@ class DistroBranch:
     source: str                             # the source package every held binary comes from
     fabricmanager: str | None = None        # NVIDIA Fabric Manager of this branch (NVSwitch boxes); None: not shipped
     supported_gpus: str | None = None       # the package whose supported-gpus.json the install checks the GPUs against
+    end_of_life: str | None = None          # "2026-06": NVIDIA's end of the branch's support
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ def load_table(path: Path = DRIVERS_PATH) -> DriverTable:
         unlisted=tuple(dict(u) for u in raw.get("unlisted", [])),
         distros=tuple(Distro(d["id"], d["version"], d["name"], tuple(d["components"]),
                              tuple(DistroBranch(b["branch"], tuple(b["packages"]), b["module_package"], b["source"],
-                                                b.get("fabricmanager"), b.get("supported_gpus"))
+                                                b.get("fabricmanager"), b.get("supported_gpus"),
+                                                b.get("end_of_life"))
                                    for b in d["branch"])) for d in raw["distro"]),
     )
 

@@ -8,6 +8,7 @@ from typing import Mapping, Sequence
 
 from tasks.driver_choice import BranchChoice, Distro, DriverTable, GpuSeen, choose_branch, load_table
 from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
+from tasks.driver_status import newer_build
 from tasks.gpu_support import min_driver
 from tasks.settings import TRAIN_UNIT, LabSettings
 from verl_lab_box.nvidia_driver_state import branch_of, installed_from, upstream, verdict
@@ -38,6 +39,7 @@ class DriverWant:
     min_branch: int
     table: DriverTable
     unit: str = TRAIN_UNIT
+    update: bool = False                    # driver_update: take a newer build of the held branch
     catalog: object = None                  # the host's catalog (torch's archs, CUDA's minimum driver)
 
     @property
@@ -60,7 +62,7 @@ class DriverWant:
 def driver_want(settings: LabSettings) -> DriverWant:
     return DriverWant(reboot=settings.driver_reboot, lab_root=settings.lab_root, marker=settings.marker("driver"),
                       python=settings.launcher_python, min_branch=int(min_driver(settings.catalog).split(".")[0]),
-                      table=load_table(), catalog=settings.catalog)
+                      table=load_table(), catalog=settings.catalog, update=settings.driver_update)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class DriverFacts:
 
 @dataclass(frozen=True)
 class DriverPlan:
-    action: str                             # refuse | done | install | headers | hold | settle
+    action: str                             # refuse | done | install | headers | update | hold | settle
     reason: str
     problems: tuple[str, ...] = ()
     choice: BranchChoice | None = None
@@ -237,6 +239,14 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
     if (not all(p["held"] for p in held) or pin.get("version") != version
             or set(pin.get("packages") or ()) != {p["name"] for p in held}):
         return DriverPlan("hold", f"{branch.source} {version} is installed; holding and pinning it", **common)
+    newer = newer_build(state, branch, version) if want.update else None
+    if newer:
+        busy = busy_problem(state, want.unit)
+        if busy:
+            return DriverPlan("refuse", "the GPUs are in use", (busy,), choice, distro)
+        box_plan["update"] = True
+        return DriverPlan("update", f"{branch.source} {version} -> {newer}: the held branch's newer build, taken on "
+                                    "purpose (driver_update); the pin moves once apt proved it", **common)
     v = verdict(dict(state), branch.module_package)
     marker = facts.marker or {}
     if (v["verdict"] == "loaded" and marker.get("branch") == str(branch.branch)

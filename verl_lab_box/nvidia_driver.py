@@ -206,6 +206,8 @@ def do_install(plan: dict, log: Log, headers_only: bool = False) -> None:
     fm = plan.get("fabricmanager")
     wanted = list(plan["headers"]) if headers_only else \
         [*plan["packages"], *([fm["package"]] if fm else []), *plan["headers"]]
+    if plan.get("update") and not headers_only:   # every installed package of the branch moves together
+        wanted += sorted({p["name"] for p in box_state.installed_from(state, plan["source"])} - set(wanted))
     moves_pin = not headers_only and old is not None and (
         plan.get("update") or box_state.branch_of(old["version"]) != plan["branch"])
     opts = ["-o", f"Dir::Etc::PreferencesParts={prefs_without(plan['pin'])}"] if moves_pin else []

@@ -460,3 +460,52 @@ def test_an_nvswitch_box_gets_fabric_manager_on_ubuntu_and_is_refused_on_debian(
     # no NVSwitch: no Fabric Manager
     plain = dict(hgx_state(), nvswitches=[])
     assert plan_driver(want(), facts(plain, os_release=NOBLE, gpus=h100s)).box_plan["fabricmanager"] is None
+
+
+# ---------------------------------------------------------------- the branch's newer builds, on purpose
+
+
+SECURITY = [{"version": "535.309.01-0+deb12u1", "from": "http://security.debian.org/debian-security bookworm-security/non-free amd64 Packages"},
+            {"version": "535.261.03-1", "from": "http://deb.debian.org/debian bookworm/non-free amd64 Packages"}]
+
+
+def proven_with_newer_build():
+    state = loaded(case("debian12_held_no_module"))
+    state["archive"] = {"nvidia-kernel-dkms": SECURITY}
+    return state, {"stage": "driver", "branch": "535", "version": "535.261.03"}
+
+
+def test_a_newer_build_is_taken_only_on_purpose_and_only_on_an_idle_box():
+    state, marker = proven_with_newer_build()
+    assert plan_driver(want(), facts(state, marker=marker)).action == "done"          # the pin keeps it out
+    plan = plan_driver(want(driver_update=True), facts(state, marker=marker))
+    assert plan.action == "update" and plan.box_plan["update"] is True
+    assert "535.261.03-1 -> 535.309.01-0+deb12u1" in plan.reason
+    busy = plan_driver(want(driver_update=True), facts(dict(state, unit_active=True), marker=marker))
+    assert busy.action == "refuse" and "verl-lab-train.service is active" in busy.problems[0]
+    # taken: the newest is installed; nothing newer, nothing to do
+    taken = copy.deepcopy(state)
+    for p in taken["packages"]:
+        p["version"] = "535.309.01-0+deb12u1"
+    taken["pin"]["version"] = "535.309.01-0+deb12u1"
+    taken = loaded(taken, "535.309.01")
+    assert plan_driver(want(driver_update=True), facts(taken, marker=dict(marker, version="535.309.01"))).action == "done"
+
+
+def test_status_says_newer_build_and_end_of_life():
+    import datetime
+
+    from tasks.driver_status import driver_notes
+    from tasks.status import box_status, render_rows
+
+    state, _ = proven_with_newer_build()
+    before = driver_notes(state, DEBIAN, datetime.date(2026, 6, 30))
+    assert len(before) == 1 and "a newer build of the held R535 is in this box's archive: 535.309.01" in before[0]
+    assert "set driver_update = True" in before[0]
+    after = driver_notes(state, DEBIAN, datetime.date(2026, 7, 1))
+    assert "R535 is past its end of life (June 2026, NVIDIA)" in after[1]
+    state["archive"] = {"nvidia-kernel-dkms": SECURITY[1:]}
+    assert driver_notes(state, DEBIAN, datetime.date(2026, 5, 1)) == []                 # newest held, supported
+    assert driver_notes(dict(state, pin=None), DEBIAN, datetime.date(2027, 1, 1)) == []  # nothing held by the stage
+    row = dict(box_status("box1", {}, {}, "", None), driver_notes=after)
+    assert after[1] in render_rows([row])

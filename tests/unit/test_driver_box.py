@@ -464,3 +464,13 @@ def test_the_install_reads_the_list_from_the_package_apt_would_install(monkeypat
     fake = FakeBox([recorded("debian12_fresh"), recorded("debian12_held_no_module")], download=deb)
     assert run_main(monkeypatch, tmp_path, dict(checked, gpus=checked["gpus"][:1]), fake, "install") == 0
     assert "ok    every GPU here is in nvidia-driver 535.261.03-1" in capsys.readouterr().out
+
+
+def test_an_update_moves_every_package_of_the_branch_and_then_the_pin(monkeypatch, tmp_path, plan):
+    write_old_pin(plan)
+    newer = recorded("debian12_held_no_module").replace("535.261.03-1", "535.309.01-0+deb12u1")
+    fake = FakeBox([held_state(), newer], simulate=(0, UPDATE))
+    assert run_main(monkeypatch, tmp_path, dict(plan, update=True), fake, "install") == 0
+    install = next(c for c in fake.calls if c[:2] == ["apt-get", "-y"])
+    assert {"nvidia-driver", "nvidia-kernel-dkms", "firmware-nvidia-gsp", "libnvidia-ml1"} <= set(install)
+    assert st.parse_pin(Path(plan["pin"]).read_text())["version"] == "535.309.01-0+deb12u1"
