@@ -43,7 +43,7 @@ from pyinfra.operations import server
 
 from tasks.catalog import REPO_ROOT
 from tasks.driver_plan import (BLACKLIST, BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverFacts, DriverPlan, DriverWant,
-                               driver_want, plan_driver, refusal_text)
+                               driver_want, initramfs_rebuild, plan_driver, refusal_text)
 from tasks.driver_choice import gpus_seen
 from tasks.driver_settle import settle_driver
 from tasks.driver_status import driver_notes
@@ -117,7 +117,10 @@ def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
         return replace(gpu, refused=text)          # deploy/full.py queues nothing after it
     managed = replace(gpu, driver_stage=f"R{plan.choice.branch.branch}, installed and proven by the driver stage "
                                         "before this stage runs")
-    place(placed_files(want, plan), dict(facts.paths))     # a proven box too: a removed blacklist comes back
+    placed = place(placed_files(want, plan), dict(facts.paths))     # a proven box too: a removed blacklist comes back
+    if initramfs_rebuild(placed, plan.action):
+        server.shell(name="NVIDIA driver: nouveau blacklisted: rebuild the initramfs",
+                     commands=["if command -v update-initramfs >/dev/null; then update-initramfs -u; fi"])
     if plan.action == "done":
         host.noop(plan.reason)
         return managed

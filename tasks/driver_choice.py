@@ -37,6 +37,13 @@ class Distro:
     name: str
     components: tuple[str, ...]
     branches: tuple[DistroBranch, ...]
+    origin: str = ""                        # the Origin its archive's Release files carry ("Debian")
+
+    @property
+    def codename(self) -> str:
+        """"bookworm" of "Debian 12 (bookworm)"."""
+        m = re.search(r"\((\w+)\)", self.name)
+        return m.group(1) if m else ""
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,7 @@ def load_table(path: Path = DRIVERS_PATH) -> DriverTable:
                              tuple(DistroBranch(b["branch"], tuple(b["packages"]), b["module_package"], b["source"],
                                                 b.get("fabricmanager"), b.get("supported_gpus"),
                                                 b.get("end_of_life"))
-                                   for b in d["branch"])) for d in raw["distro"]),
+                                   for b in d["branch"]), d.get("origin", "")) for d in raw["distro"]),
     )
 
 

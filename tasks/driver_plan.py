@@ -100,6 +100,17 @@ def refusals(want: DriverWant, facts: DriverFacts, distro: Distro | None) -> lis
     if sb.get("state") == "enabled":
         problems.append(f"Secure Boot is on ({sb.get('said')}): the kernel refuses the unsigned module DKMS builds "
                         f"(modprobe: 'Key was rejected by service'). {SECURE_BOOT_FIX}")
+    elif sb.get("state") == "unknown":
+        problems.append(f"whether Secure Boot is on cannot be told (read: {sb.get('said') or 'nothing'!r}): with it on, "
+                        "the kernel refuses the unsigned module DKMS builds. Install mokutil (`apt-get install "
+                        "mokutil`; `mokutil --sb-state` answers) and re-run")
+    lockdown = state.get("lockdown")
+    if lockdown in ("integrity", "confidentiality") and sb.get("state") != "enabled":
+        problems.append(f"the kernel is locked down ({lockdown}, /sys/kernel/security/lockdown) although Secure Boot "
+                        "is not on: a locked-down kernel loads no unsigned module ('Loading of unsigned module is "
+                        "rejected'), and DKMS's is unsigned. Boot without lockdown (the kernel command line's "
+                        "lockdown= or module.sig_enforce=1), or sign DKMS's module with an enrolled key and keep "
+                        "driver = 'check'")
     run = state.get("runfile") or {}
     unowned = [path for path, owner in (run.get("libs") or {}).items() if owner is None]
     if run.get("uninstaller") or run.get("installer_version") or unowned:
@@ -211,9 +222,9 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
                 "fabricmanager": {"package": branch.fabricmanager, "service": FM_SERVICE} if switches else None,
                 "supported_gpus": {"package": branch.supported_gpus, "unlisted": list(want.table.unlisted)}
                 if branch.supported_gpus else None,
-                "gpus": gpus_to_check(state, facts.gpus)}
+                "gpus": gpus_to_check(state, facts.gpus), "update": want.update}
     common = dict(choice=choice, distro=distro, box_plan=box_plan,
-                  sources=sources_to_add(entries, distro.components))
+                  sources=sources_to_add(entries, distro.components, state.get("origins") or {}, distro.origin))
 
     pkgs = installed_from(state, branch.source)
     module = next((p for p in pkgs if p["name"] == branch.module_package), None)
@@ -244,7 +255,6 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
         busy = busy_problem(state, want.unit)
         if busy:
             return DriverPlan("refuse", "the GPUs are in use", (busy,), choice, distro)
-        box_plan["update"] = True
         return DriverPlan("update", f"{branch.source} {version} -> {newer}: the held branch's newer build, taken on "
                                     "purpose (driver_update); the pin moves once apt proved it", **common)
     v = verdict(dict(state), branch.module_package)
@@ -254,6 +264,12 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
         return DriverPlan("done", f"NVIDIA driver {upstream(version)} (R{branch.branch}) installed, held, loaded "
                                   "and proven", **common)
     return DriverPlan("settle", f"{branch.source} {version} is installed and held; {v['reason']}", **common)
+
+
+def initramfs_rebuild(placed: Mapping[str, str | None], action: str) -> bool:
+    """The nouveau blacklist was (re)placed this run and no install rebuilds the initramfs after it:
+    rebuild it here, or nouveau still binds the GPUs first at the next boot."""
+    return bool(placed.get(BLACKLIST_FILE)) and action not in ("install", "update")
 
 
 def refusal_text(host_name: str, problems: Sequence[str]) -> str:

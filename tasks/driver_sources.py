@@ -46,9 +46,33 @@ def parse_sources(files: Mapping[str, str]) -> list[dict]:
     return entries
 
 
-def sources_to_add(entries: Sequence[Mapping], components: Sequence[str]) -> str:
-    """The deb822 text that adds ``components`` to every (URI, suite) whose entries carry ``main``
-    without them; "" when nothing is missing."""
+ARCHIVE_HOSTS = {"Debian": ("deb.debian.org", "security.debian.org", "ftp.debian.org"),
+                 "Ubuntu": ("archive.ubuntu.com", "security.ubuntu.com", "ports.ubuntu.com")}
+
+
+def list_name(uri: str, suite: str) -> str:
+    """apt's name for a suite's lists under /var/lib/apt/lists (its URItoFileName, less the file):
+    "http://deb.debian.org/debian" + "bookworm" -> "deb.debian.org_debian_dists_bookworm"."""
+    bare = re.sub(r"^[a-z0-9+]+://", "", uri).rstrip("/")
+    return f"{bare}/dists/{suite}".replace("%", "%25").replace(":", "%3a").replace("/", "_")
+
+
+def of_the_distro(uri: str, suite: str, origins: Mapping[str, str], origin: str) -> bool:
+    """Is this (URI, suite) the distro's own archive? The Origin of its Release file where apt has
+    fetched it; else (lists not fetched yet) one of the archive's own hosts or their mirrors
+    (``<cc>.archive.ubuntu.com``). A vendor's repository with a ``main`` component is not."""
+    known = origins.get(list_name(uri, suite))
+    if known is not None:
+        return known == origin
+    host = re.sub(r"^[a-z0-9+]+://", "", uri).split("/")[0].split("@")[-1].split(":")[0]
+    return any(host == h or host.endswith("." + h) for h in ARCHIVE_HOSTS.get(origin, ()))
+
+
+def sources_to_add(entries: Sequence[Mapping], components: Sequence[str], origins: Mapping[str, str] | None = None,
+                   origin: str = "") -> str:
+    """The deb822 text that adds ``components`` to every (URI, suite) of the distro's own archive
+    (``of_the_distro``; every one where ``origin`` is "") whose entries carry ``main`` without them;
+    "" when nothing is missing."""
     have: dict[tuple[str, str], set[str]] = {}
     signed: dict[str, str] = {}
     for e in entries:
@@ -59,7 +83,7 @@ def sources_to_add(entries: Sequence[Mapping], components: Sequence[str]) -> str
     missing: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for (uri, suite), comps in have.items():
         lack = tuple(c for c in components if c not in comps)
-        if "main" in comps and lack:
+        if "main" in comps and lack and (not origin or of_the_distro(uri, suite, origins or {}, origin)):
             missing.setdefault((uri, lack), []).append(suite)
     stanzas = []
     for (uri, lack), suites in sorted(missing.items()):
@@ -78,7 +102,11 @@ def headers_packages(distro: Distro, kernel: str) -> tuple[str, ...]:
     flavour's headers metapackage, so the next kernel the archive brings gets its headers too
     (Ubuntu's linux-generic already depends on linux-headers-generic)."""
     out = [f"linux-headers-{kernel}"]
-    m = re.match(r"^\d+\.\d+\.\d+-\d+-(?P<flavour>[a-z0-9-]+)$", kernel)
+    # 6.1.0-26-amd64 (bookworm), 6.12.12+bpo-amd64 (bookworm-backports), 6.12.12-amd64 (trixie's scheme)
+    m = re.match(r"^\d+\.\d+(?:\.\d+)?(?:-\d+)?(?P<bpo>\+bpo)?-(?P<flavour>(?:cloud-|rt-)?"
+                 r"(?:amd64|arm64|686-pae|686|armmp-lpae|armmp|powerpc64le|s390x|riscv64|loong64|rpi|marvell))$", kernel)
     if distro.id == "debian" and m:
-        out.append(f"linux-headers-{m.group('flavour')}")
+        # a backports kernel's metapackage comes from backports (the suite's own is the older kernel's)
+        suite = f"/{distro.codename}-backports" if m.group("bpo") and distro.codename else ""
+        out.append(f"linux-headers-{m.group('flavour')}{suite}")
     return tuple(out)

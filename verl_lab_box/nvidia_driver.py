@@ -226,19 +226,20 @@ def do_install(plan: dict, log: Log, headers_only: bool = False) -> None:
                      f"for {plan['chosen_for']}")
     would = {**apt.simulated(res.stdout), **apt.removed(res.stdout)}
     held = sorted(p["name"] for p in state.get("packages", ()) if p["held"] and p["name"] in would)
-    release = bool(held) or (moves_pin and old is not None)
-    if release:
+    unpinned = moves_pin and old is not None     # else the pin stays: a package comes back at the pinned version
+    if held or unpinned:
         if held:
             log.run(["apt-mark", "unhold", *held])
-        if old:
+        if unpinned:
             os.remove(plan["pin"])
-        log.say(f"released the hold and the pin ({old['version'] if old else 'none'}) for the install, proven by "
-                "the simulation")
+        log.say(f"released {'the hold of ' + ' '.join(held) if held else 'no hold'} and "
+                f"{'the pin (' + old['version'] + ')' if unpinned else 'not the pin'} for the install the simulation "
+                "proved")
     try:
         log.run(["apt-get", "-y", *APT_INSTALL[1:], *opts, *wanted], env=APT_ENV)
     except Failed:
-        if release:
-            restore(old, held, plan, log)
+        if held or unpinned:
+            restore(old if unpinned else None, held, plan, log)
         raise
     if headers_only:
         return

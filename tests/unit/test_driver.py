@@ -44,16 +44,40 @@ ARCH = {"3.7": "Kepler", "5.2": "Maxwell", "6.0": "Pascal", "6.1": "Pascal", "7.
         "12.0": "Blackwell"}
 
 
+# The branch each GPU gets, written out by hand from NVIDIA's facts, not from the code's rule:
+# (Debian 12, Ubuntu 22.04, Ubuntu 24.04, FUTURE). Kepler: R470 is its last, CUDA 11.8 needs R520;
+# Blackwell: CUDA 11.8 has no code for it; the H200: R550 or newer (Debian 12 ships R535 alone);
+# Maxwell, Pascal, Volta: R580 is their last (FUTURE's R590 drops them); Ubuntu ships R580 alone
+# (its 535-server packages are wrappers that depend on 580-server).
+EXPECTED = {
+    ('NVIDIA A10', '8.6'): (535, 580, 580, 590),
+    ('NVIDIA A100-SXM4-80GB', '8.0'): (535, 580, 580, 590),
+    ('NVIDIA B200', '10.0'): (None, None, None, None),
+    ('NVIDIA GeForce GTX 1080', '6.1'): (535, 580, 580, 580),
+    ('NVIDIA GeForce GTX 1080 Ti', '6.1'): (535, 580, 580, 580),
+    ('NVIDIA GeForce RTX 2080 Ti', '7.5'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 3060', '8.6'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 3080', '8.6'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 3090', '8.6'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 4060', '8.9'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 4090', '8.9'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 5090', '12.0'): (None, None, None, None),
+    ('NVIDIA H100 80GB HBM3', '9.0'): (535, 580, 580, 590),
+    ('NVIDIA H200', '9.0'): (None, 580, 580, 590),
+    ('NVIDIA L4', '8.9'): (535, 580, 580, 590),
+    ('NVIDIA L40S', '8.9'): (535, 580, 580, 590),
+    ('Tesla K80', '3.7'): (None, None, None, None),
+    ('Tesla M40', '5.2'): (535, 580, 580, 580),
+    ('Tesla P100-PCIE-16GB', '6.0'): (535, 580, 580, 580),
+    ('Tesla P40', '6.1'): (535, 580, 580, 580),
+    ('Tesla T4', '7.5'): (535, 580, 580, 590),
+    ('Tesla V100-SXM2-16GB', '7.0'): (535, 580, 580, 580),
+    ('Tesla V100-SXM2-32GB', '7.0'): (535, 580, 580, 580),
+}
+
+
 def expected(name: str, cc: str, distro: Distro) -> int | None:
-    """The branch the rules give, written out: no branch for Kepler (R470 < CUDA 11.8's R520) or
-    Blackwell (CUDA 11.8 has no code for it); the H200 needs R550 (Debian 12 ships R535 only);
-    otherwise the newest the distro ships, at most R580 for Maxwell, Pascal and Volta."""
-    arch = ARCH[cc]
-    if arch in ("Kepler", "Blackwell") or ("H200" in name and distro is DEBIAN):
-        return None
-    if arch in ("Maxwell", "Pascal", "Volta"):
-        return max(b.branch for b in distro.branches if b.branch <= 580)
-    return max(b.branch for b in distro.branches)
+    return EXPECTED[(name, cc)][[DEBIAN, UBUNTU22, UBUNTU24, FUTURE].index(distro)]
 
 
 def test_the_catalog_covers_every_generation():
@@ -509,3 +533,98 @@ def test_status_says_newer_build_and_end_of_life():
     assert driver_notes(dict(state, pin=None), DEBIAN, datetime.date(2027, 1, 1)) == []  # nothing held by the stage
     row = dict(box_status("box1", {}, {}, "", None), driver_notes=after)
     assert after[1] in render_rows([row])
+
+
+# ---------------------------------------------------------------- the smaller items (issue 36)
+
+
+def test_ubuntu_offers_r580_alone():
+    """Ubuntu's 535-server packages are now wrappers that depend on 580-server: R535 is not offered."""
+    assert [b.branch for b in UBUNTU22.branches] == [580] and [b.branch for b in UBUNTU24.branches] == [580]
+    assert [b.branch for b in DEBIAN.branches] == [535] and DEBIAN.branches[0].end_of_life == "2026-06"
+
+
+def test_components_are_added_to_the_distros_own_archive_only():
+    vendor = parse_sources({"/etc/apt/sources.list.d/vendor.list": "deb http://repo.vendor.example/debian bookworm main\n",
+                            "/etc/apt/sources.list": "deb http://mirror.example.org/debian bookworm main\n"
+                                                     "deb http://deb.debian.org/debian bookworm-updates main\n"})
+    origins = {"repo.vendor.example_debian_dists_bookworm": "Vendor Inc.",
+               "mirror.example.org_debian_dists_bookworm": "Debian"}
+    text = sources_to_add(vendor, DEBIAN.components, origins, DEBIAN.origin)
+    assert "repo.vendor.example" not in text                         # its Release says another Origin
+    assert "URIs: http://mirror.example.org/debian\nSuites: bookworm\n" in text     # a Debian mirror: Origin Debian
+    assert "URIs: http://deb.debian.org/debian\nSuites: bookworm-updates\n" in text  # lists not fetched: Debian's host
+    assert "repo.vendor.example" not in sources_to_add(vendor, DEBIAN.components, {}, DEBIAN.origin)
+    from tasks.driver_sources import list_name
+    assert list_name("http://deb.debian.org/debian/", "bookworm-security") == "deb.debian.org_debian_dists_bookworm-security"
+    # the recorded lab box: its lists' Origin (none recorded: Debian's host)
+    plan = plan_driver(want(), facts(case("debian12_fresh")))
+    assert "Components: contrib non-free non-free-firmware" in plan.sources
+
+
+def test_secure_boot_unknown_is_refused_and_shim_validation_off_is_not_on():
+    from verl_lab_box.nvidia_driver_state import secure_boot_state
+
+    shim_off = secure_boot_state(["SecureBoot enabled", "SecureBoot validation is disabled in shim"])
+    assert shim_off["state"] == "disabled"                       # mokutil 0.6.0's words: unsigned modules load
+    assert plan_driver(want(), facts(dict(case("debian12_fresh"), secure_boot=shim_off))).action == "install"
+    unknown = secure_boot_state(["efi"])                         # EFI, no mokutil, the variable unreadable
+    assert unknown["state"] == "unknown"
+    plan = plan_driver(want(), facts(dict(case("debian12_fresh"), secure_boot=unknown)))
+    assert plan.action == "refuse" and "whether Secure Boot is on cannot be told" in plan.problems[0]
+    assert "apt-get install mokutil" in plan.problems[0]
+
+
+def test_kernel_lockdown_without_secure_boot_is_refused():
+    from verl_lab_box.nvidia_driver_state import lockdown_mode
+
+    assert lockdown_mode(["none [integrity] confidentiality"]) == "integrity"
+    assert lockdown_mode(["[none] integrity confidentiality"]) == "none" and lockdown_mode([]) is None
+    plan = plan_driver(want(), facts(dict(case("debian12_fresh"), lockdown="integrity")))
+    assert plan.action == "refuse" and "the kernel is locked down (integrity" in plan.problems[0]
+    assert plan_driver(want(), facts(dict(case("debian12_fresh"), lockdown="none"))).action == "install"
+
+
+def test_backports_and_trixie_style_kernels_get_their_headers_metapackage():
+    assert headers_packages(DEBIAN, "6.12.12+bpo-amd64") == ("linux-headers-6.12.12+bpo-amd64",
+                                                              "linux-headers-amd64/bookworm-backports")
+    assert headers_packages(DEBIAN, "6.12.12+bpo-cloud-amd64")[1] == "linux-headers-cloud-amd64/bookworm-backports"
+    assert headers_packages(DEBIAN, "6.12.12-amd64")[1] == "linux-headers-amd64"
+
+
+def test_a_replaced_nouveau_blacklist_rebuilds_the_initramfs():
+    from tasks.driver_plan import BLACKLIST_FILE, initramfs_rebuild
+
+    assert initramfs_rebuild({BLACKLIST_FILE: "missing"}, "done")         # placed again on a proven box
+    assert initramfs_rebuild({BLACKLIST_FILE: "other content"}, "settle")
+    assert not initramfs_rebuild({BLACKLIST_FILE: "missing"}, "install")  # the install rebuilds it itself
+    assert not initramfs_rebuild({BLACKLIST_FILE: None}, "done")
+
+
+def test_the_sysfs_fallback_reads_nvidia_devices_without_lspci(tmp_path, monkeypatch):
+    """No lspci on the box: the fact command reads /sys/bus/pci/devices (here a folder laid out as
+    sysfs is) with a shell whose PATH has no lspci."""
+    import os
+    import shutil
+    import subprocess
+
+    from verl_lab_box import nvidia_driver_state as st
+
+    for slot, vendor, cls, device in (("0000:3b:00.0", "0x10de", "0x030200", "0x1b38"),
+                                      ("0000:3b:00.1", "0x10de", "0x040300", "0x10f0"),   # its audio function
+                                      ("0000:05:00.0", "0x10de", "0x068000", "0x22a3"),   # an NVSwitch
+                                      ("0000:00:02.0", "0x8086", "0x030000", "0x3e92")):  # another vendor's VGA
+        d = tmp_path / "devices" / slot
+        d.mkdir(parents=True)
+        for name, value in (("vendor", vendor), ("class", cls), ("device", device)):
+            (d / name).write_text(value + "\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("cat",):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    monkeypatch.setattr(st, "PCI_DEVICES", str(tmp_path / "devices"))
+    out = subprocess.run(["/bin/sh", "-c", st.fact_command("/nonexistent", "x.service")], capture_output=True,
+                         text=True, env={"PATH": str(bin_dir)})
+    state = st.parse_fact_output(out.stdout)
+    assert state["pci"] == [{"slot": "0000:3b:00.0", "name": None, "device": "1b38"}]
+    assert state["nvswitches"] == [{"slot": "0000:05:00.0", "name": None, "device": "22a3"}]

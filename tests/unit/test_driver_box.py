@@ -474,3 +474,33 @@ def test_an_update_moves_every_package_of_the_branch_and_then_the_pin(monkeypatc
     install = next(c for c in fake.calls if c[:2] == ["apt-get", "-y"])
     assert {"nvidia-driver", "nvidia-kernel-dkms", "firmware-nvidia-gsp", "libnvidia-ml1"} <= set(install)
     assert st.parse_pin(Path(plan["pin"]).read_text())["version"] == "535.309.01-0+deb12u1"
+
+
+def test_the_unattended_upgrades_check_fails_when_it_checked_nothing():
+    """The e2e reads unattended-upgrades' dry run with this; before, a run that printed no "will be
+    upgraded" line passed with nothing checked. The lines are unattended-upgrades 2.9.1's own
+    (Debian 12) messages."""
+    from tests.fixtures.driver.unattended import would_upgrade
+
+    checked = ("Allowed origins are: origin=Debian,codename=bookworm,label=Debian, "
+               "origin=Debian,codename=bookworm-security,label=Debian-Security\n"
+               "pkgs that look like they should be upgraded: libc-bin\nlibc6\n"
+               "Packages that will be upgraded: libc-bin libc6\n")
+    assert would_upgrade(checked) == {"libc-bin", "libc6"}
+    for nothing in ("Allowed origins are: origin=Debian,codename=bookworm,label=Debian\n"
+                    "No packages found that can be upgraded unattended and no pending auto-removals\n", ""):
+        with pytest.raises(AssertionError, match="checked nothing"):
+            would_upgrade(nothing)
+
+
+def test_a_missing_package_is_installed_under_the_pin(monkeypatch, tmp_path, plan):
+    """An install that is not an update (a held package removed by hand) keeps the pin in place:
+    apt brings the package back at the pinned version, not the archive's newer build."""
+    pin = write_old_pin(plan)
+    back = "Inst nvidia-smi (535.261.03-1 Debian:12.12/oldstable [amd64])\n"
+    fake = FakeBox(held_state(), simulate=(0, back), install_rc=100)
+    assert run_main(monkeypatch, tmp_path, plan, fake, "install") == 1
+    sim = next(c for c in apt_calls(fake) if "--simulate" in c)
+    assert not any(o.startswith("Dir::Etc::PreferencesParts=") for o in sim)       # the pin is read
+    assert ["apt-mark", "unhold", "nvidia-smi"] in fake.calls and Path(plan["pin"]).read_text() == pin
+    assert fake.calls[-1] == ["apt-mark", "hold", "nvidia-smi"]                      # put back after the failure
