@@ -11,7 +11,7 @@ from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
 from tasks.driver_status import newer_build
 from tasks.gpu_support import min_driver
 from tasks.settings import TRAIN_UNIT, LabSettings
-from verl_lab_box.nvidia_driver_state import branch_of, installed_from, upstream, verdict
+from verl_lab_box.nvidia_driver_state import branch_of, gpu_users, installed_from, upstream, verdict
 
 SOURCES_FILE = "/etc/apt/sources.list.d/verl-lab-nvidia.sources"
 PIN_FILE = "/etc/apt/preferences.d/verl-lab-nvidia-driver"
@@ -132,8 +132,9 @@ def busy_problem(state: Mapping, unit: str) -> str | None:
     if state.get("unit_active"):
         return (f"{unit} is active: the driver stage changes no driver package under a running job (every new "
                 f"process would get NVML's 'Driver/library version mismatch'). {fix}")
-    if state.get("busy"):
-        who = ", ".join(f"{b[0]} ({b[1] if len(b) > 1 else '?'})" for b in state["busy"])
+    users = gpu_users(dict(state))
+    if users:
+        who = ", ".join(f"{b[0]} ({b[1] if len(b) > 1 else '?'})" for b in users)
         return f"processes hold /dev/nvidia* ({who}): the driver stage changes no driver package under them. {fix}"
     return None
 

@@ -103,8 +103,9 @@ def busy_problem(plan: dict, state: dict) -> str | None:
     unit = plan["unit"]
     if state.get("unit_active"):
         return f"{unit} is active: no driver package is changed under a running job; " + IDLE_FIX.format(unit=unit)
-    if state.get("busy"):
-        who = ", ".join(f"{b[0]} ({b[1] if len(b) > 1 else '?'})" for b in state["busy"])
+    users = box_state.gpu_users(state)
+    if users:
+        who = ", ".join(f"{b[0]} ({b[1] if len(b) > 1 else '?'})" for b in users)
         return (f"processes hold /dev/nvidia* ({who}): no driver package is changed under them; stop them, or "
                 + IDLE_FIX.format(unit=unit))
     return None

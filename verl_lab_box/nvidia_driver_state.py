@@ -257,6 +257,16 @@ def verdict(state: dict, module_package: str) -> dict:
             "reason": f"the running kernel still has {holder} loaded: a reboot loads {installed}"}
 
 
+# nvidia-persistenced keeps /dev/nvidia* open on every box that runs it (Ubuntu's nvidia-compute-utils
+# starts it); it is no job, and its package restarts it with the driver. /proc's comm is 15 characters.
+SYSTEM_GPU_USERS = ("nvidia-persiste",)
+
+
+def gpu_users(state: dict) -> list[list[str]]:
+    """The processes holding /dev/nvidia* ([pid, comm]) but the persistence daemon."""
+    return [b for b in state.get("busy") or () if (b[1:] or [""])[0] not in SYSTEM_GPU_USERS]
+
+
 def lockdown_mode(lines: list[str]) -> str | None:
     """/sys/kernel/security/lockdown ("none [integrity] confidentiality") -> the mode in brackets,
     or None where the kernel has no lockdown LSM."""

@@ -293,6 +293,8 @@ def test_no_driver_change_while_the_training_unit_runs_or_a_process_holds_the_gp
     assert "set train_unit_state = 'stopped'" in plan.problems[0]
     busy = dict(case("debian12_fresh"), busy=[["4242", "python3"]])
     assert "processes hold /dev/nvidia* (4242 (python3))" in plan_driver(want(), facts(busy)).problems[0]
+    daemon = dict(case("debian12_fresh"), busy=[["811", "nvidia-persiste"]])     # the persistence daemon: no job
+    assert plan_driver(want(), facts(daemon)).action == "install"
     held = dict(loaded(case("debian12_held_no_module")), unit_active=True, headers_installed=False)
     assert plan_driver(want(), facts(held)).action == "headers"
     assert plan_driver(want(), facts(dict(held, headers_installed=True))).action == "settle"
