@@ -21,6 +21,7 @@ from pathlib import Path
 from pyinfra import host
 
 from tasks.doctor import diagnose, never_ran, render
+from tasks.driver import held_driver_notes
 from tasks.facts.bundle import ask
 from tasks.facts.export import RunExports
 from tasks.facts.logs import TrainingRun
@@ -43,6 +44,8 @@ if unit_state in ("failed", "crash-looping"):
 elif unit_state == "never-ran":
     verdict = never_ran(host.name, run["preflight"], run["plan"])[1]
 row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict, run["history"], exports)
+if settings.driver == "install":      # the held driver: a newer build of its branch, its end of life
+    row["driver_notes"] = held_driver_notes(settings)
 
 out_dir = settings.controller_cache / "status"
 out_dir.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     # install (choose the branch from the GPUs, install it from the distro's archive, hold it, prove it)
     "driver": "check",
     "driver_reboot": False,            # driver = install: reboot a box whose new driver needs it (one at a time)
+    "driver_update": False,            # driver = install: take a newer build of the held branch (idle boxes only)
     "env_backend": "conda",            # conda | venv
     "env_prefix": "/opt/verl-lab/envs/verl",
     "conda_prefix": "/opt/verl-lab/miniforge3",
@@ -182,6 +183,7 @@ class LabSettings:
     cluster_address: str | None = None
     driver: str = "check"
     driver_reboot: bool = False
+    driver_update: bool = False
     checkpoints: Mapping[str, int] = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
 
     @property
@@ -526,10 +528,10 @@ def _train_steps(host: str, steps: Any) -> int | None:
                             "set e.g. train_steps = 20 (a smoke test), or leave it unset to train workload.epochs")
     return steps
 
-def _driver_reboot(host: str, value: Any, driver: str) -> bool:
-    if _flag(host, "driver_reboot", value) and driver != "install":
-        raise SettingsError(host, "driver_reboot", f"True does nothing with driver = {driver!r}",
-                            "set driver = 'install' as well, or leave driver_reboot out")
+def _driver_flag(host: str, key: str, value: Any, driver: str) -> bool:
+    if _flag(host, key, value) and driver != "install":
+        raise SettingsError(host, key, f"True does nothing with driver = {driver!r}",
+                            f"set driver = 'install' as well, or leave {key} out")
     return value
 
 
@@ -580,7 +582,8 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         cluster=p.check(_cluster, merged["cluster"]),
         cluster_address=p.check(_ip_address, "cluster_address", merged["cluster_address"]),
         driver=p.check(_choice, "driver", merged["driver"], DRIVER_MODES, default="check"),
-        driver_reboot=p.check(_driver_reboot, merged["driver_reboot"], merged["driver"], default=False),
+        driver_reboot=p.check(_driver_flag, "driver_reboot", merged["driver_reboot"], merged["driver"], default=False),
+        driver_update=p.check(_driver_flag, "driver_update", merged["driver_update"], merged["driver"], default=False),
         checkpoints=p.check(_checkpoints, merged["checkpoints"], default=dict(CHECKPOINT_DEFAULTS)),
     )
     p.check(_ssh_key, data.get("ssh_key"))

@@ -258,6 +258,7 @@ def render_rows(rows: list[dict]) -> str:
                    f"{r['unit']:<14} {step:>9} {fmt(r['score'], '.3f'):>7} {fmt(val, '.3f'):>7} "
                    f"{fmt(r['seconds_per_step'], '.1f'):>7} {eta:>8} {peak:>14} {gsm8k_words(r.get('gsm8k')):>20}")
         out += [f"    {line}" for line in (r["verdict"] or "").splitlines()]
+        out += [f"    {line}" for line in r.get("driver_notes") or ()]
     return "\n".join(out)
 
 

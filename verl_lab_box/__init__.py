@@ -10,7 +10,9 @@
 - ``hf_snapshot.py``: a pinned Hugging Face snapshot, fetched, verified, swapped in;
 - ``gsm8k.py``: GSM8K in verl's RL format (run with the env's python: it needs pyarrow);
 - ``env_prove.py``: the Python env's proofs (run by the env's python).
-- ``nvidia_driver.py``: the NVIDIA driver's install, hold, load verdict and proof (the driver stage).
+- ``nvidia_driver.py``: the NVIDIA driver's install, hold, load and proof (the driver stage), with
+  ``nvidia_driver_state.py`` (the box read in one command, the load verdict) and
+  ``nvidia_driver_apt.py`` (apt's simulation and the package's supported-GPU list judged).
 
 What a module needs beyond the standard library (pyarrow, torch, verl, NVML, huggingface_hub)
 is imported inside the function that runs where it exists (tests/unit/test_box_package.py).

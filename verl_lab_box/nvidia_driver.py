@@ -1,259 +1,69 @@
-"""The NVIDIA driver of a box: read, installed from the distro's archive, held, loaded, proven.
+"""The NVIDIA driver of a box: installed from the distro's archive, held, loaded, proven.
 
 The driver stage (tasks/driver.py, ``driver = "install"``) ships this file as it is to
-``<lab_root>/libexec/driver/nvidia_driver.py`` (with ``gpu.py`` beside it as ``verl_lab_gpu.py``)
-and runs it as root with the box's python3, reading the stage's ``driver-plan.json`` beside it::
+``<lab_root>/libexec/driver/nvidia_driver.py`` (with ``nvidia_driver_state.py``,
+``nvidia_driver_apt.py`` and ``gpu.py`` as ``verl_lab_gpu.py`` beside it) and runs it as root with
+the box's python3, reading the stage's ``driver-plan.json`` beside it::
 
-    nvidia_driver.py install --plan P   # apt-get update; apt's --simulate must resolve and bring
-                                        # only the chosen branch; install; hold and pin
+    nvidia_driver.py install --plan P   # idle box only; apt-get update; apt's --simulate must resolve,
+                                        # bring only the chosen branch, remove no NVIDIA package it
+                                        # was not asked to replace, and the candidate's own
+                                        # supported-gpus.json must list every GPU; install; hold, pin
+    nvidia_driver.py headers --plan P   # the running kernel's headers alone (the driver untouched)
     nvidia_driver.py hold --plan P      # apt-mark hold and the apt preferences pin, for what is
                                         # installed from the branch's source package
     nvidia_driver.py verdict --plan P   # JSON: the installed driver is loaded, loadable now,
                                         # waiting for a reboot, or has no module for this kernel
-    nvidia_driver.py load --plan P      # modprobe nvidia (verdict "load" only)
-    nvidia_driver.py prove --plan P     # /proc/driver/nvidia/version and nvidia-smi say the
-                                        # installed version; prints it
+    nvidia_driver.py load --plan P      # modprobe nvidia (verdict "load" only); Fabric Manager started
+    nvidia_driver.py prove --plan P     # /proc/driver/nvidia/version and nvidia-smi say the installed
+                                        # version (and cuInit succeeds on an NVSwitch box); prints it
 
-What a box has now is one shell command (``fact_command``) whose output ``parse_fact_output``
-reads: the pyinfra fact ``tasks.facts.driver.DriverState`` runs the same pair on the controller's
-behalf, and ``verdict`` here reads the box through them too. Standard library only.
+The hold and the pin stay in place through ``apt-get update`` and the simulation; they are released
+only for an install that must change held packages, and put back when that install fails. Standard
+library only.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
 import os
-import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PROC_VERSION = "/proc/driver/nvidia/version"
-NOUVEAU = "/sys/module/nouveau"
-RUNFILE_UNINSTALLER = "/usr/bin/nvidia-uninstall"
-RUNFILE_LOG = "/var/log/nvidia-installer.log"
-EFI_SECURE_BOOT = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
-USER_LIBS = ("libcuda.so.1", "libnvidia-ml.so.1")
-MODULE_NAMES = ("nvidia-current", "nvidia")   # Debian builds nvidia-current (modprobe nvidia installs it)
-DISPLAY_CLASSES = ("0300", "0302", "0380")    # VGA, 3D and other display controllers
-SECTION = "@@verl-lab-driver@@ "
+try:
+    from verl_lab_box import nvidia_driver_apt as apt
+    from verl_lab_box import nvidia_driver_state as box_state
+except ImportError:                     # on a box: the modules lie side by side
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import nvidia_driver_apt as apt
+    import nvidia_driver_state as box_state
+
+PROC_VERSION = box_state.PROC_VERSION
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive", "NEEDRESTART_MODE": "l", "LC_ALL": "C"}
 APT_INSTALL = ("apt-get", "install", "--no-install-recommends",
                "-o", "Dpkg::Options::=--force-confdef", "-o", "Dpkg::Options::=--force-confold")
-
-
-# ---------------------------------------------------------------- what the box has (one command)
-
-
-def fact_command(pin: str, unit: str, skip_sources: str = "") -> str:
-    """One POSIX shell command printing every section ``parse_fact_output`` reads; always exits 0."""
-    q = shlex.quote
-    s = SECTION
-
-    def section(name: str, body: str) -> str:
-        return f"echo '{s}{name}'; {{ {body}; }} 2>/dev/null"
-
-    efi = q(EFI_SECURE_BOOT)
-    libs = " ".join(USER_LIBS)
-    parts = [
-        section("kernel", "uname -r"),
-        section("secureboot", "if command -v mokutil >/dev/null; then mokutil --sb-state 2>&1; "
-                              f"elif [ -r {efi} ]; then echo \"efivar $(od -An -t u1 -j4 -N1 {efi} | tr -d ' ')\"; "
-                              "elif [ -d /sys/firmware/efi ]; then echo efi; else echo no-efi; fi"),
-        section("runfile", f"[ -e {RUNFILE_UNINSTALLER} ] && echo 'uninstaller {RUNFILE_UNINSTALLER}'; "
-                           f"[ -f {RUNFILE_LOG} ] && head -n 3 {RUNFILE_LOG} | sed 's/^/log /'; "
-                           f"for lib in {libs}; do p=$(ldconfig -p | awk -v l=$lib '$1 == l {{print $NF; exit}}'); "
-                           "[ -n \"$p\" ] || continue; r=$(readlink -f \"$p\"); "
-                           "o=$(dpkg -S \"$r\" 2>/dev/null | head -n 1 | cut -d: -f1); echo \"lib $r ${o:-none}\"; done"),
-        section("packages", "dpkg-query -W -f='${Package}\\t${source:Package}\\t${Version}\\t${db:Status-Abbrev}\\n'"
-                            " | grep -i nvidia"),
-        section("headers", "dpkg-query -W -f='${db:Status-Abbrev}\\n' \"linux-headers-$(uname -r)\""),
-        section("pin", f"cat {q(pin)}"),
-        section("loaded", f"cat {PROC_VERSION}"),
-        section("nouveau", f"[ -d {NOUVEAU} ] && echo loaded"),
-        section("built", f"for m in {' '.join(MODULE_NAMES)}; do v=$(modinfo -F version $m) && "
-                         "{ echo \"$m $v\"; break; }; done"),
-        section("dkms", "dkms status"),
-        section("pci", "if command -v lspci >/dev/null; then lspci -nn -d 10de:; else "
-                       "for d in /sys/bus/pci/devices/*; do [ \"$(cat $d/vendor)\" = 0x10de ] && "
-                       "echo \"sysfs ${d##*/} $(cat $d/class) $(cat $d/device)\"; done; fi"),
-        section("unit", f"systemctl is-active {q(unit)}"),
-    ]
-    skip = f" && [ \"$f\" != {q(skip_sources)} ]" if skip_sources else ""
-    parts.append(f"for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; "
-                 f"do [ -f \"$f\" ]{skip} || continue; echo \"{s}source $f\"; cat \"$f\"; done")
-    return "; ".join(parts) + "; true"
-
-
-_VERSION_LINE = re.compile(r"^installer version:\s*(\S+)")
-_PCI_LINE = re.compile(r"^(?P<slot>\S+) .*\[(?P<cls>[0-9a-f]{4})\]: NVIDIA Corporation (?P<name>.*?) "
-                       r"\[10de:(?P<device>[0-9a-f]{4})\]")
-
-
-def parse_fact_output(text: str) -> dict:
-    """What ``fact_command`` printed -> a plain dict (see ``tasks.facts.driver.DriverState``)."""
-    sections: dict[str, list[str]] = {}
-    sources: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in text.splitlines():
-        if line.startswith(SECTION):
-            name = line[len(SECTION):].strip()
-            if name.startswith("source "):
-                current = sources.setdefault(name[len("source "):], [])
-            else:
-                current = sections.setdefault(name, [])
-        elif current is not None:
-            current.append(line)
-
-    def lines(name):
-        return [line.strip() for line in sections.get(name, []) if line.strip()]
-
-    runfile = {"uninstaller": None, "installer_version": None, "libs": {}}
-    for line in lines("runfile"):
-        kind, _, rest = line.partition(" ")
-        if kind == "uninstaller":
-            runfile["uninstaller"] = rest
-        elif kind == "log" and _VERSION_LINE.match(rest):
-            runfile["installer_version"] = _VERSION_LINE.match(rest).group(1)
-        elif kind == "log" and rest.startswith("nvidia-installer log file"):
-            runfile["installer_version"] = runfile["installer_version"] or "unknown"
-        elif kind == "lib":
-            path, _, owner = rest.rpartition(" ")
-            runfile["libs"][path] = None if owner == "none" else owner
-    packages = []
-    for line in sections.get("packages", []):
-        fields = line.split("\t")
-        if len(fields) == 4 and fields[0]:
-            name, source, version, status = fields
-            packages.append({"name": name, "source": source or name, "version": version,
-                             "installed": status[1:2] == "i", "held": status[:1] == "h"})
-    built = (lines("built") or [""])[0].split()
-    return {
-        "kernel": (lines("kernel") or [None])[0],
-        "secure_boot": secure_boot_state(lines("secureboot")),
-        "runfile": runfile,
-        "packages": packages,
-        "headers_installed": (lines("headers") or [""])[0][1:2] == "i",
-        "pin": parse_pin("\n".join(sections.get("pin", []))),
-        "loaded": loaded_version("\n".join(sections.get("loaded", []))),
-        "nouveau": "loaded" in lines("nouveau"),
-        "built": {"module": built[0], "version": built[1]} if len(built) == 2 else None,
-        "dkms": lines("dkms"),
-        "pci": parse_pci(lines("pci")),
-        "unit_active": (lines("unit") or [""])[0] == "active",
-        "sources": {path: "\n".join(body) for path, body in sources.items()},
-    }
-
-
-def secure_boot_state(lines: list[str]) -> dict:
-    """mokutil --sb-state (or the EFI variable) -> {"state": "enabled" | "disabled" | "no-efi" |
-    "unknown", "said": what was read}. "SecureBoot validation is disabled in shim" loads unsigned
-    modules: it counts as disabled."""
-    said = " / ".join(lines)
-    text = said.lower()
-    if "validation is disabled in shim" in text or "secureboot disabled" in text or lines[:1] == ["efivar 0"]:
-        state = "disabled"
-    elif "secureboot enabled" in text or lines[:1] == ["efivar 1"]:
-        state = "enabled"
-    elif "doesn't support secure boot" in text or "efi variables are not supported" in text or lines == ["no-efi"]:
-        state = "no-efi"
-    else:
-        state = "unknown"
-    return {"state": state, "said": said}
-
-
-def loaded_version(text: str) -> str | None:
-    """The version of the loaded nvidia kernel module, from /proc/driver/nvidia/version."""
-    return _gpu().parse_proc_driver_version(text)
-
-
-def parse_pci(lines: list[str]) -> list[dict]:
-    """NVIDIA display controllers from ``lspci -nn -d 10de:`` (or sysfs ids where lspci is missing):
-    [{"slot", "name" (pci.ids' "GP102GL [Tesla P40]", or "Device" when pci.ids does not know it),
-    "device": "1b38"}]; audio and USB functions of a card are left out."""
-    found = []
-    for line in lines:
-        if line.startswith("sysfs "):
-            _, slot, cls, device = (line.split() + ["", "", ""])[:4]
-            if cls[2:6] in DISPLAY_CLASSES:
-                found.append({"slot": slot, "name": None, "device": device[2:].lower()})
-            continue
-        m = _PCI_LINE.match(line)
-        if m and m.group("cls") in DISPLAY_CLASSES:
-            found.append({"slot": m.group("slot"), "name": m.group("name"), "device": m.group("device")})
-    return found
-
-
-def parse_pin(text: str) -> dict | None:
-    """The stage's apt preferences file -> {"packages": [...], "version": "535.261.03-1"}, or None."""
-    packages, version = [], None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "Package":
-            packages += value.split()
-        elif key.strip() == "Pin" and value.strip().startswith("version "):
-            version = value.strip()[len("version "):].strip()
-    return {"packages": packages, "version": version} if packages and version else None
-
-
-def upstream(version: str | None) -> str | None:
-    """A Debian package version -> the driver version it carries ("535.261.03-1" -> "535.261.03")."""
-    if not version:
-        return None
-    return version.split(":", 1)[-1].split("-", 1)[0].split("+", 1)[0]
-
-
-def branch_of(version: str | None) -> int | None:
-    m = re.match(r"^(\d+)\.", upstream(version) or "")
-    return int(m.group(1)) if m else None
-
-
-# ---------------------------------------------------------------- decisions on what was read
-
-
-def installed_from(state: dict, source: str) -> list[dict]:
-    """The installed binary packages built from ``source``."""
-    return [p for p in state.get("packages", ()) if p["source"] == source and p["installed"]]
-
-
-def verdict(state: dict, module_package: str) -> dict:
-    """Where the installed driver stands: {"verdict", "installed", "reason"}. verdict is one of
-    missing (not installed), loaded (the running kernel has this version), load (nothing holds the
-    GPU and the module exists for this kernel: modprobe loads it), reboot (another nvidia module or
-    nouveau is loaded: only a reboot swaps it), no-module (DKMS built no module of this version for
-    the running kernel: a reboot would not help)."""
-    pkg = next((p for p in state.get("packages", ()) if p["name"] == module_package and p["installed"]), None)
-    installed = upstream(pkg["version"]) if pkg else None
-    loaded, nouveau, built = state.get("loaded"), state.get("nouveau"), state.get("built") or {}
-    kernel = state.get("kernel") or "?"
-    if not installed:
-        return {"verdict": "missing", "installed": None, "reason": f"{module_package} is not installed"}
-    if loaded == installed:
-        return {"verdict": "loaded", "installed": installed,
-                "reason": f"the running kernel has the nvidia module {installed} loaded"}
-    if built.get("version") != installed:
-        dkms = "; ".join(state.get("dkms") or []) or "no DKMS status"
-        return {"verdict": "no-module", "installed": installed,
-                "reason": (f"no nvidia kernel module {installed} exists for the running kernel {kernel} "
-                           f"(modinfo found {built.get('version') or 'none'}; dkms status: {dkms}). DKMS builds it "
-                           f"only with that kernel's headers (linux-headers-{kernel}): see "
-                           "/var/lib/dkms/*/*/build/make.log, fix the build, and re-run")}
-    if loaded is None and not nouveau:
-        return {"verdict": "load", "installed": installed,
-                "reason": f"the module {installed} is built for {kernel} and no driver holds the GPU: modprobe loads it"}
-    holder = "nouveau" if nouveau else f"the nvidia module {loaded}"
-    return {"verdict": "reboot", "installed": installed,
-            "reason": f"the running kernel still has {holder} loaded: a reboot loads {installed}"}
+IDLE_FIX = ("stop training first: set train_unit_state = 'stopped' and re-run the train stage (or "
+            "`systemctl stop {unit}`), then re-run the driver stage")
+CUDA_ERRORS = {802: "system not ready (CUDA_ERROR_SYSTEM_NOT_READY: on an NVSwitch box, Fabric Manager has not "
+                    "set up the fabric)", 100: "no CUDA-capable device", 999: "unknown error"}
 
 
 # ---------------------------------------------------------------- acting on the box (root)
 
 
 def read_box(plan: dict) -> dict:
-    out = subprocess.run(["sh", "-c", fact_command(plan["pin"], plan["unit"])], capture_output=True, text=True)
-    return parse_fact_output(out.stdout)
+    out = subprocess.run(["sh", "-c", box_state.fact_command(plan["pin"], plan["unit"])], capture_output=True, text=True)
+    return box_state.parse_fact_output(out.stdout)
+
+
+class Failed(RuntimeError):
+    """A step that cannot go on: the message says what was found and what to do."""
 
 
 class Failed(RuntimeError):
@@ -276,9 +86,10 @@ class Log:
                 self.fh.write(line + "\n")
                 self.fh.flush()
 
-    def run(self, argv, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    def run(self, argv, check: bool = True, env: dict | None = None, cwd: str | None = None
+            ) -> subprocess.CompletedProcess:
         self.say("+ " + shlex.join(argv))
-        res = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **(env or {})})
+        res = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=cwd)
         self.say(res.stdout + res.stderr)
         if check and res.returncode != 0:
             raise Failed(f"`{shlex.join(argv)}` exited {res.returncode}: "
@@ -286,79 +97,213 @@ class Log:
         return res
 
 
-_INST = re.compile(r"^Inst (\S+) (?:\[\S+\] )?\((\S+) ")
+def busy_problem(plan: dict, state: dict) -> str | None:
+    """Why the driver packages must not change now: the training unit is active, or processes hold
+    /dev/nvidia* (a new user-space library under their loaded module: NVML's version mismatch)."""
+    unit = plan["unit"]
+    if state.get("unit_active"):
+        return f"{unit} is active: no driver package is changed under a running job; " + IDLE_FIX.format(unit=unit)
+    users = box_state.gpu_users(state)
+    if users:
+        who = ", ".join(f"{b[0]} ({b[1] if len(b) > 1 else '?'})" for b in users)
+        return (f"processes hold /dev/nvidia* ({who}): no driver package is changed under them; stop them, or "
+                + IDLE_FIX.format(unit=unit))
+    return None
 
 
-def simulated(text: str) -> dict[str, str]:
-    """``apt-get install --simulate`` -> {package: version it would install}."""
-    return {m.group(1): m.group(2) for m in map(_INST.match, text.splitlines()) if m}
+def prefs_without(pin: str) -> str:
+    """A copy of /etc/apt/preferences.d without the stage's own pin (for a simulation that may move
+    the pinned version: an update on purpose, or another branch)."""
+    tmp = tempfile.mkdtemp(prefix="verl-lab-prefs-")
+    here = os.path.dirname(pin)
+    for path in glob.glob(os.path.join(here, "*")):
+        if os.path.abspath(path) != os.path.abspath(pin) and os.path.isfile(path):
+            shutil.copy(path, tmp)
+    return tmp
 
 
-def foreign_branch(would: dict[str, str], branch: int) -> list[str]:
-    """The NVIDIA driver packages apt would install from another branch than ``branch`` (a package
-    of the chosen name that now depends on a newer branch, as archives do with retired branches)."""
-    wrong = []
-    for name, version in sorted(would.items()):
-        got = branch_of(version)
-        if ("nvidia" in name or name.startswith("libcuda")) and got is not None and got >= 300 and got != branch:
-            wrong.append(f"{name} {version}")
-    return wrong
+def candidate_json(package: str, version: str, log: Log) -> tuple[list[dict], str]:
+    """The supported-GPU list inside ``package`` at ``version``: downloaded with apt, unpacked with
+    dpkg-deb, never copied by hand. (chips, the file it came from)."""
+    work = tempfile.mkdtemp(prefix="verl-lab-gpus-")
+    try:
+        res = log.run(["apt-get", "download", f"{package}={version}"], check=False, env=APT_ENV, cwd=work)
+        debs = sorted(glob.glob(os.path.join(work, "*.deb")))
+        if res.returncode != 0 or not debs:
+            raise Failed(f"could not download {package} {version} to read its supported-GPU list; nothing was installed")
+        log.run(["dpkg-deb", "-x", debs[0], os.path.join(work, "x")])
+        found = sorted(glob.glob(os.path.join(work, "x", "**", "supported-gpus.json*"), recursive=True))
+        if not found:
+            raise Failed(f"{package} {version} carries no supported-gpus.json: the GPUs cannot be checked against "
+                         "it; nothing was installed. Install the driver yourself and keep driver = 'check'")
+        opener = gzip.open if found[0].endswith(".gz") else open
+        with opener(found[0], "rt", encoding="utf-8") as fh:
+            chips = apt.supported_chips(fh.read())
+        return chips, f"{package} {version}: {found[0].split(os.sep + 'x' + os.sep, 1)[-1]}"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def do_install(plan: dict, log: Log) -> None:
-    old = parse_pin(_read(plan["pin"]))
+def judge(plan: dict, sim: str, old: dict | None, log: Log, headers_only: bool) -> list[str]:
+    """Why the simulated install must not go ahead ([] : it may)."""
+    would, gone = apt.simulated(sim), apt.removed(sim)
+    if headers_only:
+        touched = apt.changed_driver_packages(would, gone)
+        return [f"installing the headers alone would change driver packages ({', '.join(touched)})"] if touched else []
+    problems = []
+    wrong = apt.foreign_branch(would, plan["branch"])
+    if wrong:
+        problems.append(f"the archive's packages for branch {plan['branch']} would install another branch: "
+                        f"{', '.join(wrong)}")
+    unasked = apt.unasked_removals(gone, (old or {}).get("packages") or [])
+    if unasked:
+        problems.append(f"apt would remove NVIDIA packages the stage did not install: {', '.join(unasked)} (a "
+                        "Conflicts with the chosen branch's packages); remove them yourself first, or keep "
+                        "driver = 'check'")
+    fm = plan.get("fabricmanager")
+    if fm and fm["package"] in would and would.get(plan["module_package"]) and \
+            box_state.upstream(would[fm["package"]]) != box_state.upstream(would[plan["module_package"]]):
+        problems.append(f"Fabric Manager {would[fm['package']]} is not the driver's version "
+                        f"{would[plan['module_package']]}: Fabric Manager refuses a driver of another version")
+    check = plan.get("supported_gpus")
+    if check and not problems:
+        version = would.get(check["package"]) or installed_version(check["package"])
+        if version:
+            chips, where = candidate_json(check["package"], version, log)
+            bad = apt.unsupported(chips, plan.get("gpus") or [], version, check.get("unlisted"))
+            if bad:
+                problems.append(f"the candidate driver's own list ({where}) does not support this box's GPUs: "
+                                f"{'; '.join(bad)}")
+            else:
+                log.say(f"ok    every GPU here is in {where}")
+    return problems
+
+
+def installed_version(package: str) -> str | None:
+    res = subprocess.run(["dpkg-query", "-W", "-f=${Version}", package], capture_output=True, text=True)
+    return res.stdout.strip() or None if res.returncode == 0 else None
+
+
+def restore(old: dict | None, held: list[str], plan: dict, log: Log) -> None:
+    """Put back the hold and the pin an install released."""
+    if held:
+        log.run(["apt-mark", "hold", *held], check=False)
     if old:
-        log.run(["apt-mark", "unhold", *old["packages"]], check=False)
-        os.remove(plan["pin"])
-        log.say(f"released the previous hold and pin ({old['version']}) to install branch {plan['branch']}")
+        write_pin(plan["pin"], old["text"])
+    log.say("restored the previous hold and pin")
+
+
+def do_install(plan: dict, log: Log, headers_only: bool = False) -> None:
+    state = read_box(plan)
+    if not headers_only:
+        why = busy_problem(plan, state)
+        if why:
+            raise Failed(why)
+    text = _read(plan["pin"])
+    old = box_state.parse_pin(text)
+    if old:
+        old["text"] = text
     log.run(["apt-get", "update"], env=APT_ENV)
-    wanted = [*plan["packages"], *plan["headers"]]
-    res = log.run([*APT_INSTALL, "--simulate", *wanted], check=False, env=APT_ENV)
+    fm = plan.get("fabricmanager")
+    wanted = list(plan["headers"]) if headers_only else \
+        [*plan["packages"], *([fm["package"]] if fm else []), *plan["headers"]]
+    if plan.get("update") and not headers_only:   # every installed package of the branch moves together
+        wanted += sorted({p["name"] for p in box_state.installed_from(state, plan["source"])} - set(wanted))
+    moves_pin = not headers_only and old is not None and (
+        plan.get("update") or box_state.branch_of(old["version"]) != plan["branch"])
+    opts = ["-o", f"Dir::Etc::PreferencesParts={prefs_without(plan['pin'])}"] if moves_pin else []
+    res = log.run([*APT_INSTALL, *opts, "--allow-change-held-packages", "--simulate", *wanted],
+                  check=False, env=APT_ENV)
+    kept = "the hold and the pin are as they were" if old else "nothing is held"
     if res.returncode != 0:
         errors = " ".join(line for line in (res.stdout + res.stderr).splitlines() if line.startswith("E:"))
         raise Failed(f"apt cannot install {' '.join(wanted)} from this box's archive ({errors or 'see the log'}); "
-                     f"nothing was installed. A missing {plan['headers'][0]} means the running kernel is not one of "
-                     f"{plan['distro']}'s: boot a kernel of the distro's archive (its headers let DKMS build the module)")
-    wrong = foreign_branch(simulated(res.stdout), plan["branch"])
-    if wrong:
-        raise Failed(f"the archive's packages for branch {plan['branch']} would install another branch: "
-                     f"{', '.join(wrong)}; nothing was installed. Branch {plan['branch']} was chosen for "
-                     f"{plan['chosen_for']}: install the driver yourself and keep driver = 'check'")
-    log.run(["apt-get", "-y", *APT_INSTALL[1:], *wanted], env=APT_ENV)
+                     f"nothing was installed ({kept}). A missing {plan['headers'][0]} means the running kernel is "
+                     f"not one of {plan['distro']}'s: boot a kernel of the distro's archive (its headers let DKMS "
+                     "build the module)")
+    problems = judge(plan, res.stdout, old, log, headers_only)
+    if problems:
+        raise Failed("; ".join(problems) + f"; nothing was installed ({kept}). Branch {plan['branch']} was chosen "
+                     f"for {plan['chosen_for']}")
+    would = {**apt.simulated(res.stdout), **apt.removed(res.stdout)}
+    held = sorted(p["name"] for p in state.get("packages", ()) if p["held"] and p["name"] in would)
+    unpinned = moves_pin and old is not None     # else the pin stays: a package comes back at the pinned version
+    if held or unpinned:
+        if held:
+            log.run(["apt-mark", "unhold", *held])
+        if unpinned:
+            os.remove(plan["pin"])
+        log.say(f"released {'the hold of ' + ' '.join(held) if held else 'no hold'} and "
+                f"{'the pin (' + old['version'] + ')' if unpinned else 'not the pin'} for the install the simulation "
+                "proved")
+    try:
+        log.run(["apt-get", "-y", *APT_INSTALL[1:], *opts, *wanted], env=APT_ENV)
+    except Failed:
+        if held or unpinned:
+            restore(old if unpinned else None, held, plan, log)
+        raise
+    if headers_only:
+        return
     do_hold(plan, log)
+    if fm:
+        log.run(["systemctl", "enable", fm["service"]])
     if subprocess.run(["sh", "-c", "command -v update-initramfs"], capture_output=True).returncode == 0:
         log.run(["update-initramfs", "-u"], check=False)     # the nouveau blacklist, also at early boot
 
 
+def write_pin(path: str, text: str) -> None:
+    part = path + ".part"
+    with open(part, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.chmod(part, 0o644)
+    os.replace(part, path)
+
+
 def do_hold(plan: dict, log: Log) -> None:
     state = read_box(plan)
-    pkgs = installed_from(state, plan["source"])
+    pkgs = box_state.installed_from(state, plan["source"])
     versions = sorted({p["version"] for p in pkgs})
     if len(versions) != 1:
         raise Failed(f"the packages of {plan['source']} installed here are at {', '.join(versions) or 'no version'}: "
                      "expected one version of the branch; nothing was held")
     names = sorted({p["name"] for p in pkgs})
-    log.run(["apt-mark", "hold", *names])
-    text = pin_text(names, versions[0], plan)
-    part = plan["pin"] + ".part"
-    with open(part, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.chmod(part, 0o644)
-    os.replace(part, plan["pin"])
-    log.say(f"held {len(names)} packages of {plan['source']} at {versions[0]} (apt-mark hold, {plan['pin']})")
+    stanzas = [(names, versions[0])]
+    fm = plan.get("fabricmanager")
+    if fm:
+        fms = [p for p in state.get("packages", ()) if p["name"] == fm["package"] and p["installed"]]
+        if not fms:
+            raise Failed(f"{fm['package']} is not installed: an NVSwitch box needs Fabric Manager; nothing was held")
+        stanzas.append((sorted(p["name"] for p in fms), fms[0]["version"]))
+    every = [n for group, _ in stanzas for n in group]
+    log.run(["apt-mark", "hold", *every])
+    write_pin(plan["pin"], pin_text(stanzas, plan))
+    log.say(f"held {len(every)} packages of {plan['source']} at {versions[0]} (apt-mark hold, {plan['pin']})")
 
 
-def pin_text(names: list[str], version: str, plan: dict) -> str:
-    return (f"# verl-lab driver stage: NVIDIA driver branch {plan['branch']} ({plan['source']} {version}),\n"
+def pin_text(stanzas: list[tuple[list[str], str]], plan: dict) -> str:
+    names, version = stanzas[0]
+    head = (f"# verl-lab driver stage: NVIDIA driver branch {plan['branch']} ({plan['source']} {version}),\n"
             f"# chosen for {plan['chosen_for']}. The packages are also held (apt-mark hold), so neither\n"
             "# unattended-upgrades nor apt upgrade replaces the user-space libraries under the loaded module.\n"
-            "# To change the driver: re-run the driver stage, or apt-mark unhold them and remove this file.\n"
-            f"Package: {' '.join(names)}\nPin: version {version}\nPin-Priority: 1001\n")
+            "# To take a newer build of this branch (security updates): set driver_update = True and re-run the\n"
+            "# driver stage on an idle box; it moves this pin once apt proved the new build.\n")
+    return head + "\n".join(f"Package: {' '.join(n)}\nPin: version {v}\nPin-Priority: 1001\n" for n, v in stanzas)
+
+
+def cuda_init() -> int:
+    """cuInit(0) through the installed libcuda: 0 when CUDA can use the GPUs."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return -1
+    return int(lib.cuInit(0))
 
 
 def do_prove(plan: dict, log: Log) -> str:
     state = read_box(plan)
-    v = verdict(state, plan["module_package"])
+    v = box_state.verdict(state, plan["module_package"])
     if v["verdict"] != "loaded":
         raise Failed(f"the driver is not loaded: {v['reason']}")
     installed = v["installed"]
@@ -372,6 +317,13 @@ def do_prove(plan: dict, log: Log) -> str:
     if other:
         raise Failed(f"nvidia-smi reports driver {other[0][-1].strip()} for GPU {other[0][0]}, not {installed}")
     log.say(f"ok    nvidia-smi: {len(rows)} GPU(s), driver {installed}")
+    if plan.get("fabricmanager"):
+        rc = cuda_init()
+        if rc != 0:
+            raise Failed(f"cuInit failed ({rc}: {CUDA_ERRORS.get(rc, 'see cuda.h')}): nvidia-smi answers, CUDA does not. "
+                         f"See `systemctl status {plan['fabricmanager']['service']}` and "
+                         "/var/log/fabricmanager.log")
+        log.say("ok    cuInit: CUDA initialises the GPUs through the NVSwitch fabric")
     return installed
 
 
@@ -383,19 +335,9 @@ def _read(path: str) -> str:
         return ""
 
 
-def _gpu():
-    """gpu.py: the package's sibling in the repo, ``verl_lab_gpu.py`` beside this file on a box."""
-    try:
-        from verl_lab_box import gpu
-    except ImportError:
-        sys.path.insert(0, HERE)
-        import verl_lab_gpu as gpu
-    return gpu
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("install", "hold", "verdict", "load", "prove"))
+    parser.add_argument("command", choices=("install", "headers", "hold", "verdict", "load", "prove"))
     parser.add_argument("--plan", required=True, help="driver-plan.json written by the driver stage")
     args = parser.parse_args(argv)
     with open(args.plan, encoding="utf-8") as fh:
@@ -404,15 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     log = Log(plan.get("log") if args.command != "verdict" else None,
               sys.stderr if args.command == "prove" else None)
     try:
-        if args.command == "install":
-            do_install(plan, log)
+        if args.command in ("install", "headers"):
+            do_install(plan, log, headers_only=args.command == "headers")
         elif args.command == "hold":
             do_hold(plan, log)
         elif args.command == "verdict":
-            print(json.dumps(verdict(read_box(plan), plan["module_package"])))
+            print(json.dumps(box_state.verdict(read_box(plan), plan["module_package"])))
         elif args.command == "load":
             log.run(["modprobe", "nvidia"])
             log.run(["modprobe", "nvidia-uvm"], check=False)
+            if plan.get("fabricmanager"):
+                log.run(["systemctl", "start", plan["fabricmanager"]["service"]])
         else:
             print(do_prove(plan, log))
     except Failed as exc:

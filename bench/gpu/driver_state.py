@@ -15,13 +15,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tasks.driver import PIN_FILE, SOURCES_FILE  # noqa: E402
+from tasks.driver_choice import load_table  # noqa: E402
+from tasks.driver_plan import PIN_FILE, SOURCES_FILE  # noqa: E402
 from tasks.settings import TRAIN_UNIT  # noqa: E402
-from verl_lab_box.nvidia_driver import fact_command  # noqa: E402
+from verl_lab_box.nvidia_driver_state import fact_command  # noqa: E402
 
 
 def main(out_dir: str) -> int:
-    command = fact_command(PIN_FILE, TRAIN_UNIT, SOURCES_FILE)
+    command = fact_command(PIN_FILE, TRAIN_UNIT, SOURCES_FILE, tuple(load_table().watch()))
     fact = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
     extra = subprocess.run(["sh", "-c", "cat /etc/os-release; nvidia-smi --query-gpu=index,name,compute_cap,"
                                         "driver_version --format=csv,noheader; uname -r"], capture_output=True, text=True)

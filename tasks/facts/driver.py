@@ -1,14 +1,14 @@
 """The driver fact: what the driver stage (``driver = "install"``) decides from, in one command.
 
-The command and its parser are box-side code (``verl_lab_box/nvidia_driver.py``, which reads the
-box the same way when its ``verdict`` runs there); this module is the pyinfra fact around them.
+The command and its parser are box-side code (``verl_lab_box/nvidia_driver_state.py``; ``nvidia_driver.py`` reads
+the box the same way when its ``verdict`` runs there); this module is the pyinfra fact around them.
 """
 
 from __future__ import annotations
 
 from pyinfra.api import FactBase
 
-from verl_lab_box.nvidia_driver import fact_command, parse_fact_output
+from verl_lab_box.nvidia_driver_state import fact_command, parse_fact_output
 
 
 class DriverState(FactBase[dict]):
@@ -16,14 +16,19 @@ class DriverState(FactBase[dict]):
     installer, the installed NVIDIA packages (name, source package, version, installed, held), the
     stage's apt pin (``pin``), the loaded module (/proc/driver/nvidia/version), nouveau, the module
     built for the running kernel (modinfo) and DKMS's status, the NVIDIA display controllers on
-    the PCI bus (lspci, or sysfs ids), whether the training unit (``unit``) is active, and the text
-    of each apt sources file but ``skip_sources`` (the stage's own)::
+    the PCI bus (lspci, or sysfs ids) and its NVSwitches, whether the training unit (``unit``) is
+    active, the processes holding /dev/nvidia*, the kernel's lockdown mode, the Origin of each apt
+    list, the archive's versions (``apt-cache madison``) of ``watch`` and of every installed NVIDIA
+    DKMS package, and the text of each apt sources file but ``skip_sources`` (the stage's own)::
 
         {"kernel": "6.1.0-26-amd64", "secure_boot": {"state": "disabled", "said": "SecureBoot disabled"},
          "runfile": {"uninstaller": None, "installer_version": None, "libs": {path: owner package or None}},
          "packages": [{"name", "source", "version", "installed", "held"}], "pin": {"packages", "version"} | None,
          "loaded": "535.261.03" | None, "nouveau": False, "built": {"module", "version"} | None,
-         "dkms": [lines], "pci": [{"slot", "name", "device"}], "unit_active": False, "sources": {path: text}}
+         "dkms": [lines], "pci": [{"slot", "name", "device"}], "nvswitches": [{"slot", "name", "device"}],
+         "unit_active": False, "busy": [[pid, comm]], "lockdown": "integrity" | None,
+         "origins": {"deb.debian.org_debian_dists_bookworm": "Debian"},
+         "archive": {package: [{"version", "from"}]}, "sources": {path: text}}
 
     The default (no output): nothing known, the same dict with empty values.
     """
@@ -32,8 +37,8 @@ class DriverState(FactBase[dict]):
     def default() -> dict:
         return parse_fact_output("")
 
-    def command(self, pin: str, unit: str, skip_sources: str = "") -> str:
-        return fact_command(pin, unit, skip_sources)
+    def command(self, pin: str, unit: str, skip_sources: str = "", watch: list[str] | tuple[str, ...] = ()) -> str:
+        return fact_command(pin, unit, skip_sources, tuple(watch))
 
     def process(self, output) -> dict:
         return parse_fact_output("\n".join(output))

@@ -26,6 +26,7 @@ import re
 
 import pytest
 
+from tests.fixtures.driver.unattended import would_upgrade
 from tests.fixtures.standins import driver as standin
 from tests.lab import BoxSpec
 
@@ -36,7 +37,7 @@ MARKER = "/opt/verl-lab/markers/driver.done"
 LIBEXEC = "/opt/verl-lab/libexec/driver"
 KERNEL = os.uname().release
 REFUSED = ["sb", "runfile", "rocky", "k80", "h200"]
-DRIVER_BOXES = ["deb12", "nohdr", *REFUSED]
+DRIVER_BOXES = ["deb12", "nohdr", "p590", *REFUSED]
 HELD_AT_LEAST = {"nvidia-driver", "nvidia-kernel-dkms", "libcuda1", "nvidia-smi", "libnvidia-ml1", "firmware-nvidia-gsp"}
 SECURITY = ("Types: deb\nURIs: http://security.debian.org/debian-security\nSuites: bookworm-security\n"
             "Components: main contrib non-free non-free-firmware\n"
@@ -53,12 +54,14 @@ def lab(lab_factory):
         BoxSpec("rocky", gpu="t4"),
         BoxSpec("k80", gpu="k80", driver="470.256.02"),
         BoxSpec("h200", gpu="h200"),                         # R535 does not list the H200
+        BoxSpec("p590", gpu="p40", driver="590.44.01"),      # NVIDIA's CUDA repository's 590 on a Pascal box
         BoxSpec("plain", gpu="t4"),                          # driver = "check"
     ])
     standin.install_headers(lab.box("deb12"), standin.kernel_headers_deb(lab.dir))
     standin.secure_boot_on(lab.box("sb"))
     standin.runfile_traces(lab.box("runfile"))
     standin.unknown_distro(lab.box("rocky"))
+    standin.nvidia_590_from_cuda_repo(lab.box("p590"), lab.dir)
     return lab
 
 
@@ -93,7 +96,7 @@ def installed_version(box, package: str) -> str:
     ("rocky", ["does not know 'Rocky Linux 9.4 (Blue Onyx)'", "ID=rocky"]),
     ("k80", ["Tesla K80 (3.7): the pinned stack (torch 2.6.0+cu118, CUDA 11.8) cannot run this GPU",
              "NVIDIA's last driver branch for Kepler GPUs is R470"]),
-    ("h200", ["Debian 12 (bookworm) ships R535; this box needs R550 or newer", "the H200 needs R550"]),
+    ("h200", ["Debian 12 (bookworm) ships R535; this box needs R550 or newer", "the NVIDIA H200 needs R550"]),
 ])
 def test_refusals_fire_before_any_change(lab, converged, name, said):
     assert name in converged.failed_hosts, converged
@@ -168,8 +171,7 @@ def test_unattended_upgrades_cannot_replace_the_held_driver(lab, converged):
     assert newer and all(v != version for v in newer), f"no newer build to hold back:\n{policy}"
     assert f"Candidate: {version}" in policy
     dry = box.ssh("unattended-upgrade --dry-run --debug 2>&1", timeout=600).stdout
-    would = re.search(r"^Packages that will be upgraded: (.*)$", dry, re.M)
-    upgraded = set(would.group(1).split()) if would else set()
+    upgraded = would_upgrade(dry)           # fails when the dry run upgraded nothing: then it checked nothing
     assert not upgraded & (held(box) | HELD_AT_LEAST), upgraded
     dist = box.ssh("apt-get -s dist-upgrade").stdout
     assert re.search(r"^Inst ", dist, re.M), "the security suite brings nothing to upgrade: the check proves nothing"
@@ -177,6 +179,100 @@ def test_unattended_upgrades_cannot_replace_the_held_driver(lab, converged):
     rerun = deploy(lab, hosts=["deb12"])
     assert rerun.changed_by_host.get("deb12", 0) == 0, rerun.changed_ops
     assert installed_version(box, "nvidia-driver") == version
+
+
+def test_a_590_driver_on_a_pascal_box_is_refused(lab, converged):
+    """NVIDIA's CUDA repository's 590 carries Debian's package and source names: before, the plan
+    said "hold" and marked R535 on a box running a branch that no longer supports Pascal."""
+    assert "p590" in converged.failed_hosts
+    out = converged.output
+    assert ("verl-lab driver: p590: nothing was changed by the driver stage:" in out
+            and "the installed NVIDIA kernel module is nvidia-kernel-dkms 590.44.01-1 (R590, from no archive this box "
+                "lists" in out), converged.tail(60)
+    assert "R535 was chosen" in out and "R590 is outside what the GPUs here run (R520 .. R580)" in out
+    box = lab.box("p590")
+    for path in (SOURCES, PIN, BLACKLIST, MARKER, LIBEXEC):
+        assert not box.exists(path), path
+    assert installed_version(box, "nvidia-driver") == "590.44.01-1" and not held(box)
+
+
+# ---------------------------------------------------------------- a working box is never broken
+# (on deb12, after the security suite was added above: a newer 535 build is in its archive)
+
+
+def pinned(box) -> str:
+    return box.read_text(PIN)
+
+
+def test_an_install_is_refused_while_the_training_unit_runs(lab):
+    box = lab.box("deb12")
+    version, pin, holds = installed_version(box, "nvidia-driver"), pinned(box), held(box)
+    box.ssh("systemd-run --unit=verl-lab-train.service --description='stand-in training' sleep infinity")
+    try:
+        res = deploy(lab, hosts=["deb12"], driver_update=True)
+    finally:
+        box.ssh("systemctl stop verl-lab-train.service", check=False)
+    assert res.failed_hosts == ["deb12"]
+    assert "verl-lab-train.service is active: the driver stage changes no driver package under a running job" \
+        in res.output and "set train_unit_state = 'stopped'" in res.output, res.tail(40)
+    assert (installed_version(box, "nvidia-driver"), pinned(box), held(box)) == (version, pin, holds)
+    assert res.changed_by_host.get("deb12", 0) == 0, res.changed_ops
+
+
+def test_a_failed_simulation_keeps_the_hold_and_the_pin(lab):
+    """nvidia-smi removed and the kernel's headers gone: the stage plans an install, apt's
+    simulation fails (no archive has the headers), and the hold and the pin are as they were
+    (before: both were released before apt-get update and never put back)."""
+    box = lab.box("deb12")
+    pin, holds = pinned(box), held(box)
+    box.ssh(f"dpkg -r --force-hold,depends nvidia-smi linux-headers-{KERNEL} >/dev/null")
+    res = deploy(lab, hosts=["deb12"])
+    assert res.failed_hosts == ["deb12"]
+    assert f"Unable to locate package linux-headers-{KERNEL}" in res.output
+    assert "nothing was installed (the hold and the pin are as they were)" in res.output, res.tail(40)
+    assert pinned(box) == pin and holds - {"nvidia-smi"} <= held(box)
+
+
+def test_a_missing_package_comes_back_at_the_held_version_not_the_newer_build(lab):
+    """The same box, the headers now installable (a local repository): the install puts nvidia-smi
+    back at the pinned version although the security suite carries a newer build."""
+    box = lab.box("deb12")
+    version, pin = installed_version(box, "nvidia-driver"), pinned(box)
+    standin.serve_from_local_repo(box, [standin.kernel_headers_deb(lab.dir)])
+    res = deploy(lab, hosts=["deb12"])
+    assert installed_version(box, "nvidia-smi") == version and installed_version(box, "nvidia-driver") == version
+    assert pinned(box) == pin and "nvidia-smi" in held(box), res.tail(40)
+
+
+def test_headers_alone_leave_the_driver_and_its_hold(lab):
+    """A new kernel (here: its headers removed) gets its headers alone: before, the install released
+    the hold and apt upgraded the driver itself to the security suite's build."""
+    box = lab.box("deb12")
+    version, pin, holds = installed_version(box, "nvidia-driver"), pinned(box), held(box)
+    box.ssh(f"dpkg -r linux-headers-{KERNEL} >/dev/null")
+    res = deploy(lab, hosts=["deb12"])
+    assert "the headers alone are installed, the driver and its hold stay as they are" in res.output, res.tail(40)
+    assert box.ssh(f"dpkg-query -W -f='${{Status}}' linux-headers-{KERNEL}").stdout.endswith("installed")
+    assert (installed_version(box, "nvidia-driver"), pinned(box), held(box)) == (version, pin, holds)
+    log = box.read_text("/opt/verl-lab/logs/driver.log")
+    assert "apt-mark" not in log[log.rindex("+ apt-get update"):]          # no hold released, none set
+
+
+def test_a_security_update_taken_on_purpose_moves_the_pin_and_a_rerun_changes_nothing(lab):
+    box = lab.box("deb12")
+    before = installed_version(box, "nvidia-driver")
+    newest = re.findall(r"^\s+(535\.\S+) 500\s*$", box.ssh("apt-cache policy nvidia-driver").stdout, re.M)[0]
+    assert newest != before
+    res = deploy(lab, hosts=["deb12"], driver_update=True)
+    after = installed_version(box, "nvidia-driver")
+    assert after == newest, res.tail(60)
+    assert installed_version(box, "nvidia-kernel-dkms") == after and installed_version(box, "libcuda1") == after
+    assert f"\nPin: version {after}\nPin-Priority: 1001\n" in pinned(box)
+    assert HELD_AT_LEAST <= held(box)
+    assert f"no nvidia kernel module {after.split('-')[0]} exists for the running kernel" in res.output
+    again = deploy(lab, hosts=["deb12"], driver_update=True)
+    assert again.changed_by_host.get("deb12", 0) == 0, again.changed_ops
+    assert installed_version(box, "nvidia-driver") == after
 
 
 def test_check_mode_asks_and_changes_nothing(lab):

@@ -25,7 +25,8 @@ LATE_IMPORTS = {
     "env_prove": {"torch", "vllm", "xformers", "verl"},      # the env's python proves its env
     "export_proof": {"torch", "transformers", "safetensors", "accelerate"},   # the env's python: the export's proof
     "gpu": {"pynvml"},                                       # read_nvml, in the training env
-    "nvidia_driver": {"verl_lab_gpu"},                       # gpu.py, shipped beside it on the box
+    "nvidia_driver": {"ctypes"},                             # cuInit, where the driver is proven
+    "nvidia_driver_state": {"verl_lab_gpu"},                 # gpu.py, shipped beside it on the box
     "gsm8k": {"pyarrow"},                                    # the env's pyarrow (verl's own)
     "gsm8k_score": {"pyarrow", "torch", "transformers", "verl", "vllm"},   # the env's python scores a model
     "hf_snapshot": {"huggingface_hub", "tqdm"},              # fetch: controller, or the env's python

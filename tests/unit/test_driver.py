@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 
 from tasks.cuda import CudaFacts, cuda_want, plan_cuda
-from tasks.driver import (Distro, DistroBranch, DriverFacts, GpuSeen, choose_branch, driver_want, gpus_seen,
-                          headers_packages, load_table, parse_sources, plan_driver, sources_to_add)
+from tasks.driver_choice import Distro, DistroBranch, GpuSeen, choose_branch, gpus_seen, load_table
+from tasks.driver_plan import DriverFacts, driver_want, plan_driver
+from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.plan import DOC_GPUS
 from tasks.settings import load_settings
 from tasks.target import decide_compiler
 from tests.lab.gpus import GPUS
-from verl_lab_box.nvidia_driver import verdict
+from verl_lab_box.nvidia_driver_state import verdict
 
 TABLE = load_table()
 BOOKWORM = {"ID": "debian", "VERSION_ID": "12", "PRETTY_NAME": "Debian GNU/Linux 12 (bookworm)"}
@@ -43,16 +44,40 @@ ARCH = {"3.7": "Kepler", "5.2": "Maxwell", "6.0": "Pascal", "6.1": "Pascal", "7.
         "12.0": "Blackwell"}
 
 
+# The branch each GPU gets, written out by hand from NVIDIA's facts, not from the code's rule:
+# (Debian 12, Ubuntu 22.04, Ubuntu 24.04, FUTURE). Kepler: R470 is its last, CUDA 11.8 needs R520;
+# Blackwell: CUDA 11.8 has no code for it; the H200: R550 or newer (Debian 12 ships R535 alone);
+# Maxwell, Pascal, Volta: R580 is their last (FUTURE's R590 drops them); Ubuntu ships R580 alone
+# (its 535-server packages are wrappers that depend on 580-server).
+EXPECTED = {
+    ('NVIDIA A10', '8.6'): (535, 580, 580, 590),
+    ('NVIDIA A100-SXM4-80GB', '8.0'): (535, 580, 580, 590),
+    ('NVIDIA B200', '10.0'): (None, None, None, None),
+    ('NVIDIA GeForce GTX 1080', '6.1'): (535, 580, 580, 580),
+    ('NVIDIA GeForce GTX 1080 Ti', '6.1'): (535, 580, 580, 580),
+    ('NVIDIA GeForce RTX 2080 Ti', '7.5'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 3060', '8.6'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 3080', '8.6'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 3090', '8.6'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 4060', '8.9'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 4090', '8.9'): (535, 580, 580, 590),
+    ('NVIDIA GeForce RTX 5090', '12.0'): (None, None, None, None),
+    ('NVIDIA H100 80GB HBM3', '9.0'): (535, 580, 580, 590),
+    ('NVIDIA H200', '9.0'): (None, 580, 580, 590),
+    ('NVIDIA L4', '8.9'): (535, 580, 580, 590),
+    ('NVIDIA L40S', '8.9'): (535, 580, 580, 590),
+    ('Tesla K80', '3.7'): (None, None, None, None),
+    ('Tesla M40', '5.2'): (535, 580, 580, 580),
+    ('Tesla P100-PCIE-16GB', '6.0'): (535, 580, 580, 580),
+    ('Tesla P40', '6.1'): (535, 580, 580, 580),
+    ('Tesla T4', '7.5'): (535, 580, 580, 590),
+    ('Tesla V100-SXM2-16GB', '7.0'): (535, 580, 580, 580),
+    ('Tesla V100-SXM2-32GB', '7.0'): (535, 580, 580, 580),
+}
+
+
 def expected(name: str, cc: str, distro: Distro) -> int | None:
-    """The branch the rules give, written out: no branch for Kepler (R470 < CUDA 11.8's R520) or
-    Blackwell (CUDA 11.8 has no code for it); the H200 needs R550 (Debian 12 ships R535 only);
-    otherwise the newest the distro ships, at most R580 for Maxwell, Pascal and Volta."""
-    arch = ARCH[cc]
-    if arch in ("Kepler", "Blackwell") or ("H200" in name and distro is DEBIAN):
-        return None
-    if arch in ("Maxwell", "Pascal", "Volta"):
-        return max(b.branch for b in distro.branches if b.branch <= 580)
-    return max(b.branch for b in distro.branches)
+    return EXPECTED[(name, cc)][[DEBIAN, UBUNTU22, UBUNTU24, FUTURE].index(distro)]
 
 
 def test_the_catalog_covers_every_generation():
@@ -110,7 +135,7 @@ def test_refusal_reasons_name_the_rule():
     assert kepler.startswith("Tesla K80 (3.7): the pinned stack (torch 2.6.0+cu118, CUDA 11.8) cannot run this GPU")
     assert "NVIDIA's last driver branch for Kepler GPUs is R470, older than CUDA 11.8 needs" in kepler
     h200 = choose_branch([GpuSeen("NVIDIA H200", "9.0")], DEBIAN, TABLE, 520).problems[0]
-    assert "Debian 12 (bookworm) ships R535; this box needs R550 or newer" in h200
+    assert "Debian 12 (bookworm) ships R535; this box needs R550 or newer" in h200 and "the NVIDIA H200 needs R550" in h200
     b200 = choose_branch([GpuSeen("NVIDIA B200", "10.0")], UBUNTU24, TABLE, 520).problems[0]
     assert "compute capability 10.0 (Blackwell): torch 2.6.0+cu118 ships GPU code for" in b200
     odd = choose_branch([GpuSeen("PCI device 10de:2335", None, "Device")], UBUNTU24, TABLE, 520).problems[0]
@@ -123,20 +148,46 @@ def test_gpus_from_lspci_use_the_chip_code():
     pascal = GpuSeen("GP102GL [Tesla P40]", None, "GP102GL [Tesla P40]")
     hopper = GpuSeen("GH100[H100 SXM5 80GB]", None, "GH100[H100 SXM5 80GB]")
     assert choose_branch([pascal, hopper], FUTURE, TABLE, 520).branch.branch == 580
-    h200 = GpuSeen("GH100 [H200 SXM 141GB]", None, "GH100 [H200 SXM 141GB]")
-    assert choose_branch([h200], DEBIAN, TABLE, 520).branch is None           # the name says H200
+    h200 = GpuSeen("GH100 [H200 SXM 141GB]", None, "GH100 [H200 SXM 141GB]", "2335")
+    assert choose_branch([h200], DEBIAN, TABLE, 520).branch is None           # its PCI device ID is the H200's
+    # a word of the name is not the GPU: an "H200"-named device of another ID is not taken for one
+    other = GpuSeen("GH100 [H200-like]", None, "GH100 [H200-like]", "2330")
+    assert choose_branch([other], DEBIAN, TABLE, 520).branch.branch == 535
+    assert choose_branch([GpuSeen("NVIDIA H200", "9.0")], DEBIAN, TABLE, 520).branch is None     # nvidia-smi's name
+    assert choose_branch([GpuSeen("NVIDIA H200 NVL-ish", "9.0")], UBUNTU24, TABLE, 520).reason.count("R550") == 0
     unknown = GpuSeen("PCI device 10de:2335", None, "Device")
     assert "architecture cannot be told" in choose_branch([unknown], UBUNTU24, TABLE, 520).problems[0]
 
 
-def test_gpus_seen_prefers_nvidia_smi_then_lspci_then_gpu_override():
+def test_gpus_seen_prefers_gpu_override_then_nvidia_smi_then_lspci():
     inv = GpuInventory(gpus=(Gpu(0, "Tesla T4", "7.5", 15360, 15000, "535.104.05"),))
     pci = [{"slot": "3b:00.0", "name": "GP102GL [Tesla P40]", "device": "1b38"}]
     override = {"name": "Tesla V100-SXM2-32GB", "compute_capability": "7.0", "memory_mib": 32768, "count": 2}
-    assert gpus_seen(inv, pci, override) == ((GpuSeen("Tesla T4", "7.5"),), "nvidia-smi")
-    assert gpus_seen(GpuInventory(problem="no smi"), pci, override)[1] == "lspci"
-    assert gpus_seen(None, [], override) == ((GpuSeen("Tesla V100-SXM2-32GB", "7.0"),) * 2, "gpu_override")
+    v100s = ((GpuSeen("Tesla V100-SXM2-32GB", "7.0"),) * 2, "gpu_override")
+    assert gpus_seen(inv, pci, override) == v100s            # set: it wins over what the box says
+    assert gpus_seen(GpuInventory(problem="no smi"), pci, override) == v100s
+    assert gpus_seen(inv, pci, None) == ((GpuSeen("Tesla T4", "7.5"),), "nvidia-smi")
+    assert gpus_seen(GpuInventory(problem="no smi"), pci, None)[1] == "lspci"
     assert gpus_seen(None, [], None) == ((), "none")
+
+
+def test_gpu_override_answers_the_refusal_that_names_it():
+    """lspci lists a device pci.ids does not know: the refusal says to set gpu_override; set, it is used."""
+    state = case("no_driver_nouveau_lspci")
+    seen, source = gpus_seen(None, state["pci"], None)
+    refused = plan_driver(want(), DriverFacts(NOBLE, state, seen, source, None))
+    assert refused.action == "refuse" and "Set gpu_override" in refused.problems[0]
+    override = {"name": "NVIDIA H200", "compute_capability": "9.0", "memory_mib": 143771, "count": 1}
+    seen, source = gpus_seen(None, state["pci"], override)
+    plan = plan_driver(want(), DriverFacts(NOBLE, state, seen, source, None))
+    assert plan.action == "install" and plan.box_plan["chosen_for"] == "NVIDIA H200 (9.0) (read by gpu_override)"
+    # what the install checks against the package's supported-gpus.json: the bus's device IDs, not the override
+    assert plan.box_plan["gpus"] == [{"name": "GP102GL [Tesla P40]", "device": "1b38"},
+                                     {"name": "Device", "device": "2335"}]
+    assert plan.box_plan["supported_gpus"]["package"] == "nvidia-kernel-common-580-server"
+    no_bus = plan_driver(want(), facts(case("debian12_fresh")))                 # a container: nvidia-smi's names
+    assert no_bus.box_plan["gpus"] == [{"name": "Tesla P40", "device": None}]
+    assert no_bus.box_plan["supported_gpus"]["package"] == "nvidia-driver"
 
 
 # ---------------------------------------------------------------- apt sources and headers
@@ -229,7 +280,24 @@ def test_done_only_when_loaded_held_pinned_and_marked():
     assert plan_driver(want(), facts(nopin, marker=marker)).action == "hold"
     noheaders = copy.deepcopy(state)
     noheaders["headers_installed"] = False                                            # booted a new kernel
-    assert plan_driver(want(), facts(noheaders, marker=marker)).action == "install"
+    headers = plan_driver(want(), facts(noheaders, marker=marker))
+    assert headers.action == "headers" and "the driver and its hold stay as they are" in headers.reason
+
+
+def test_no_driver_change_while_the_training_unit_runs_or_a_process_holds_the_gpu():
+    """An install (the driver packages change) is refused on a box that trains; the headers alone
+    are not a driver change."""
+    active = dict(case("debian12_fresh"), unit_active=True)
+    plan = plan_driver(want(), facts(active))
+    assert plan.action == "refuse" and "verl-lab-train.service is active" in plan.problems[0]
+    assert "set train_unit_state = 'stopped'" in plan.problems[0]
+    busy = dict(case("debian12_fresh"), busy=[["4242", "python3"]])
+    assert "processes hold /dev/nvidia* (4242 (python3))" in plan_driver(want(), facts(busy)).problems[0]
+    daemon = dict(case("debian12_fresh"), busy=[["811", "nvidia-persiste"]])     # the persistence daemon: no job
+    assert plan_driver(want(), facts(daemon)).action == "install"
+    held = dict(loaded(case("debian12_held_no_module")), unit_active=True, headers_installed=False)
+    assert plan_driver(want(), facts(held)).action == "headers"
+    assert plan_driver(want(), facts(dict(held, headers_installed=True))).action == "settle"
 
 
 def test_refusals_on_recorded_states():

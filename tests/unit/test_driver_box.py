@@ -9,15 +9,18 @@ and the reboot onto a new driver cannot run in the lab (tests/e2e/test_driver.py
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tasks import driver as stage
+from tasks import driver_settle as stage
 from verl_lab_box import nvidia_driver as box
+from verl_lab_box import nvidia_driver_apt as apt
+from verl_lab_box import nvidia_driver_state as st
+
+REAL_RUN = subprocess.run
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 SIMULATE = (FIX / "driver" / "apt-simulate-bookworm.txt").read_text()
@@ -30,50 +33,62 @@ def recorded(name: str) -> str:
 
 
 def test_simulate_parsing_and_the_branch_check_on_real_apt_output():
-    would = box.simulated(SIMULATE)
+    would = apt.simulated(SIMULATE)
     assert len(would) == 110 and would["nvidia-driver"] == "535.261.03-1" and would["libcuda1"] == "535.261.03-1"
     assert would["nvidia-modprobe"] == "535.161.07-1~deb12u1"          # another source, same branch
-    assert box.foreign_branch(would, 535) == []                          # libllvm15 1:15.0.6 etc. are not drivers
-    assert "nvidia-driver 535.261.03-1" in box.foreign_branch(would, 580)
+    assert apt.foreign_branch(would, 535) == []                          # libllvm15 1:15.0.6 etc. are not drivers
+    assert "nvidia-driver 535.261.03-1" in apt.foreign_branch(would, 580)
     # composed in Ubuntu's format: a retired branch's name that now brings the next branch
-    transitional = box.simulated("Inst nvidia-headless-570-server (580.95.05-0ubuntu0.24.04.2 Ubuntu:24.04/noble-updates"
+    transitional = apt.simulated("Inst nvidia-headless-570-server (580.95.05-0ubuntu0.24.04.2 Ubuntu:24.04/noble-updates"
                                  " [amd64])\nInst nvidia-dkms-580-server (580.95.05-0ubuntu0.24.04.2 Ubuntu:24.04/noble-"
                                  "updates [amd64])\n")
-    assert box.foreign_branch(transitional, 570) == ["nvidia-dkms-580-server 580.95.05-0ubuntu0.24.04.2",
+    assert apt.foreign_branch(transitional, 570) == ["nvidia-dkms-580-server 580.95.05-0ubuntu0.24.04.2",
                                                      "nvidia-headless-570-server 580.95.05-0ubuntu0.24.04.2"]
 
 
 def test_versions():
-    assert box.upstream("535.261.03-1") == "535.261.03"
-    assert box.upstream("535.309.01-0+deb12u1") == "535.309.01"
-    assert box.upstream("580.173.02-0ubuntu0.24.04.1") == "580.173.02"
-    assert box.branch_of("1:15.0.6-4+b1") == 15 and box.branch_of(None) is None
+    assert st.upstream("535.261.03-1") == "535.261.03"
+    assert st.upstream("535.309.01-0+deb12u1") == "535.309.01"
+    assert st.upstream("580.173.02-0ubuntu0.24.04.1") == "580.173.02"
+    assert st.branch_of("1:15.0.6-4+b1") == 15 and st.branch_of(None) is None
 
 
 def test_pin_text_reads_back():
     plan = {"branch": 535, "source": "nvidia-graphics-drivers", "chosen_for": "Tesla P40 (6.1)"}
-    text = box.pin_text(["libcuda1", "nvidia-driver"], "535.261.03-1", plan)
-    assert box.parse_pin(text) == {"packages": ["libcuda1", "nvidia-driver"], "version": "535.261.03-1"}
+    text = box.pin_text([(["libcuda1", "nvidia-driver"], "535.261.03-1")], plan)
+    assert st.parse_pin(text) == {"packages": ["libcuda1", "nvidia-driver"], "version": "535.261.03-1",
+                                  "stanzas": [{"packages": ["libcuda1", "nvidia-driver"], "version": "535.261.03-1"}]}
+    assert "set driver_update = True" in text and "re-run the driver stage to change" not in text
     assert text.endswith("Package: libcuda1 nvidia-driver\nPin: version 535.261.03-1\nPin-Priority: 1001\n")
-    assert box.parse_pin("") is None
+    assert st.parse_pin("") is None
 
 
 class FakeBox:
-    """subprocess.run as the box answers it: the fact command, apt, dpkg, nvidia-smi."""
+    """subprocess.run as the box answers it: the fact command (``states``: one a read, the last
+    repeated), apt, dpkg, nvidia-smi. ``install_rc``: the real install's exit status."""
 
-    def __init__(self, state_text: str, simulate: tuple[int, str] = (0, SIMULATE), smi: tuple[int, str] = (0, "")):
-        self.state_text, self.simulate, self.smi = state_text, simulate, smi
+    def __init__(self, states, simulate: tuple[int, str] = (0, SIMULATE), smi: tuple[int, str] = (0, ""),
+                 install_rc: int = 0, download=None):
+        self.states = [states] if isinstance(states, str) else list(states)
+        self.simulate, self.smi, self.install_rc, self.download = simulate, smi, install_rc, download
         self.calls: list[list[str]] = []
 
-    def __call__(self, argv, capture_output=True, text=True, env=None, **kw):
+    def __call__(self, argv, capture_output=True, text=True, env=None, cwd=None, **kw):
         self.calls.append(list(argv))
         out, rc = "", 0
         if argv[:2] == ["sh", "-c"] and "verl-lab-driver" in argv[2]:
-            out = self.state_text
+            out = self.states.pop(0) if len(self.states) > 1 else self.states[0]
         elif argv[:2] == ["sh", "-c"]:
             rc = 1                                   # command -v update-initramfs: not in a lab box
         elif "--simulate" in argv:
             rc, out = self.simulate
+        elif argv[:3] == ["apt-get", "-y", "install"]:
+            rc = self.install_rc
+        elif argv[:2] == ["apt-get", "download"] and self.download:
+            import shutil
+            shutil.copy(self.download, cwd)          # the real package, from the tests' cache
+        elif argv[:2] == ["dpkg-deb", "-x"]:
+            return REAL_RUN(argv, capture_output=True, text=True)            # the real dpkg-deb
         elif argv[0] == "nvidia-smi":
             rc, out = self.smi
         return subprocess.CompletedProcess(argv, rc, out, "")
@@ -95,16 +110,17 @@ def run_main(monkeypatch, tmp_path, plan, fake, command):
 
 
 def test_install_resolves_then_installs_then_holds_and_pins(monkeypatch, tmp_path, plan):
-    fake = FakeBox(recorded("debian12_held_no_module"))
+    fake = FakeBox([recorded("debian12_fresh"), recorded("debian12_held_no_module")])
     assert run_main(monkeypatch, tmp_path, plan, fake, "install") == 0
-    apt = [c for c in fake.calls if c[0] in ("apt-get", "apt-mark")]
-    assert apt[0] == ["apt-get", "update"]
-    assert apt[1][:3] == ["apt-get", "install", "--no-install-recommends"] and "--simulate" in apt[1]
-    assert apt[1][-5:] == ["nvidia-driver", "nvidia-smi", "libcuda1", "linux-headers-6.1.0-26-amd64", "linux-headers-amd64"]
-    assert apt[2][:3] == ["apt-get", "-y", "install"] and "--simulate" not in apt[2] and apt[2][-5:] == apt[1][-5:]
-    assert apt[3][:2] == ["apt-mark", "hold"] and {"nvidia-driver", "libcuda1", "nvidia-kernel-dkms"} <= set(apt[3])
+    cmds = [c for c in fake.calls if c[0] in ("apt-get", "apt-mark")]
+    assert cmds[0] == ["apt-get", "update"]
+    assert cmds[1][:3] == ["apt-get", "install", "--no-install-recommends"] and "--simulate" in cmds[1]
+    assert cmds[1][-5:] == ["nvidia-driver", "nvidia-smi", "libcuda1", "linux-headers-6.1.0-26-amd64", "linux-headers-amd64"]
+    assert cmds[2][:3] == ["apt-get", "-y", "install"] and "--simulate" not in cmds[2] and cmds[2][-5:] == cmds[1][-5:]
+    assert cmds[3][:2] == ["apt-mark", "hold"] and {"nvidia-driver", "libcuda1", "nvidia-kernel-dkms"} <= set(cmds[3])
     pin = Path(plan["pin"])
-    assert box.parse_pin(pin.read_text()) == {"packages": apt[3][2:], "version": "535.261.03-1"}
+    assert st.parse_pin(pin.read_text())["packages"] == cmds[3][2:]
+    assert st.parse_pin(pin.read_text())["version"] == "535.261.03-1"
     assert oct(pin.stat().st_mode & 0o777) == "0o644"
     assert "+ apt-get update" in Path(plan["log"]).read_text()
 
@@ -125,19 +141,106 @@ def test_install_refuses_a_name_that_brings_another_branch(monkeypatch, tmp_path
     assert "would install another branch: " in capsys.readouterr().err
 
 
-def test_install_releases_its_own_previous_hold_first(monkeypatch, tmp_path, plan):
-    Path(plan["pin"]).write_text(box.pin_text(["nvidia-driver"], "535.216.03-1", plan))
-    fake = FakeBox(recorded("debian12_held_no_module"))
-    assert run_main(monkeypatch, tmp_path, plan, fake, "install") == 0
-    assert fake.calls[0] == ["apt-mark", "unhold", "nvidia-driver"]
+def apt_calls(fake):
+    return [c for c in fake.calls if c[0] in ("apt-get", "apt-mark")]
+
+
+def held_state(pin_version="535.261.03-1") -> str:
+    return recorded("debian12_held_no_module")
+
+
+def write_old_pin(plan, version="535.261.03-1"):
+    text = box.pin_text([(["libcuda1", "nvidia-driver", "nvidia-kernel-dkms"], version)], plan)
+    Path(plan["pin"]).write_text(text)
+    return text
+
+
+def test_a_failed_simulation_keeps_the_hold_and_the_pin(monkeypatch, tmp_path, plan, capsys):
+    """Before: the hold was released and the pin deleted before apt-get update; a simulation that
+    failed left the box with neither."""
+    pin = write_old_pin(plan)
+    fake = FakeBox(held_state(), simulate=(100, NO_HEADERS))
+    assert run_main(monkeypatch, tmp_path, plan, fake, "install") == 1
+    assert not [c for c in fake.calls if c[:2] in (["apt-mark", "unhold"], ["apt-get", "-y"])]
+    assert Path(plan["pin"]).read_text() == pin
+    assert "the hold and the pin are as they were" in capsys.readouterr().err
+
+
+UPDATE = "".join(f"Inst {p} [535.261.03-1] (535.309.01-0+deb12u1 Debian-Security:12/oldstable-security [amd64])\n"
+                 for p in ("libcuda1", "nvidia-kernel-dkms", "nvidia-driver"))
+
+
+def test_an_update_releases_the_hold_only_for_the_proven_install_and_restores_it_when_that_fails(
+        monkeypatch, tmp_path, plan, capsys):
+    pin = write_old_pin(plan)
+    fake = FakeBox(held_state(), simulate=(0, UPDATE), install_rc=100)
+    assert run_main(monkeypatch, tmp_path, dict(plan, update=True), fake, "install") == 1
+    calls = apt_calls(fake)
+    sim = next(c for c in calls if "--simulate" in c)
+    assert any(o.startswith("Dir::Etc::PreferencesParts=") for o in sim)          # the pin may move: not read
+    assert calls.index(sim) < calls.index(next(c for c in calls if c[:2] == ["apt-mark", "unhold"]))
+    assert calls[-1][:2] == ["apt-mark", "hold"] and Path(plan["pin"]).read_text() == pin     # put back
+    assert "restored the previous hold and pin" in capsys.readouterr().out
+
+
+def test_the_training_unit_or_a_gpu_process_stops_the_install_before_apt(monkeypatch, tmp_path, plan, capsys):
+    active = recorded("debian12_fresh").replace(st.SECTION + "unit\ninactive", st.SECTION + "unit\nactive")
+    assert active != recorded("debian12_fresh")
+    fake = FakeBox(active)
+    assert run_main(monkeypatch, tmp_path, plan, fake, "install") == 1
+    assert apt_calls(fake) == []
+    err = capsys.readouterr().err
+    assert "verl-lab-train.service is active" in err and "train_unit_state = 'stopped'" in err
+    busy = recorded("debian12_fresh").replace(st.SECTION + "busy\n", st.SECTION + "busy\n4242 python3\n")
+    fake = FakeBox(busy)
+    assert run_main(monkeypatch, tmp_path, plan, fake, "install") == 1
+    assert apt_calls(fake) == [] and "processes hold /dev/nvidia* (4242 (python3))" in capsys.readouterr().err
+
+
+HEADERS_ONLY = "Inst linux-headers-6.1.0-26-amd64 (6.1.112-1 Debian:12.8/stable [amd64])\n"
+
+
+def test_headers_alone_leave_the_driver_its_hold_and_its_pin(monkeypatch, tmp_path, plan):
+    pin = write_old_pin(plan)
+    fake = FakeBox(held_state(), simulate=(0, HEADERS_ONLY))
+    assert run_main(monkeypatch, tmp_path, plan, fake, "headers") == 0
+    calls = apt_calls(fake)
+    assert [c[-2:] for c in calls if c[:2] == ["apt-get", "-y"]] == [plan["headers"]]
+    assert not [c for c in calls if c[0] == "apt-mark"] and Path(plan["pin"]).read_text() == pin
+    # a headers install that would bring a driver package is refused
+    fake = FakeBox(held_state(), simulate=(0, HEADERS_ONLY + UPDATE))
+    assert run_main(monkeypatch, tmp_path, plan, fake, "headers") == 1
+    assert not [c for c in apt_calls(fake) if c[:2] == ["apt-get", "-y"]]
+
+
+NOBLE_REMV = (FIX / "driver" / "apt-simulate-noble-remv.txt").read_text()
+
+
+def test_a_simulation_that_removes_nvidia_packages_it_was_not_asked_to_replace_is_refused(
+        monkeypatch, tmp_path, plan, capsys):
+    """Ubuntu 24.04 (apt's format, composed: tests/fixtures/driver/README.md): the user's
+    nvidia-driver-550 goes through Conflicts/Provides nvidia-dkms-kernel when 580-server is asked for."""
+    assert apt.removed(NOBLE_REMV)["nvidia-dkms-550"] == "550.120-0ubuntu0.24.04.1"
+    ubuntu = dict(plan, branch=580, packages=["nvidia-headless-580-server", "nvidia-utils-580-server"],
+                  module_package="nvidia-dkms-580-server", source="nvidia-graphics-drivers-580-server",
+                  headers=["linux-headers-6.8.0-45-generic"], distro="Ubuntu 24.04 (noble)")
+    fake = FakeBox(recorded("debian12_fresh"), simulate=(0, NOBLE_REMV))
+    assert run_main(monkeypatch, tmp_path, ubuntu, fake, "install") == 1
+    assert not [c for c in fake.calls if c[:2] == ["apt-get", "-y"]]
+    err = capsys.readouterr().err
+    assert "apt would remove NVIDIA packages the stage did not install: libnvidia-compute-550 " in err
+    assert "nvidia-dkms-550 550.120-0ubuntu0.24.04.1" in err and "nothing was installed" in err
+    # what the stage itself installed and pinned before (another branch of its own) may be replaced
+    gone = apt.removed(NOBLE_REMV)
+    assert apt.unasked_removals(gone, list(gone)) == []
 
 
 def loaded_state(version: str) -> str:
     text = recorded("debian12_held_no_module")
-    text = text.replace(box.SECTION + "loaded\n",
-                        box.SECTION + f"loaded\nNVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  Tue Nov  4 "
+    text = text.replace(st.SECTION + "loaded\n",
+                        st.SECTION + f"loaded\nNVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  Tue Nov  4 "
                         "00:00:00 UTC 2025\n")
-    return text.replace(box.SECTION + "built\n", box.SECTION + f"built\nnvidia-current {version}\n")
+    return text.replace(st.SECTION + "built\n", st.SECTION + f"built\nnvidia-current {version}\n")
 
 
 def test_prove_prints_the_version_only_when_proc_and_nvidia_smi_agree(monkeypatch, tmp_path, plan, capsys):
