@@ -35,7 +35,7 @@ tests/unit/test_import_layers.py fails on a cycle):
 * ``terms``: what a plan is made of (GpuTarget, Workload, Precision, MemoryChoice, MemoryEstimate,
   Reason, TrainingPlan, PlanError) and the names of the offload settings;
 * ``precision``: precision, attention and rollout engine from the compute capability;
-* ``estimator``: the memory estimate of one choice (tasks/memory.py), the GPU budget, vLLM's share;
+* ``estimator``: the memory estimate of one choice (tasks/memory/), the GPU budget, vLLM's share;
 * ``memory_fit``: the fastest choice the estimate fits on one rung (offloads, checkpointing,
   micro-batches, the speed model's ranking on the CPU-offload rung);
 * ``overrides``: verl's overrides and the process environment, each with its reason; the checkpoints;

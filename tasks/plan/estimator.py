@@ -1,4 +1,4 @@
-"""The memory estimate of one choice: the project's memory model (tasks/memory.py) asked about a
+"""The memory estimate of one choice: the project's memory model (tasks/memory/) asked about a
 plan's GPU, workload, precision and MemoryChoice (``default_estimator``), what a plan may use of a
 GPU (``gpu_budget_mib``) and vLLM's share of it (``vllm_memory_for``, between VLLM_SHARE_MIN and
 VLLM_SHARE_MAX)."""
@@ -21,7 +21,7 @@ def gpu_budget_mib(gpu: GpuTarget) -> int:
     """What a plan may use of one GPU: total minus what the driver keeps (an idle H200 shows
     615 MiB in use of 143771) and allocator fragmentation: 5%, at least 512 MiB; and minus the
     margin for what a real old card's process may hold outside PyTorch beyond what the H200
-    measured (tasks/memory.py: OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB, never measured; the predicted
+    measured (tasks/memory/shape.py: OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB, never measured; the predicted
     peak counts only the measured 1368 MiB)."""
     from tasks.memory import OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB
 
@@ -81,7 +81,7 @@ def _verl_workload(gpu: GpuTarget, workload: Workload, precision: Precision, cho
 
 
 def default_estimator(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice) -> MemoryEstimate:
-    """The project's memory model (tasks/memory.py: verl_gpu_budget) for one choice."""
+    """The project's memory model (tasks/memory/verl_budget.py: verl_gpu_budget) for one choice."""
     from tasks.memory import ModelShape, verl_gpu_budget
 
     if not workload.model_config:
