@@ -106,11 +106,12 @@ class VllmMemory:
     kv_wanted_mib: float         # one step's sequences at full length
     kv_granted_mib: float        # what vLLM's accounting gives the KV cache at this share
     held_at_start_mib: float     # what the process holds when vLLM starts (V1 counts it)
+    lora_mib: float = 0.0        # LoRA's stacked adapter buffers (enable_lora: tasks/memory/lora.py)
 
     @property
     def own_mib(self) -> float:
         """What vLLM counts as its own before the KV cache: weights, profiling activations, non-torch."""
-        return self.weights_mib + self.profile_mib + self.non_torch_mib
+        return self.weights_mib + self.profile_mib + self.non_torch_mib + self.lora_mib
 
     @property
     def rollout_mib(self) -> float:
@@ -133,7 +134,7 @@ def vllm_profile_mib(shape: ModelShape, dtype: str, max_num_batched_tokens: int,
 
 def vllm_memory(shape: ModelShape, *, engine: str, dtype: str, gpu_memory_mib: int, seqs: int, seq_len: int,
                 max_num_batched_tokens: int, held_at_start_mib: float, share_min: float = 0.05,
-                share_max: float = 0.9, tp: int = 1) -> VllmMemory:
+                share_max: float = 0.9, tp: int = 1, lora_mib: float = 0.0) -> VllmMemory:
     """The smallest share (in 0.01 steps) whose KV cache holds ``seqs`` sequences of ``seq_len``
     under ``engine``'s accounting; capped at ``share_max`` (then the KV cache may fall short:
     ``kv_granted_mib < kv_wanted_mib`` says so). ``tp`` > 1: one engine spans ``tp`` GPUs and each
@@ -142,11 +143,11 @@ def vllm_memory(shape: ModelShape, *, engine: str, dtype: str, gpu_memory_mib: i
     weights = _bytes(dtype) * shape.params("actor") / MIB / tp
     kv_wanted = VLLM_KV_MARGIN * shape.kv_bytes_per_token(dtype) * seqs * seq_len / MIB
     profile = vllm_profile_mib(shape, dtype, max_num_batched_tokens, seqs * tp, tp)
-    own = weights + profile + VLLM_NON_TORCH_MIB
+    own = weights + profile + VLLM_NON_TORCH_MIB + lora_mib
     share = smallest_share(engine, gpu_memory_mib, own, kv_wanted, held_at_start_mib)
     share = float(min(share_max, max(share_min, share)))
     granted = kv_cache_mib(engine, share, gpu_memory_mib, own, held_at_start_mib)
     return VllmMemory(engine=engine, share=share, weights_mib=weights, profile_mib=profile,
                       non_torch_mib=VLLM_NON_TORCH_MIB, kv_wanted_mib=kv_wanted, kv_granted_mib=granted,
-                      held_at_start_mib=held_at_start_mib)
+                      held_at_start_mib=held_at_start_mib, lora_mib=lora_mib)
 
