@@ -271,7 +271,7 @@ def plan_checkpoints(shape: ModelShape, *, critic: bool, actor_layout: str, worl
     adapter = lora_tensors(shape, lora_rank, lora_targets) if lora_rank else None
     save = predict_save(shape, critic=critic, actor_layout=actor_layout, world_size=world_size,
                         param_bytes=DTYPE_BYTES[param_dtype], side_files_bytes=side_files_bytes, adapter=adapter,
-                        actor_param_bytes=DTYPE_BYTES[base_dtype or param_dtype])
+                        actor_param_bytes=DTYPE_BYTES[base_dtype or param_dtype] if adapter else None)
     # the export with LoRA: the merged model as any other, and the adapter alone in PEFT's format (fp32)
     export = predict_export(shape, side_files_bytes) + (sum(numel(d) for _, d in adapter) * DTYPE_BYTES["fp32"]
                                                         + len(adapter) * SAFETENSORS_ENTRY_BYTES + LORA_CONFIG_BYTES
