@@ -252,3 +252,16 @@ def test_a_lora_save_holds_the_base_the_adapters_their_states_and_lora_adapter(s
     assert plan["save"]["total_bytes"] < full_plan["save"]["total_bytes"] / 3        # bf16 base, no base states
     assert plan["export_bytes"] - full_plan["export_bytes"] == 4 * A + len(adapter) * ck.SAFETENSORS_ENTRY_BYTES \
         + ck.LORA_CONFIG_BYTES
+
+
+def test_lora_offloads_the_frozen_base_only_where_vllm_generates():
+    """The adapters' AdamW states are megabytes: never an offload step; the base's param offload is the only actor
+    step, and never with the HF rollout (verl 0.5.0 does not reload the actor before HF generation)."""
+    from tasks.plan import choose_precision, offload_levels
+
+    w = replace(workload(finetune="lora", algorithm="grpo"), lora=True, algorithm="grpo")
+    for gpu, steps in ((RTX3060, ["actor_param_offload"]), (GTX1080, [])):
+        prec, _ = choose_precision(gpu)
+        levels = offload_levels(w, prec)
+        taken = [k for k in levels[-1] if levels[-1][k]]
+        assert taken == steps, (gpu.name, taken)
