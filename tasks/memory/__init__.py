@@ -62,6 +62,8 @@ from tasks.memory.generate import (
     vllm_memory, vllm_profile_mib,
 )
 from tasks.memory.verl_budget import VerlWorkload, held_at_vllm_start_mib, verl_gpu_budget
+from tasks.memory.lora import (LORA_MODULES, VLLM_LORA_RANKS, LoraSpec, adapter_params, lora_gpu_budget,
+                               lora_held_at_vllm_start_mib, vllm_lora_mib)
 from tasks.memory.cli import main
 
 __all__ = [
@@ -71,5 +73,6 @@ __all__ = [
     "QUAD_SAVED", "QUAD_FWD_TRANSIENT", "QUAD_BWD_TRANSIENT", "SCORE_MASK_BYTES", "LOGITS_FWD", "LOGITS_BWD",
     "train_step_peak", "DECODE_LOGITS_EXTRA", "DECODE_PREV_LOGITS", "generate_peak", "VLLM_NON_TORCH_MIB",
     "VLLM_KV_MARGIN", "VllmMemory", "vllm_profile_mib", "vllm_memory", "VerlWorkload", "verl_gpu_budget",
-    "held_at_vllm_start_mib", "main",
+    "held_at_vllm_start_mib", "LORA_MODULES", "VLLM_LORA_RANKS", "LoraSpec", "adapter_params", "lora_gpu_budget",
+    "lora_held_at_vllm_start_mib", "vllm_lora_mib", "main",
 ]
