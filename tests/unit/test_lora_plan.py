@@ -265,3 +265,37 @@ def test_lora_offloads_the_frozen_base_only_where_vllm_generates():
         levels = offload_levels(w, prec)
         taken = [k for k in levels[-1] if levels[-1][k]]
         assert taken == steps, (gpu.name, taken)
+
+
+# ---------------------------------------------------------------- the GPU harness's LoRA call (plumbing only)
+
+def test_the_lora_bench_runs_the_lora_profiles_against_the_full_plans(tmp_path):
+    """bench/gpu/run_lora.sh: its time limits name exactly the LoRA profiles and the full plans they are compared
+    with, each card's call runs its full plan then its LoRA plan, within one device call's budget; it stops before
+    any run on a profile it does not know or one not rendered (the runs need the GPU)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(repo / "bench" / "gpu"))
+    import ppo_profiles
+
+    script = (repo / "bench" / "gpu" / "run_lora.sh").read_text()
+    limits = {k: int(v) for k, v in re.findall(r"\[([a-z0-9.-]+)\]=(\d+)", script)}
+    lora = {p.name: p for p in ppo_profiles.LORA_PROFILES}
+    assert set(limits) == set(lora) | {p.compare_with for p in lora.values() if p.compare_with}
+    assert all(p.finetune == "lora" for p in lora.values())
+    assert all(ppo_profiles.BY_NAME[p.compare_with].finetune == "full" for p in lora.values() if p.compare_with)
+    for card in ("gtx1080", "rtx2080ti", "rtx3060"):
+        line = next(x for x in script.splitlines() if x.strip().startswith(f"{card})"))
+        assert line.split("--", 1)[1].split()[:2] == [f"{card}-after", f"{card}-lora"]
+        assert limits[f"{card}-after"] + limits[f"{card}-lora"] + 40 <= 560       # setup ~40 s, one call
+    run = lambda *a: subprocess.run(["bash", str(repo / "bench/gpu/run_lora.sh"), *a], cwd=tmp_path,  # noqa: E731
+                                    capture_output=True, text=True)
+    assert run().returncode == 2
+    unknown = run("gtx1080-sideways")
+    assert unknown.returncode == 2 and "unknown profile gtx1080-sideways" in unknown.stderr
+    missing = run("gtx1080")
+    assert missing.returncode == 2 and "not rendered" in missing.stderr
