@@ -144,22 +144,7 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     if offp:
         res_actor = res_ref = 0.0
 
-    if wl.train_dtype != "fp32" and not wl.grad_ckpt:
-        path = _attention_path(s, wl.train_dtype, wl.attn)
-        per_token = s.layers * _layer_saved_bytes_per_token(s, True, path) + VERL_ACTOR_LOGIT_BYTES_AUTOCAST * s.vocab
-        actor_act = ((0.0 if offp else 2.0 * s.layers * s.layer_params) + wl.micro_batch * seq * per_token) / MIB
-        if not offp:   # at small micro-batches the AdamW step's foreach temporary (one fp32 copy) is larger
-            actor_act = max(actor_act, 4.0 * P_a / MIB)     # (GPU call 12: micro-batch 1 OOMed in update_actor)
-    else:
-        step = train_step_peak(s, "actor", wl.train_dtype, wl.attn, wl.grad_ckpt, wl.micro_batch, seq)
-        actor_act = _transient(step)
-        if lean_update:   # no AdamW temporary on the GPU to stand in for activations: the backward's start,
-            # without the lm_head's gradient (it leaves for the CPU with its unit; measured, GPU call 8)
-            actor_act = step.breakdown["phase_backward_start"] - step.breakdown["weights"] \
-                - step.breakdown["adamw_states"] - STEP_MISC_MIB - 4.0 * s.embed_params / MIB
-        # verl's policy loss adds log-softmax and entropy over the response logits in fp32 (inferred;
-        # matches the fp32 measurements within 1%)
-        actor_act += 2.0 * 4.0 * s.vocab * wl.micro_batch * wl.response_len / MIB
+    actor_act = _actor_update_mib(s, wl, P_a, offp, lean_update)
     critic_act = 0.0
     if wl.use_critic:
         critic_act = _transient(train_step_peak(s, "critic", wl.train_dtype, wl.attn,
@@ -181,20 +166,7 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     values_pass = lp_micro * seq * (4.0 * s.hidden * 4 + 3.0 * 4 * s.ffn) / MIB \
         + (2.0 * P_c / MIB if wl.train_dtype != "fp32" else 0.0)
 
-    if wl.rollout == "vllm":
-        rollout = wl.vllm_rollout_mib if wl.vllm_rollout_mib is not None \
-            else wl.vllm_gpu_memory_utilization * wl.gpu_memory_mib
-    else:
-        # autocast over fp32 weights (an fp32 plan generating in half precision) keeps the residual stream fp32
-        gen = generate_peak(s, wl.rollout_batch, wl.prompt_len, wl.response_len, wl.rollout_dtype,
-                            wl.attn, residual_dtype=wl.train_dtype if wl.train_dtype == "fp32" else None)
-        # the actor's FSDP module generates: its params are already resident; generating in
-        # half precision holds one half copy of every weight (FSDP's mixed-precision compute
-        # copy, or autocast's casts over fp32 params: measured +1237 MiB on the T4 profile)
-        rollout = gen.peak_mib - gen.breakdown["weights"] + (whole if wl.rollout_gather_once else gathered) \
-            + (_bytes(wl.rollout_dtype) * s.params("actor") / MIB if wl.rollout_dtype != "fp32" else 0.0)
-        if wl.actor_param_offload:
-            rollout += params_a   # HF rollout needs the actor's params on the GPU
+    rollout = _rollout_mib(s, wl, gathered, whole, params_a)
     always = rollout if (wl.rollout == "vllm" and not wl.vllm_sleep) else 0.0
     resident = res_actor + res_critic + res_ref + always
     overhead = CUDA_CONTEXT_MIB + VERL_PROCESS_OVERHEAD_MIB
@@ -228,6 +200,67 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         + (0.0 if lean_update else grads_a + VERL_UPDATE_EXTRA_MIB["actor"]),
     }
     peak = max(phases.values()) + overhead
+    host = _host_ram_mib(s, wl, params_a, opt_a, ref_params, params_c, opt_c, P_a)
+    bd = {
+        "actor_states": states_a,
+        "actor_activations": actor_act,
+        "critic_states": (16.0 * P_c / MIB) if wl.use_critic else 0.0,
+        "critic_activations": critic_act,
+        "ref_states": ref_params,
+        "rollout": rollout,
+        "cuda_context": overhead,
+        "resident": resident,
+        **phases,
+    }
+    return Estimate(peak_mib=peak, breakdown=bd, host_ram_mib=host)
+
+
+def _actor_update_mib(s: ModelShape, wl: VerlWorkload, P_a: float, offp: bool, lean_update: bool) -> float:
+    """The actor update's memory beyond its states (before the gathered units and knobs): the measured bf16 update
+    without checkpointing, else train_step_peak's transient, plus verl's fp32 policy-loss terms."""
+    seq = wl.seq_len
+    if wl.train_dtype != "fp32" and not wl.grad_ckpt:
+        path = _attention_path(s, wl.train_dtype, wl.attn)
+        per_token = s.layers * _layer_saved_bytes_per_token(s, True, path) + VERL_ACTOR_LOGIT_BYTES_AUTOCAST * s.vocab
+        actor_act = ((0.0 if offp else 2.0 * s.layers * s.layer_params) + wl.micro_batch * seq * per_token) / MIB
+        if not offp:   # at small micro-batches the AdamW step's foreach temporary (one fp32 copy) is larger
+            actor_act = max(actor_act, 4.0 * P_a / MIB)     # (GPU call 12: micro-batch 1 OOMed in update_actor)
+    else:
+        step = train_step_peak(s, "actor", wl.train_dtype, wl.attn, wl.grad_ckpt, wl.micro_batch, seq)
+        actor_act = _transient(step)
+        if lean_update:   # no AdamW temporary on the GPU to stand in for activations: the backward's start,
+            # without the lm_head's gradient (it leaves for the CPU with its unit; measured, GPU call 8)
+            actor_act = step.breakdown["phase_backward_start"] - step.breakdown["weights"] \
+                - step.breakdown["adamw_states"] - STEP_MISC_MIB - 4.0 * s.embed_params / MIB
+        # verl's policy loss adds log-softmax and entropy over the response logits in fp32 (inferred;
+        # matches the fp32 measurements within 1%)
+        actor_act += 2.0 * 4.0 * s.vocab * wl.micro_batch * wl.response_len / MIB
+    return actor_act
+
+
+def _rollout_mib(s: ModelShape, wl: VerlWorkload, gathered: float, whole: float, params_a: float) -> float:
+    """What the rollout adds: vLLM's own memory while awake, or HF generation on the actor's own module."""
+    if wl.rollout == "vllm":
+        rollout = wl.vllm_rollout_mib if wl.vllm_rollout_mib is not None \
+            else wl.vllm_gpu_memory_utilization * wl.gpu_memory_mib
+    else:
+        # autocast over fp32 weights (an fp32 plan generating in half precision) keeps the residual stream fp32
+        gen = generate_peak(s, wl.rollout_batch, wl.prompt_len, wl.response_len, wl.rollout_dtype,
+                            wl.attn, residual_dtype=wl.train_dtype if wl.train_dtype == "fp32" else None)
+        # the actor's FSDP module generates: its params are already resident; generating in
+        # half precision holds one half copy of every weight (FSDP's mixed-precision compute
+        # copy, or autocast's casts over fp32 params: measured +1237 MiB on the T4 profile)
+        rollout = gen.peak_mib - gen.breakdown["weights"] + (whole if wl.rollout_gather_once else gathered) \
+            + (_bytes(wl.rollout_dtype) * s.params("actor") / MIB if wl.rollout_dtype != "fp32" else 0.0)
+        if wl.actor_param_offload:
+            rollout += params_a   # HF rollout needs the actor's params on the GPU
+    return rollout
+
+
+def _host_ram_mib(s: ModelShape, wl: VerlWorkload, params_a: float, opt_a: float, ref_params: float, params_c: float,
+                  opt_c: float, P_a: float) -> float:
+    """What waits in host RAM: the offloaded states (and vLLM's weights while it sleeps)."""
+    offp = wl.actor_offload_policy
     host = 0.0
     if wl.actor_param_offload or offp:
         host += params_a + (4.0 * P_a / MIB if offp else 0.0)   # offload policy: the gradients too
@@ -241,18 +274,7 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
         host += opt_c
     if wl.rollout == "vllm" and wl.vllm_sleep:
         host += _bytes(wl.rollout_dtype) * s.params("actor") / MIB   # vLLM's weights while asleep (inferred)
-    bd = {
-        "actor_states": states_a,
-        "actor_activations": actor_act,
-        "critic_states": (16.0 * P_c / MIB) if wl.use_critic else 0.0,
-        "critic_activations": critic_act,
-        "ref_states": ref_params,
-        "rollout": rollout,
-        "cuda_context": overhead,
-        "resident": resident,
-        **phases,
-    }
-    return Estimate(peak_mib=peak, breakdown=bd, host_ram_mib=host)
+    return host
 
 
 def held_at_vllm_start_mib(shape: ModelShape, workload: VerlWorkload) -> float:
