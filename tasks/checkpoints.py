@@ -280,8 +280,8 @@ def plan_checkpoints(shape: ModelShape, *, critic: bool, actor_layout: str, worl
     reasons = (
         ("checkpoint_bytes", f"{gib(save.total_bytes)} ({save.total_bytes} B)",
          f"one save: the actor ({'FSDP2: tied weights once' if actor_layout == 'fsdp2' else 'FSDP1: each name its own chunk, a tied embedding twice'})"
-         + (f"; LoRA: its frozen base in {base_dtype or param_dtype}, its rank-{lora_rank} adapters in fp32 with AdamW's "
-            "states of the adapters alone, and lora_adapter/ (the adapters again, fp32)" if adapter else "")
+         + (f"; LoRA: its frozen base in {base_dtype or param_dtype}, its rank-{lora_rank} adapters in fp32 with "
+            "AdamW's states of the adapters alone, and lora_adapter/ (the adapters again, fp32)" if adapter else "")
          + f"{roles}, " + ("the critic with" if adapter and critic else "" if adapter else "each with")
          + ("" if adapter and not critic else f" {param_dtype} params and AdamW's two {param_dtype} states")
          + f" over {world_size} rank(s), "

@@ -75,8 +75,10 @@ WORKLOAD_DEFAULTS: dict[str, Any] = {"algorithm": "auto", "model": None, "train_
                                      "epochs": 1, "rollout": "auto",
                                      # LoRA (tasks/plan/lora.py, docs/plan.md "LoRA"): auto trains LoRA where full
                                      # fine-tuning needs the CPU-offload rung or does not fit, full where it fits
-                                     "finetune": "auto", "lora_rank": 32, "lora_alpha": 32, "target_modules": "all-linear"}
-WORKLOAD_WORDS = ("algorithm", "model", "rollout", "finetune", "target_modules")   # the keys that are not positive integers
+                                     "finetune": "auto", "lora_rank": 32, "lora_alpha": 32,
+                                     "target_modules": "all-linear"}
+# the keys that are not positive integers
+WORKLOAD_WORDS = ("algorithm", "model", "rollout", "finetune", "target_modules")
 WORKLOAD_FINETUNES = ("auto", "full", "lora")
 # the linear layers of a Qwen2/Llama decoder layer that LoRA may target (PEFT's "all-linear" takes them all)
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -371,7 +373,8 @@ def _finetune(host: str, w: dict[str, Any]) -> list[SettingsError]:
         names = [mods] if isinstance(mods, str) else mods
         if not isinstance(names, (list, tuple)) or not names or not all(isinstance(m, str) for m in names):
             found.append(SettingsError(host, "workload.target_modules", f"{mods!r} is not 'all-linear' or a list of "
-                                       "module names", f"use 'all-linear' (the default) or a list of {', '.join(LORA_MODULES)}"))
+                                       "module names",
+                                       f"use 'all-linear' (the default) or a list of {', '.join(LORA_MODULES)}"))
         else:
             for m in names:
                 if m not in LORA_MODULES:
@@ -380,7 +383,8 @@ def _finetune(host: str, w: dict[str, Any]) -> list[SettingsError]:
                                                "model's decoder", (f"did you mean {close[0]!r}? " if close else "")
                                                + f"use 'all-linear' or names of {', '.join(LORA_MODULES)}"))
             if not found:
-                w["target_modules"] = "all-linear" if set(names) == set(LORA_MODULES) else [m for m in LORA_MODULES if m in names]
+                w["target_modules"] = "all-linear" if set(names) == set(LORA_MODULES) \
+                    else [m for m in LORA_MODULES if m in names]
     return found
 
 

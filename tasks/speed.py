@@ -1,6 +1,7 @@
-"""How long a training step takes: on the CPU-offload rung (``offload_step_seconds``) and with everything on
-the GPU (``gpu_step_seconds``: the PPO/GRPO and LoRA rungs). On the CPU-offload rung (the actor and the ref on FSDP2 with
-CPUOffloadPolicy), to rank the configurations that fit: tasks/plan/memory_fit.py takes the fastest.
+"""How long a training step takes: on the CPU-offload rung (``offload_step_seconds``: the actor and the ref
+on FSDP2 with CPUOffloadPolicy), to rank the configurations that fit (tasks/plan/memory_fit.py takes the
+fastest), and with everything on the GPU (``gpu_step_seconds``: the PPO/GRPO and LoRA rungs, for the plan's
+reason ``finetune``: tasks/plan/lora.py).
 
 Pure Python, plain values. What it rests on (docs/plan.md, "Speed on the CPU-offload rung"):
 

@@ -123,10 +123,12 @@ MULTI_PROFILES = [
     Profile("p40-2gpu", "Tesla P40", "6.1", 24576, steps=2, gpus=2, compare_with="p40-1gpu", env=NCCL_INFO,
             stands_for="2 x Tesla P40 in one box: PPO with the critic sharded over both (FSDP1, fp32, HF rollout)"),
     Profile("gtx1080-1gpu", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, validate=False,
-            finetune="full", stands_for="GTX 1080 (8 GiB), one card: grpo-cpu-offload as planned now (baseline of gtx1080-2gpu)"),
+            finetune="full",
+            stands_for="GTX 1080 (8 GiB), one card: grpo-cpu-offload as planned now (baseline of gtx1080-2gpu)"),
     Profile("gtx1080-2gpu", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, gpus=2, compare_with="gtx1080-1gpu",
-            env=NCCL_INFO, finetune="full", stands_for="2 x GTX 1080 in one box: grpo-cpu-offload (GRPO n=4, the actor on FSDP2 "
-                                      "CPUOffloadPolicy over both, fp32, HF rollout)"),
+            env=NCCL_INFO, finetune="full",
+            stands_for="2 x GTX 1080 in one box: grpo-cpu-offload (GRPO n=4, the actor on FSDP2 "
+                       "CPUOffloadPolicy over both, fp32, HF rollout)"),
     Profile("p40-2nodes", "Tesla P40", "6.1", 24576, steps=2, nodes=2, compare_with="p40-2gpu", env=NCCL_INFO,
             stands_for="two boxes of one Tesla P40 each in a Ray cluster (trainer.nnodes=2): the product's Ray units "
                        "(head 127.0.0.2 on GPU 0, worker 127.0.0.3 on GPU 1), cluster-check, the cluster plan"),
@@ -139,7 +141,8 @@ MULTI_PROFILES = [
     Profile("gtx1080-2gpu-export", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, gpus=2, validate=False,
             resume_after=1, export=True, env=NCCL_INFO,
             overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
-            finetune="full", stands_for="2 x GTX 1080 plan (grpo-cpu-offload) on 16 prompts a step: step 1 saved, resumed by a second "
+            finetune="full",
+            stands_for="2 x GTX 1080 plan (grpo-cpu-offload) on 16 prompts a step: step 1 saved, resumed by a second "
                        "run for step 2, which is saved, exported from both ranks' shards, proven and scored"),
 ]
 
@@ -162,30 +165,36 @@ PROFILES = [
                                     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
                                     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
                                     "++actor_rollout_ref.rollout.micro_batch_size=128"),
-            finetune="full", stands_for="GTX 1080 Ti / RTX 2080 Ti (11 GiB): GRPO n=4, actor on FSDP2 CPU offload, micro 2, chunk 128"),
+            finetune="full",
+            stands_for="GTX 1080 Ti / RTX 2080 Ti (11 GiB): GRPO n=4, actor on FSDP2 CPU offload, micro 2, chunk 128"),
     Profile("grpo-8g", "NVIDIA GeForce GTX 1080", "6.1", 8192, plan_memory_mib=24576, steps=2, validate=False,
             overrides=GRPO_FSDP2 + ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
                                     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
                                     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
                                     "++actor_rollout_ref.rollout.micro_batch_size=64",
                                     "actor_rollout_ref.model.enable_gradient_checkpointing=True"),
-            finetune="full", stands_for="GTX 1080 / RTX 4060 (8 GiB): GRPO n=4, actor on FSDP2 CPU offload, micro 1, chunk 64, "
+            finetune="full",
+            stands_for="GTX 1080 / RTX 4060 (8 GiB): GRPO n=4, actor on FSDP2 CPU offload, micro 1, chunk 64, "
                        "gradient checkpointing"),
     # the product's own plans on the grpo-cpu-offload rung (no overrides): what tasks/plan/ gives these cards
     Profile("gtx1080ti", "NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, steps=2, validate=False,
-            finetune="full", stands_for="GTX 1080 Ti (11 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
+            finetune="full",
+            stands_for="GTX 1080 Ti (11 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
                        "CPUOffloadPolicy, fp32, HF rollout)"),
     Profile("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=1, validate=False,
-            finetune="full", stands_for="GTX 1080 (8 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
+            finetune="full",
+            stands_for="GTX 1080 (8 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
                        "CPUOffloadPolicy, fp32, HF rollout)"),
     # the grpo rung (GRPO on FSDP1, no critic, the ref for the KL loss), never measured before call 12
     Profile("rtx3060", "NVIDIA GeForce RTX 3060", "8.6", 12288, rollout_engine="hf", steps=2, validate=False,
-            finetune="full", stands_for="RTX 3060 (12 GiB), the product's plan with the HF rollout: grpo (GRPO n=4 on FSDP1, bf16)"),
+            finetune="full",
+            stands_for="RTX 3060 (12 GiB), the product's plan with the HF rollout: grpo (GRPO n=4 on FSDP1, bf16)"),
     # checkpoint save and resume on the CPU-offload rung (FSDP2 + CPUOffloadPolicy): the GTX 1080 Ti's
     # plan on a small batch (16 prompts x 4, mini-batch 4 x 4: the save and load are what is tested)
     Profile("gtx1080ti-resume", "NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, steps=2, validate=False, resume_after=1,
             overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
-            finetune="full", stands_for="GTX 1080 Ti plan (grpo-cpu-offload) on 16 prompts a step: step 1 saves a checkpoint, a "
+            finetune="full",
+            stands_for="GTX 1080 Ti plan (grpo-cpu-offload) on 16 prompts a step: step 1 saves a checkpoint, a "
                        "second run resumes from it and trains step 2"),
     # another catalog model's shape (random weights from its config.json): the plan an 80 GB A100 gets
     # for Qwen2.5-1.5B-Instruct (PPO with the critic, bf16), vLLM -> HF rollout for this run only
@@ -215,7 +224,8 @@ PROFILES = [
                        "prompts a step: saves, export, proof, GSM8K scores"),
     Profile("gtx1080-export", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=3, validate=False, export=True,
             overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
-            finetune="full", stands_for="GTX 1080 plan (grpo-cpu-offload: GRPO, the actor on FSDP2 CPUOffloadPolicy, fp32, HF rollout) "
+            finetune="full",
+            stands_for="GTX 1080 plan (grpo-cpu-offload: GRPO, the actor on FSDP2 CPUOffloadPolicy, fp32, HF rollout) "
                        "on 16 prompts a step: saves, export, proof, GSM8K scores"),
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
             stands_for="Tesla P40, the hand recipe (batch 1, 128 + 128 tokens) on the same verl"),
@@ -235,7 +245,8 @@ PROFILES = [
                        "+actor_rollout_ref.ref.fsdp_config.gather_once=True",
                        "+actor_rollout_ref.actor.fsdp_config.accumulate_grads_unsharded=True",
                        "+actor_rollout_ref.actor.optim.fused=True"),
-            finetune="full", stands_for="RTX 2080 Ti (11 GiB), its plan before the speed work (micro-batches pinned) with the HF "
+            finetune="full",
+            stands_for="RTX 2080 Ti (11 GiB), its plan before the speed work (micro-batches pinned) with the HF "
                        "rollout and patches 0007-0009's knobs on (gather once per pass and per mini-batch, "
                        "gradients reduced once per mini-batch, fused AdamW), OMP_NUM_THREADS=8"),
 ]

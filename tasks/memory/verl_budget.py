@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.memory.generate import generate_peak
-from tasks.memory.shape import (ATTNS, CUDA_CONTEXT_MIB, MIB, OFFLOADED_OPTIMIZER_EXTRA, OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB, STEP_MISC_MIB,
-                                VERL_ACTOR_LOGIT_BYTES_AUTOCAST, VERL_LOGPROB_BYTES, VERL_PROCESS_OVERHEAD_MIB,
-                                VERL_UPDATE_EXTRA_MIB, Estimate, ModelShape, _bytes)
+from tasks.memory.shape import (ATTNS, CUDA_CONTEXT_MIB, MIB, OFFLOADED_OPTIMIZER_EXTRA,
+                                OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB, STEP_MISC_MIB, VERL_ACTOR_LOGIT_BYTES_AUTOCAST, VERL_LOGPROB_BYTES,
+                                VERL_PROCESS_OVERHEAD_MIB, VERL_UPDATE_EXTRA_MIB, Estimate, ModelShape, _bytes)
 from tasks.memory.train_step import _attention_path, _layer_saved_bytes_per_token, train_step_peak
 
 

@@ -64,8 +64,8 @@ def lora_overrides(gpu: GpuTarget, workload: Workload, precision: Precision) -> 
          "PEFT scales the adapter by alpha/rank; alpha fixed at 32 (the paper's) keeps the best learning rate "
          "nearly independent of the rank"),
         ("actor_rollout_ref.model.target_modules", mods,
-         "every linear layer, attention and MLP (the paper: LoRA on attention only falls behind)" if mods == "all-linear"
-         else "settings workload.target_modules"),
+         "every linear layer, attention and MLP (the paper: LoRA on attention only falls behind)"
+         if mods == "all-linear" else "settings workload.target_modules"),
         ("actor_rollout_ref.actor.optim.lr", round(FULL_ACTOR_LR * LORA_LR_SCALE, 12),
          f"{LORA_LR_SCALE} x verl's full fine-tuning default {FULL_ACTOR_LR:g}: LoRA's best learning rate is about "
          "10x full fine-tuning's (\"LoRA Without Regret\")"),
@@ -106,7 +106,8 @@ def gpu_seconds(gpu: GpuTarget, workload: Workload, precision: Precision, choice
 
 
 def _speed_words(seconds: dict[str, float], precision: Precision) -> str:
-    return f"{seconds['step']:.0f} s a step" + ("" if precision.rollout == "hf" else " (generation in vLLM not counted)")
+    vllm = "" if precision.rollout == "hf" else " (generation in vLLM not counted)"
+    return f"{seconds['step']:.0f} s a step{vllm}"
 
 
 def finetune_reason(gpu: GpuTarget, asked: Workload, rung: str, w: Workload, precision: Precision,

@@ -181,7 +181,8 @@ def test_auto_keeps_full_fine_tuning_where_it_fits_on_the_gpu():
     assert not [k for k in ov(p) if "lora" in k]
     lora = make_plan(P40, workload(finetune="lora"))          # asked for: PPO with LoRA, the critic full
     assert lora.rung == "ppo-lora" and reason(lora, "finetune").why == "workload.finetune = 'lora' asks for it"
-    assert ov(lora)["critic.model.lora_rank"] == 0 and "critic.model.fsdp_config.mixed_precision.param_dtype" in ov(lora)
+    assert ov(lora)["critic.model.lora_rank"] == 0
+    assert "critic.model.fsdp_config.mixed_precision.param_dtype" in ov(lora)
 
 
 def test_finetune_picks_the_rungs():
