@@ -25,12 +25,6 @@ The layouts differ, as torch's code and a CPU run of verl's own manager show
 The export (verl's ``model_merger``, ``verl/model_merger/fsdp_model_merger.py``) casts every
 tensor to bf16 and saves with ``save_pretrained``; its ``lm_head`` is a separate tensor there,
 so a tied model's export carries the embedding twice too (measured on CPU).
-
-With LoRA (``lora_rank > 0``) the actor's model file is the PEFT model's state dict: the frozen base in its
-``model_dtype`` and every adapter tensor in fp32 (peft keeps adapters in fp32); its optimizer file holds AdamW's
-states of the adapters alone (the frozen flat parameters get no gradient, so no state; FSDP1 wraps every LoRA
-layer as its own unit: verl's ``get_fsdp_wrap_policy(is_lora=True)``); rank 0 also writes ``lora_adapter/``
-(``adapter_model.safetensors``, fp32, and ``adapter_config.json``: fsdp_workers' ``save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -261,30 +255,19 @@ class CheckpointPlan:
 
 def plan_checkpoints(shape: ModelShape, *, critic: bool, actor_layout: str, world_size: int, param_dtype: str,
                      side_files_bytes: int, keep: int = DEFAULT_KEEP, every: int = DEFAULT_EVERY,
-                     total_steps: int | None = None, lora_rank: int = 0, lora_targets: Iterable[str] = (),
-                     base_dtype: str | None = None) -> CheckpointPlan:
-    """The plan's checkpoints: the predicted save, what is kept, how often, and why. ``lora_rank`` > 0: the
-    actor trains LoRA adapters on ``lora_targets`` over a frozen base in ``base_dtype``."""
+                     total_steps: int | None = None) -> CheckpointPlan:
+    """The plan's checkpoints: the predicted save, what is kept, how often, and why."""
     if keep < 1 or every < 1:
         raise ValueError(f"checkpoints keep and every must be >= 1, not {keep} and {every}")
     every = min(every, total_steps) if total_steps else every
-    adapter = lora_tensors(shape, lora_rank, lora_targets) if lora_rank else None
     save = predict_save(shape, critic=critic, actor_layout=actor_layout, world_size=world_size,
-                        param_bytes=DTYPE_BYTES[param_dtype], side_files_bytes=side_files_bytes, adapter=adapter,
-                        actor_param_bytes=DTYPE_BYTES[base_dtype or param_dtype] if adapter else None)
-    # the export with LoRA: the merged model as any other, and the adapter alone in PEFT's format (fp32)
-    export = predict_export(shape, side_files_bytes) + (sum(numel(d) for _, d in adapter) * DTYPE_BYTES["fp32"]
-                                                        + len(adapter) * SAFETENSORS_ENTRY_BYTES + LORA_CONFIG_BYTES
-                                                        if adapter else 0)
+                        param_bytes=DTYPE_BYTES[param_dtype], side_files_bytes=side_files_bytes)
+    export = predict_export(shape, side_files_bytes)
     roles = " and the critic (FSDP1)" if critic else " (GRPO: no critic; the reference model is never saved)"
     reasons = (
         ("checkpoint_bytes", f"{gib(save.total_bytes)} ({save.total_bytes} B)",
          f"one save: the actor ({'FSDP2: tied weights once' if actor_layout == 'fsdp2' else 'FSDP1: each name its own chunk, a tied embedding twice'})"
-         + (f"; LoRA: its frozen base in {base_dtype or param_dtype}, its rank-{lora_rank} adapters in fp32 with "
-            "AdamW's states of the adapters alone, and lora_adapter/ (the adapters again, fp32)" if adapter else "")
-         + f"{roles}, " + ("the critic with" if adapter and critic else "" if adapter else "each with")
-         + ("" if adapter and not critic else f" {param_dtype} params and AdamW's two {param_dtype} states")
-         + f" over {world_size} rank(s), "
+         f"{roles}, each with {param_dtype} params and AdamW's two {param_dtype} states over {world_size} rank(s), "
          "LR scheduler and RNG states, rank 0's config and tokenizer files"),
         ("checkpoint_keep", keep,
          f"whole saves kept at any time (setting checkpoints.keep): verl 0.5.0 removes the oldest before it writes "
@@ -293,8 +276,7 @@ def plan_checkpoints(shape: ModelShape, *, critic: bool, actor_layout: str, worl
         ("save_freq", every, "a save every this many steps and at the last (setting checkpoints.every; the step "
                              "cap bounds it); validation runs at each save"),
         ("export_bytes", f"{gib(export)} ({export} B)", "the exported model: every tensor in bf16 (the tied head as its own), config and "
-                                 "tokenizer files" + ("; with LoRA the adapter merged into it, and the adapter alone "
-                                                      "in PEFT's format (fp32)" if adapter else "")),
+                                 "tokenizer files"),
     )
     return CheckpointPlan(save=save, keep=keep, every=every, export_bytes=export, total_steps=total_steps,
                           critic=critic, reasons=reasons)
@@ -324,3 +306,43 @@ def predicted_save_bytes(plan: Mapping[str, Any]) -> int:
     """The predicted bytes of one save (every rank, every role) of a run's plan.json, for the GPU
     harness to compare with the size of a ``global_step_N`` folder."""
     return int(plan["checkpoints"]["save"]["total_bytes"])
+
+
+def plan_lora_checkpoints(shape: ModelShape, *, lora_rank: int, lora_targets: Iterable[str], base_dtype: str,
+                          critic: bool, actor_layout: str, world_size: int, param_dtype: str, side_files_bytes: int,
+                          **kw: Any) -> CheckpointPlan:
+    """``plan_checkpoints`` for an actor training LoRA adapters on ``lora_targets`` over a frozen base in
+    ``base_dtype``. What such a save holds, read in verl 0.5.0 (``fsdp_workers.py`` ``save_checkpoint``,
+    ``utils/fsdp_utils.py`` ``get_fsdp_wrap_policy(is_lora=True)``) and peft 0.16.0: the actor's model file is the
+    PEFT model's state dict, the frozen base in its ``model_dtype`` and every adapter tensor in fp32 (peft keeps
+    adapters in fp32); its optimizer file holds AdamW's states of the adapters alone (the frozen flat parameters get
+    no gradient, so no state; FSDP1 wraps every LoRA layer as its own unit); rank 0 also writes ``lora_adapter/``
+    (``adapter_model.safetensors`` in fp32 and ``adapter_config.json``). The export adds the adapter alone, in
+    PEFT's format (fp32), to the merged model."""
+    from dataclasses import replace
+
+    cp = plan_checkpoints(shape, critic=critic, actor_layout=actor_layout, world_size=world_size,
+                          param_dtype=param_dtype, side_files_bytes=side_files_bytes, **kw)
+    adapter = lora_tensors(shape, lora_rank, lora_targets)
+    save = predict_save(shape, critic=critic, actor_layout=actor_layout, world_size=world_size,
+                        param_bytes=DTYPE_BYTES[param_dtype], side_files_bytes=side_files_bytes, adapter=adapter,
+                        actor_param_bytes=DTYPE_BYTES[base_dtype])
+    alone = sum(numel(d) for _, d in adapter) * DTYPE_BYTES["fp32"] + len(adapter) * SAFETENSORS_ENTRY_BYTES \
+        + LORA_CONFIG_BYTES
+    export = cp.export_bytes + alone
+    why = {
+        "checkpoint_bytes": (f"{gib(save.total_bytes)} ({save.total_bytes} B)",
+                             f"one save: the actor (FSDP1: each name its own chunk, a tied embedding twice) with LoRA: "
+                             f"its frozen base in {base_dtype}, its rank-{lora_rank} adapters in fp32 with AdamW's "
+                             "states of the adapters alone, and lora_adapter/ (the adapters again, fp32)"
+                             + (f"; the critic with {param_dtype} params and AdamW's two {param_dtype} states"
+                                if critic else " (GRPO: no critic; the reference model is never saved)")
+                             + f", over {world_size} rank(s), LR scheduler and RNG states, rank 0's config and "
+                             "tokenizer files"),
+        "export_bytes": (f"{gib(export)} ({export} B)", "the exported model: every tensor in bf16 (the adapter merged "
+                         "into it; the tied head as its own), config and tokenizer files, and the adapter alone in "
+                         "PEFT's format (fp32)"),
+    }
+    reasons = tuple((name, *why[name]) if name in why else (name, value, text) for name, value, text in cp.reasons)
+    return replace(cp, save=save, export_bytes=export, reasons=reasons)
+

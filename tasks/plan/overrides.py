@@ -5,9 +5,10 @@ retention is overrides too."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from tasks.checkpoints import CheckpointPlan, plan_checkpoints, retention_overrides
+from tasks.checkpoints import CheckpointPlan, plan_checkpoints, plan_lora_checkpoints, retention_overrides
 from tasks.plan.estimator import max_num_batched_tokens
 from tasks.plan.lora import lora_overrides
 from tasks.plan.precision import VLLM_MIN_CC, vllm_engine
@@ -207,8 +208,9 @@ def checkpoint_plan(workload: Workload, world_size: int, train_dtype: str = MAST
 
     w = workload
     targets = LORA_MODULES if w.target_modules == "all-linear" else tuple(w.target_modules)
-    return plan_checkpoints(ModelShape.from_config(dict(w.model_config)), critic=w.uses_critic,
-                            actor_layout="fsdp2" if w.actor_offload_policy else "fsdp", world_size=world_size,
-                            param_dtype=MASTER_DTYPE, side_files_bytes=w.model_side_bytes,
-                            keep=w.checkpoint_keep, every=w.save_freq, total_steps=w.total_training_steps,
-                            lora_rank=w.lora_rank if w.lora else 0, lora_targets=targets, base_dtype=train_dtype)
+    plan = plan_checkpoints if not w.lora else functools.partial(
+        plan_lora_checkpoints, lora_rank=w.lora_rank, lora_targets=targets, base_dtype=train_dtype)
+    return plan(ModelShape.from_config(dict(w.model_config)), critic=w.uses_critic,
+                actor_layout="fsdp2" if w.actor_offload_policy else "fsdp", world_size=world_size,
+                param_dtype=MASTER_DTYPE, side_files_bytes=w.model_side_bytes,
+                keep=w.checkpoint_keep, every=w.save_freq, total_steps=w.total_training_steps)

@@ -142,15 +142,15 @@ class Workload:
     experiment_name: str = "qwen2.5-0.5b-gsm8k"
     flash_attn_installed: bool = False
     rollout_engine: str = "auto"         # workload.rollout: "auto" (vLLM where the GPU has it), "vllm", "hf"
-    val_rows: int = VAL_ROWS             # rows of val_small.parquet (HF chunks must divide them)
-    train_rows: int | None = None        # prompts of the train split (verl's dataloader needs a whole batch)
-    actor_offload_policy: bool = False   # the actor (and ref) on FSDP2 with CPUOffloadPolicy (RUNGS)
     # LoRA (settings workload.finetune, lora_rank, lora_alpha, target_modules; tasks/plan/lora.py)
     finetune: str = "auto"               # "auto": LoRA where full fine-tuning needs CPU offload or does not fit
     lora_rank: int = 32
     lora_alpha: int = 32
     target_modules: str | tuple[str, ...] = "all-linear"
     lora: bool = False                   # this rung trains LoRA adapters on the actor (the ladder sets it)
+    val_rows: int = VAL_ROWS             # rows of val_small.parquet (HF chunks must divide them)
+    train_rows: int | None = None        # prompts of the train split (verl's dataloader needs a whole batch)
+    actor_offload_policy: bool = False   # the actor (and ref) on FSDP2 with CPUOffloadPolicy (RUNGS)
 
     @property
     def uses_reference(self) -> bool:
