@@ -136,9 +136,32 @@ def shard_numel(dims: tuple[int, ...], world_size: int, rank: int) -> int:
     return chunk_rows(dims[0], world_size, rank) * numel(dims[1:])
 
 
+LORA_CONFIG_BYTES = 1024           # lora_adapter/adapter_config.json (PEFT's LoraConfig as JSON): under 1 KiB
+
+
+def lora_tensors(shape: ModelShape, rank: int, targets: Iterable[str]) -> list[tuple[str, tuple[int, ...]]]:
+    """PEFT's adapter tensors (lora_A: rank x in, lora_B: out x rank) of every targeted layer."""
+    from tasks.memory.lora import module_dims
+
+    dims = module_dims(shape)
+    return [(f"model.layers.{i}.{m}.lora_{ab}", (rank, dims[m][0]) if ab == "A" else (dims[m][1], rank))
+            for i in range(shape.layers) for m in targets for ab in "AB"]
+
+
 def role_save(shape: ModelShape, role: str, layout: str, world_size: int, param_bytes: int,
-              side_files_bytes: int) -> RoleSave:
-    """One role's files per rank, for the FSDP1 (``fsdp``) or FSDP2 (``fsdp2``) layout."""
+              side_files_bytes: int, adapter: list[tuple[str, tuple[int, ...]]] | None = None) -> RoleSave:
+    """One role's files per rank, for the FSDP1 (``fsdp``) or FSDP2 (``fsdp2``) layout; ``adapter``: the
+    actor's LoRA tensors (fp32; the base, in ``param_bytes``, then has no optimizer state)."""
+    if adapter:
+        base = role_save(shape, role, layout, world_size, param_bytes, side_files_bytes)
+        model = tuple(m + sum(shard_numel(d, world_size, r) for _, d in adapter) * DTYPE_BYTES["fp32"]
+                      + len(adapter) * MODEL_ENTRY_BYTES for r, m in enumerate(base.model_bytes))
+        optim = tuple(sum(-(-numel(d) // world_size) for _, d in adapter) * 2 * DTYPE_BYTES["fp32"]
+                      + len(adapter) * OPTIM_ENTRY_BYTES for _ in range(world_size))
+        folder = sum(numel(d) for _, d in adapter) * DTYPE_BYTES["fp32"] + len(adapter) * SAFETENSORS_ENTRY_BYTES \
+            + LORA_CONFIG_BYTES
+        return RoleSave(role=role, layout=layout, model_bytes=model, optim_bytes=optim, extra_bytes=base.extra_bytes,
+                        rank0_bytes=base.rank0_bytes + folder)
     named = tensors(shape, role)
     tied = role == "actor" and shape.tied_embeddings
     unique = [(n, d) for n, d in named if not (tied and n == "lm_head.weight")]
@@ -165,9 +188,12 @@ def numel_of(named: list[tuple[str, tuple[int, ...]]], part: str) -> int:
 
 
 def predict_save(shape: ModelShape, *, critic: bool, actor_layout: str, world_size: int, param_bytes: int,
-                 side_files_bytes: int) -> SavePrediction:
-    """The bytes of one save: the actor in ``actor_layout``, the critic (PPO) on FSDP1."""
-    roles = [role_save(shape, "actor", actor_layout, world_size, param_bytes, side_files_bytes)]
+                 side_files_bytes: int, adapter: list[tuple[str, tuple[int, ...]]] | None = None,
+                 actor_param_bytes: int | None = None) -> SavePrediction:
+    """The bytes of one save: the actor in ``actor_layout`` (with LoRA: its base in ``actor_param_bytes`` and
+    ``adapter``), the critic (PPO) on FSDP1."""
+    roles = [role_save(shape, "actor", actor_layout, world_size, actor_param_bytes or param_bytes, side_files_bytes,
+                       adapter)]
     if critic:
         roles.append(role_save(shape, "critic", "fsdp", world_size, param_bytes, side_files_bytes))
     return SavePrediction(world_size=world_size, roles=tuple(roles))
@@ -280,3 +306,43 @@ def predicted_save_bytes(plan: Mapping[str, Any]) -> int:
     """The predicted bytes of one save (every rank, every role) of a run's plan.json, for the GPU
     harness to compare with the size of a ``global_step_N`` folder."""
     return int(plan["checkpoints"]["save"]["total_bytes"])
+
+
+def plan_lora_checkpoints(shape: ModelShape, *, lora_rank: int, lora_targets: Iterable[str], base_dtype: str,
+                          critic: bool, actor_layout: str, world_size: int, param_dtype: str, side_files_bytes: int,
+                          **kw: Any) -> CheckpointPlan:
+    """``plan_checkpoints`` for an actor training LoRA adapters on ``lora_targets`` over a frozen base in
+    ``base_dtype``. What such a save holds, read in verl 0.5.0 (``fsdp_workers.py`` ``save_checkpoint``,
+    ``utils/fsdp_utils.py`` ``get_fsdp_wrap_policy(is_lora=True)``) and peft 0.16.0: the actor's model file is the
+    PEFT model's state dict, the frozen base in its ``model_dtype`` and every adapter tensor in fp32 (peft keeps
+    adapters in fp32); its optimizer file holds AdamW's states of the adapters alone (the frozen flat parameters get
+    no gradient, so no state; FSDP1 wraps every LoRA layer as its own unit); rank 0 also writes ``lora_adapter/``
+    (``adapter_model.safetensors`` in fp32 and ``adapter_config.json``). The export adds the adapter alone, in
+    PEFT's format (fp32), to the merged model."""
+    from dataclasses import replace
+
+    cp = plan_checkpoints(shape, critic=critic, actor_layout=actor_layout, world_size=world_size,
+                          param_dtype=param_dtype, side_files_bytes=side_files_bytes, **kw)
+    adapter = lora_tensors(shape, lora_rank, lora_targets)
+    save = predict_save(shape, critic=critic, actor_layout=actor_layout, world_size=world_size,
+                        param_bytes=DTYPE_BYTES[param_dtype], side_files_bytes=side_files_bytes, adapter=adapter,
+                        actor_param_bytes=DTYPE_BYTES[base_dtype])
+    alone = sum(numel(d) for _, d in adapter) * DTYPE_BYTES["fp32"] + len(adapter) * SAFETENSORS_ENTRY_BYTES \
+        + LORA_CONFIG_BYTES
+    export = cp.export_bytes + alone
+    why = {
+        "checkpoint_bytes": (f"{gib(save.total_bytes)} ({save.total_bytes} B)",
+                             f"one save: the actor (FSDP1: each name its own chunk, a tied embedding twice) with LoRA: "
+                             f"its frozen base in {base_dtype}, its rank-{lora_rank} adapters in fp32 with AdamW's "
+                             "states of the adapters alone, and lora_adapter/ (the adapters again, fp32)"
+                             + (f"; the critic with {param_dtype} params and AdamW's two {param_dtype} states"
+                                if critic else " (GRPO: no critic; the reference model is never saved)")
+                             + f", over {world_size} rank(s), LR scheduler and RNG states, rank 0's config and "
+                             "tokenizer files"),
+        "export_bytes": (f"{gib(export)} ({export} B)", "the exported model: every tensor in bf16 (the adapter merged "
+                         "into it; the tied head as its own), config and tokenizer files, and the adapter alone in "
+                         "PEFT's format (fp32)"),
+    }
+    reasons = tuple((name, *why[name]) if name in why else (name, value, text) for name, value, text in cp.reasons)
+    return replace(cp, save=save, export_bytes=export, reasons=reasons)
+

@@ -73,8 +73,16 @@ KNOWN_KEYS = set(DEFAULTS)
 # workload keys and their defaults: verl's GSM8K quick start, one epoch, the plan's fallback ladder
 WORKLOAD_DEFAULTS: dict[str, Any] = {"algorithm": "auto", "model": None, "train_batch_size": 256,
                                      "ppo_mini_batch_size": 64, "max_prompt_length": 256, "max_response_length": 256,
-                                     "epochs": 1, "rollout": "auto"}
-WORKLOAD_WORDS = ("algorithm", "model", "rollout")   # the keys that are not positive integers
+                                     "epochs": 1, "rollout": "auto",
+                                     # LoRA (tasks/plan/lora.py, docs/plan.md "LoRA"): auto trains LoRA where full
+                                     # fine-tuning needs the CPU-offload rung or does not fit, full where it fits
+                                     "finetune": "auto", "lora_rank": 32, "lora_alpha": 32,
+                                     "target_modules": "all-linear"}
+# the keys that are not positive integers
+WORKLOAD_WORDS = ("algorithm", "model", "rollout", "finetune", "target_modules")
+WORKLOAD_FINETUNES = ("auto", "full", "lora")
+# the linear layers of a Qwen2/Llama decoder layer that LoRA may target (PEFT's "all-linear" takes them all)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WORKLOAD_ALGORITHMS = ("auto", "ppo", "grpo")   # auto: PPO, else GRPO, else GRPO with shorter responses
 # auto: vLLM where the GPU runs it (compute capability >= 7.0), else the HF rollout; vllm: vLLM or
 # this box fails (tasks.plan.rollout_refusal); hf: the HF-transformers rollout, and no vLLM in the env
@@ -337,6 +345,7 @@ def _workload(host: str, value: Any) -> dict[str, Any]:
         found.append(SettingsError(host, "workload.rollout", f"{w['rollout']!r} is not one of auto, vllm, hf",
                                    "set it to auto (vLLM where the GPU runs it, else the HF rollout), vllm (vLLM, "
                                    "on compute capability >= 7.0 only) or hf (the HF-transformers rollout, on any GPU)"))
+    found += _finetune(host, w)
     bad = set()
     for key, default in WORKLOAD_DEFAULTS.items():
         if key not in WORKLOAD_WORDS and (not isinstance(w[key], int) or isinstance(w[key], bool) or w[key] < 1):
@@ -350,6 +359,35 @@ def _workload(host: str, value: Any) -> dict[str, Any]:
     if found:
         raise SettingsErrors(found)
     return w
+
+
+def _finetune(host: str, w: dict[str, Any]) -> list[SettingsError]:
+    """workload.finetune and LoRA's target_modules (rank and alpha are positive integers, checked with the others)."""
+    found = []
+    if w["finetune"] not in WORKLOAD_FINETUNES:
+        close = difflib.get_close_matches(str(w["finetune"]).strip().lower(), WORKLOAD_FINETUNES, n=1, cutoff=0.5)
+        found.append(SettingsError(host, "workload.finetune", f"{w['finetune']!r} is not one of auto, full, lora",
+                                   (f"did you mean {close[0]!r}? " if close else "")
+                                   + "set it to auto (LoRA where full fine-tuning needs the CPU-offload rung or does "
+                                   "not fit, else full), full (every weight trained) or lora (adapters only)"))
+    mods = w["target_modules"]
+    if mods != "all-linear":
+        names = [mods] if isinstance(mods, str) else mods
+        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(m, str) for m in names):
+            found.append(SettingsError(host, "workload.target_modules", f"{mods!r} is not 'all-linear' or a list of "
+                                       "module names",
+                                       f"use 'all-linear' (the default) or a list of {', '.join(LORA_MODULES)}"))
+        else:
+            for m in names:
+                if m not in LORA_MODULES:
+                    close = difflib.get_close_matches(m, LORA_MODULES, n=1, cutoff=0.6)
+                    found.append(SettingsError(host, "workload.target_modules", f"{m!r} is not a linear layer of the "
+                                               "model's decoder", (f"did you mean {close[0]!r}? " if close else "")
+                                               + f"use 'all-linear' or names of {', '.join(LORA_MODULES)}"))
+            if not found:
+                w["target_modules"] = "all-linear" if set(names) == set(LORA_MODULES) \
+                    else [m for m in LORA_MODULES if m in names]
+    return found
 
 
 def _workload_model(host: str, cat, value: Any, model_artifact: Any, set_artifact: bool) -> str:

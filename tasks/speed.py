@@ -1,5 +1,7 @@
-"""How long a training step takes on the CPU-offload rung (the actor and the ref on FSDP2 with
-CPUOffloadPolicy), to rank the configurations that fit: tasks/plan/memory_fit.py takes the fastest.
+"""How long a training step takes: on the CPU-offload rung (``offload_step_seconds``: the actor and the ref
+on FSDP2 with CPUOffloadPolicy), to rank the configurations that fit (tasks/plan/memory_fit.py takes the
+fastest), and with everything on the GPU (``gpu_step_seconds``: the PPO/GRPO and LoRA rungs, for the plan's
+reason ``finetune``: tasks/plan/lora.py).
 
 Pure Python, plain values. What it rests on (docs/plan.md, "Speed on the CPU-offload rung"):
 
@@ -109,5 +111,52 @@ def offload_step_seconds(step: OffloadStep) -> dict[str, float]:
         + sums * model_gib * HOST_SUM_S_PER_GIB \
         + minis * s.params / 1e9 * (FUSED_ADAM_S_PER_GPARAM if s.fused_adamw else ADAM_S_PER_GPARAM) \
         + s.sequences * seq * tflop_token * flops_factor * compute
+    out["step"] = sum(out.values())
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+# ---- everything on the GPU: full fine-tuning on the PPO/GRPO rungs, LoRA on the LoRA rungs --------------------
+
+@dataclass(frozen=True)
+class GpuStep:
+    """One step of a plan that keeps its models on the GPU (sequences per GPU): no gathers from host memory,
+    no host-side sums, AdamW on the GPU (memory-bound: milliseconds, not counted)."""
+
+    params: int                      # the actor's parameters
+    train_dtype: str
+    sequences: int
+    micro_batch: int                 # update micro-batch (FLOPs do not depend on it in this model)
+    rollout_chunk: int               # sequences per HF generate() call (0: vLLM generates, not counted)
+    prompt_len: int
+    response_len: int
+    grad_ckpt: bool = False
+    rollout_dtype: str | None = None
+    lora: bool = False               # the actor trains adapters: its backward makes no weight gradient of the base
+    reference: bool = False          # a reference log-prob pass (GRPO's KL loss); with LoRA the actor without adapter
+    critic_params: int = 0           # PPO: the critic's value pass and update (fully fine-tuned)
+
+
+def gpu_step_seconds(step: GpuStep) -> dict[str, float]:
+    """Seconds per phase (``rollout``, ``actor_log_prob``, ``ref_log_prob``, ``critic``, ``update``) and in all
+    (``step``) of a step whose models stay on the GPU, with the constants above (HF generation's decoding steps,
+    FLOPs at one throughput). The update's backward is twice a forward with full fine-tuning (input and weight
+    gradients) and once with LoRA (input gradients through the frozen base; the adapters' weight gradients are
+    rank-sized): inferred, the LoRA profiles of bench/gpu/ppo_profiles.py measure it."""
+    s = step
+    tflop_token = 2.0 * s.params / 1e12
+    compute = COMPUTE_S_PER_TFLOP[s.train_dtype]
+    tokens = s.sequences * (s.prompt_len + s.response_len)
+    out = {}
+    if s.rollout_chunk:
+        gen = s.rollout_dtype or s.train_dtype
+        autocast = gen != s.train_dtype and s.train_dtype == "fp32"
+        out["rollout"] = -(-s.sequences // s.rollout_chunk) * s.response_len \
+            * DECODE_STEP_S["autocast" if autocast else "same"] + tokens * tflop_token * COMPUTE_S_PER_TFLOP[gen]
+    out["actor_log_prob"] = tokens * tflop_token * compute
+    out["ref_log_prob"] = out["actor_log_prob"] if s.reference else 0.0
+    critic_tflop = 2.0 * s.critic_params / 1e12
+    out["critic"] = tokens * critic_tflop * compute * (1.0 + 3.0 + (1.0 if s.grad_ckpt else 0.0))
+    passes = (2.0 if s.lora else 3.0) + (1.0 if s.grad_ckpt else 0.0)
+    out["update"] = tokens * tflop_token * passes * compute
     out["step"] = sum(out.values())
     return {k: round(v, 2) for k, v in out.items()}

@@ -1,7 +1,7 @@
 """vLLM 0.8.5's ``gpu_memory_utilization`` (the share): the KV cache a share gives under each
 engine's own accounting, and the smallest share that gives a wanted KV cache.
 
-The one place this arithmetic lives: the plan sizes the share with it (``tasks/memory.py``
+The one place this arithmetic lives: the plan sizes the share with it (``tasks/memory/generate.py``
 ``vllm_memory``, before anything runs, for a GPU with nothing else on it), and the training
 launcher sizes it again at start (``train_launcher.py``, shipped beside it as
 ``verl_lab_vllm_share.py``) for the GPU as it is then: what other processes hold, and the memory

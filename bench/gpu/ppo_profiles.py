@@ -70,6 +70,7 @@ class Profile:
     overrides: tuple[str, ...] = ()      # ... run it with these Hydra overrides after the plan's
     model: str | None = None             # workload.model (a catalog model); None: the default 0.5B
     rollout: str | None = None           # workload.rollout (the product's setting, through the settings)
+    finetune: str | None = None          # workload.finetune: "full" keeps a small card on the full rungs, "lora"
     resume_after: int | None = None      # run to this step saving a checkpoint, then again: it resumes
     export: bool = False                 # save every step; the launcher exports and scores when verl finishes
     probe_profile: str = ""              # VERL_LAB_PROFILE: the worker calls the probe profiles (phase[:N],...)
@@ -102,6 +103,7 @@ SPEED_CARDS = (("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, "auto", "GTX 
 SPEED_PROFILES = [
     Profile(f"{name}-{when}", gpu, cc, mib, code="speed-before" if when == "before" else "current",
             rollout_engine=engine, steps=2, validate=False, probe_profile=SPEED_PROBE_PROFILE,
+            finetune=None if when == "before" else "full",     # the code before LoRA has no such key
             stands_for=f"{label}, the plan {'before the speed work' if when == 'before' else 'as it is now'}"
                        + ("; HF rollout instead of the plan's vLLM, for this run only" if engine == "hf" else ""))
     for when in ("before", "after") for name, gpu, cc, mib, engine, label in SPEED_CARDS
@@ -125,10 +127,12 @@ MULTI_PROFILES = [
     Profile("p40-2gpu", "Tesla P40", "6.1", 24576, steps=2, gpus=2, compare_with="p40-1gpu", env=NCCL_INFO,
             stands_for="2 x Tesla P40 in one box: PPO with the critic sharded over both (FSDP1, fp32, HF rollout)"),
     Profile("gtx1080-1gpu", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, validate=False,
+            finetune="full",
             stands_for="GTX 1080 (8 GiB), one card: grpo-cpu-offload as planned now (baseline of gtx1080-2gpu)"),
     Profile("gtx1080-2gpu", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, gpus=2, compare_with="gtx1080-1gpu",
-            env=NCCL_INFO, stands_for="2 x GTX 1080 in one box: grpo-cpu-offload (GRPO n=4, the actor on FSDP2 "
-                                      "CPUOffloadPolicy over both, fp32, HF rollout)"),
+            env=NCCL_INFO, finetune="full",
+            stands_for="2 x GTX 1080 in one box: grpo-cpu-offload (GRPO n=4, the actor on FSDP2 "
+                       "CPUOffloadPolicy over both, fp32, HF rollout)"),
     Profile("p40-2nodes", "Tesla P40", "6.1", 24576, steps=2, nodes=2, compare_with="p40-2gpu", env=NCCL_INFO,
             stands_for="two boxes of one Tesla P40 each in a Ray cluster (trainer.nnodes=2): the product's Ray units "
                        "(head 127.0.0.2 on GPU 0, worker 127.0.0.3 on GPU 1), cluster-check, the cluster plan"),
@@ -141,6 +145,7 @@ MULTI_PROFILES = [
     Profile("gtx1080-2gpu-export", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=2, gpus=2, validate=False,
             resume_after=1, export=True, env=NCCL_INFO,
             overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
+            finetune="full",
             stands_for="2 x GTX 1080 plan (grpo-cpu-offload) on 16 prompts a step: step 1 saved, resumed by a second "
                        "run for step 2, which is saved, exported from both ranks' shards, proven and scored"),
 ]
@@ -164,6 +169,7 @@ PROFILES = [
                                     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
                                     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
                                     "++actor_rollout_ref.rollout.micro_batch_size=128"),
+            finetune="full",
             stands_for="GTX 1080 Ti / RTX 2080 Ti (11 GiB): GRPO n=4, actor on FSDP2 CPU offload, micro 2, chunk 128"),
     Profile("grpo-8g", "NVIDIA GeForce GTX 1080", "6.1", 8192, plan_memory_mib=24576, steps=2, validate=False,
             overrides=GRPO_FSDP2 + ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
@@ -171,22 +177,27 @@ PROFILES = [
                                     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
                                     "++actor_rollout_ref.rollout.micro_batch_size=64",
                                     "actor_rollout_ref.model.enable_gradient_checkpointing=True"),
+            finetune="full",
             stands_for="GTX 1080 / RTX 4060 (8 GiB): GRPO n=4, actor on FSDP2 CPU offload, micro 1, chunk 64, "
                        "gradient checkpointing"),
     # the product's own plans on the grpo-cpu-offload rung (no overrides): what tasks/plan/ gives these cards
     Profile("gtx1080ti", "NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, steps=2, validate=False,
+            finetune="full",
             stands_for="GTX 1080 Ti (11 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
                        "CPUOffloadPolicy, fp32, HF rollout)"),
     Profile("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=1, validate=False,
+            finetune="full",
             stands_for="GTX 1080 (8 GiB), the product's plan: grpo-cpu-offload (GRPO n=4, actor on FSDP2 "
                        "CPUOffloadPolicy, fp32, HF rollout)"),
     # the grpo rung (GRPO on FSDP1, no critic, the ref for the KL loss), never measured before call 12
     Profile("rtx3060", "NVIDIA GeForce RTX 3060", "8.6", 12288, rollout_engine="hf", steps=2, validate=False,
+            finetune="full",
             stands_for="RTX 3060 (12 GiB), the product's plan with the HF rollout: grpo (GRPO n=4 on FSDP1, bf16)"),
     # checkpoint save and resume on the CPU-offload rung (FSDP2 + CPUOffloadPolicy): the GTX 1080 Ti's
     # plan on a small batch (16 prompts x 4, mini-batch 4 x 4: the save and load are what is tested)
     Profile("gtx1080ti-resume", "NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, steps=2, validate=False, resume_after=1,
             overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
+            finetune="full",
             stands_for="GTX 1080 Ti plan (grpo-cpu-offload) on 16 prompts a step: step 1 saves a checkpoint, a "
                        "second run resumes from it and trains step 2"),
     # another catalog model's shape (random weights from its config.json): the plan an 80 GB A100 gets
@@ -218,6 +229,7 @@ PROFILES = [
     Profile("gtx1080-export", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=3, validate=False, export=True,
             tensorboard=True, proof_baseline=PROOF_BEFORE_REF,
             overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
+            finetune="full",
             stands_for="GTX 1080 plan (grpo-cpu-offload: GRPO, the actor on FSDP2 CPUOffloadPolicy, fp32, HF rollout) "
                        "on 16 prompts a step: saves, export, proof, GSM8K scores"),
     Profile("seed", "Tesla P40", "6.1", 24576, code="today", seed_recipe=True,
@@ -238,11 +250,38 @@ PROFILES = [
                        "+actor_rollout_ref.ref.fsdp_config.gather_once=True",
                        "+actor_rollout_ref.actor.fsdp_config.accumulate_grads_unsharded=True",
                        "+actor_rollout_ref.actor.optim.fused=True"),
+            finetune="full",
             stands_for="RTX 2080 Ti (11 GiB), its plan before the speed work (micro-batches pinned) with the HF "
                        "rollout and patches 0007-0009's knobs on (gather once per pass and per mini-batch, "
                        "gradients reduced once per mini-batch, fused AdamW), OMP_NUM_THREADS=8"),
 ]
 PROFILES += MULTI_PROFILES           # issue 27's, kept apart from the list above
+
+# issue 35: LoRA. Each 8-12 GB card's LoRA plan (workload.finetune = "lora": grpo-lora, the actor's base frozen, no
+# ref model) against the same card's full plan of this session (``*-after``: grpo-cpu-offload), one at a time, 2 steps,
+# prompts/s over step 2 (validation off); vLLM cards with the HF rollout for this run only, as their ``*-after``.
+# The 3B on 24 GB cards: the P40's fp32 plan and a bf16 card's with workload.rollout = 'hf' (2 steps each); and one
+# LoRA run to its end (saves, the export merged and as an adapter, the proof, the scores) on the GTX 1080's plan.
+LORA_PROFILES = [
+    Profile(f"{name}-lora", gpu, cc, mib, rollout_engine=engine, steps=2, validate=False, finetune="lora",
+            probe_profile=SPEED_PROBE_PROFILE, compare_with=f"{name}-after",
+            stands_for=f"{label}, the LoRA plan (grpo-lora)"
+                       + ("; HF rollout instead of the plan's vLLM, for this run only" if engine == "hf" else ""))
+    for name, gpu, cc, mib, engine, label in SPEED_CARDS
+] + [
+    Profile("p40-3b-lora", "Tesla P40", "6.1", 24576, steps=2, validate=False, finetune="lora",
+            model="Qwen/Qwen2.5-3B-Instruct",
+            stands_for="Tesla P40 (24 GiB) with Qwen2.5-3B-Instruct, the LoRA plan (fp32 base, HF rollout)"),
+    Profile("rtx3090-3b-lora", "NVIDIA GeForce RTX 3090", "8.6", 24576, steps=2, validate=False, finetune="lora",
+            model="Qwen/Qwen2.5-3B-Instruct", rollout="hf",
+            stands_for="RTX 3090 (24 GiB) with Qwen2.5-3B-Instruct and workload.rollout = 'hf', the LoRA plan "
+                       "(bf16 base)"),
+    Profile("gtx1080-lora-export", "NVIDIA GeForce GTX 1080", "6.1", 8192, steps=3, validate=False, export=True,
+            finetune="lora", overrides=("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4"),
+            stands_for="GTX 1080 LoRA plan (grpo-lora, fp32, HF rollout) on 16 prompts a step: saves with "
+                       "lora_adapter/, the export (merged model and the adapter alone), proof, GSM8K scores"),
+]
+PROFILES += LORA_PROFILES
 BY_NAME = {p.name: p for p in PROFILES}
 
 
@@ -257,9 +296,9 @@ def node_hosts(profile: Profile) -> list[str]:
 
 def settings_data(profile: dict) -> dict:
     """The host data a profile (its record, or ``asdict`` of it) is planned with: its lab_root and
-    step cap, and the ``workload`` keys it sets (model, rollout)."""
+    step cap, and the ``workload`` keys it sets (model, rollout, finetune)."""
     root = profile.get("lab_root") or f"/tmp/vl/{profile['name']}"
-    workload = {k: profile[k] for k in ("model", "rollout") if profile.get(k)}
+    workload = {k: profile[k] for k in ("model", "rollout", "finetune") if profile.get(k)}
     return {"lab_root": root, "env_prefix": f"{root}/env", "train_steps": profile.get("steps", STEPS),
             **({"workload": workload} if workload else {})}
 
@@ -338,6 +377,7 @@ def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = 
             "predicted_peak_mib": d["predicted_peak_mib"], "breakdown": d["breakdown"],
             "budget_mib": d["budget_mib"], "micro_batches": d["micro_batches"], "offload": d["offload"],
             "gradient_checkpointing": d.get("gradient_checkpointing", True), "rollout": d["rollout"],
+            "rung": d.get("rung"), "lora": d.get("lora"),
             "train_batch_size": next(int(o.split("=", 1)[1]) for o in d["overrides"]
                                      if o.startswith("data.train_batch_size=")),
             **({"cluster": render_ray_nodes(profile, data, plan, out, ray_port)} if profile.nodes > 1 else {})}

@@ -406,7 +406,7 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
     # per GPU at the run's world size (a cluster's plan is make_plan at nodes x gpus: tasks.plan.cluster_plan)
     gpu = GpuTarget(profile["gpu_name"], profile["compute_capability"], profile["memory_mib"], world_size(profile))
     workload = replace(workload_for(settings), rollout_engine=profile.get("rollout") or profile.get("rollout_engine", "auto"),
-                       train_batch_size=plan["train_batch_size"])
+                       train_batch_size=plan["train_batch_size"], lora=bool(plan.get("lora")))
     mb = plan["micro_batches"]
     offload = dict(plan["offload"])
     grad_ckpt = bool(plan.get("gradient_checkpointing", True))
@@ -425,7 +425,9 @@ def estimate_as_ran(profile: dict, run: Path | None = None) -> dict | None:
             ppo_mini_batch_size=int(ran.get(a + "ppo_mini_batch_size", workload.ppo_mini_batch_size)),
             max_prompt_length=int(ran.get("data.max_prompt_length", workload.max_prompt_length)),
             max_response_length=int(ran.get("data.max_response_length", workload.max_response_length)),
-            rollout_engine=ran.get(r + "name", workload.rollout_engine))
+            rollout_engine=ran.get(r + "name", workload.rollout_engine),
+            lora=int(ran.get("actor_rollout_ref.model.lora_rank", 0)) > 0,
+            lora_rank=int(ran.get("actor_rollout_ref.model.lora_rank", 0)) or workload.lora_rank)
         actor_mb = int(ran.get(a + "ppo_micro_batch_size_per_gpu", actor_mb))
         critic_mb = int(ran.get("critic.ppo_micro_batch_size_per_gpu", critic_mb)) if not grpo else actor_mb
         lp_mb = int(ran.get(r + "log_prob_micro_batch_size_per_gpu", lp_mb))

@@ -16,9 +16,10 @@ The rules (docs/plan.md gives the reason for each):
   engine on >= 8.0 and V0 below; the plan pins the engine (``VLLM_USE_V1``) and sizes
   ``gpu_memory_utilization`` by that engine's own accounting (``vllm_memory``);
 * the fallback ladder (``RUNGS``), best training first, until one fits: PPO with a critic ->
-  GRPO (no critic, ``GRPO_N`` samples per prompt, the KL loss of verl's GRPO example) -> GRPO
-  with the actor on FSDP2 CPU offload -> the same with shorter responses. No LoRA rung: not
-  proven on a GPU yet;
+  GRPO (no critic, ``GRPO_N`` samples per prompt, the KL loss of verl's GRPO example) -> PPO and
+  GRPO with LoRA adapters on the actor (``workload.finetune``: "auto" takes them where full
+  fine-tuning needs the CPU-offload rung; tasks/plan/lora.py) -> GRPO with the actor on FSDP2 CPU
+  offload -> the same with shorter responses;
 * memory, on every rung: without gradient checkpointing first, then with it; at each, no offload unless the
   estimate says it does not fit, then the ladder reference params -> actor optimizer ->
   critic optimizer -> actor params -> critic params (fewer offloads = faster). HF rollout
@@ -35,9 +36,10 @@ tests/unit/test_import_layers.py fails on a cycle):
 * ``terms``: what a plan is made of (GpuTarget, Workload, Precision, MemoryChoice, MemoryEstimate,
   Reason, TrainingPlan, PlanError) and the names of the offload settings;
 * ``precision``: precision, attention and rollout engine from the compute capability;
-* ``estimator``: the memory estimate of one choice (tasks/memory.py), the GPU budget, vLLM's share;
+* ``estimator``: the memory estimate of one choice (tasks/memory/), the GPU budget, vLLM's share;
 * ``memory_fit``: the fastest choice the estimate fits on one rung (offloads, checkpointing,
   micro-batches, the speed model's ranking on the CPU-offload rung);
+* ``lora``: the LoRA rungs' overrides, vLLM's rank rule, the finetune reason with both speeds;
 * ``overrides``: verl's overrides and the process environment, each with its reason; the checkpoints;
 * ``rungs``: ``make_plan``: the fallback ladder of rungs, verl 0.5.0's own checks;
 * ``cluster``: a Ray cluster's plan, by its weakest GPU;
@@ -61,6 +63,7 @@ from tasks.plan.memory_fit import (
     FORWARD_MICRO_CHOICES, MICRO_BATCH_CHOICES, ROLLOUT_CHUNK_CHOICES, UNMEASURED_KNOBS, knob_values,
     offload_levels, offload_seconds, rollout_chunk_choices, rollout_tp_choices, search_memory, search_offload,
 )
+from tasks.plan.lora import FINETUNES, FULL_ACTOR_LR, LORA_LR_SCALE, finetune_reason, gpu_seconds, lora_overrides
 from tasks.plan.overrides import GRPO_OVERRIDES, MASTER_DTYPE, checkpoint_plan, plan_env, verl_overrides
 from tasks.plan.rungs import ALGORITHMS, GRPO_N, RUNGS, ladder, make_plan, verl_refusal
 from tasks.plan.cluster import cluster_plan, weakest_gpu
@@ -78,6 +81,7 @@ __all__ = [
     "max_num_batched_tokens", "vllm_memory_for", "default_estimator", "MICRO_BATCH_CHOICES",
     "FORWARD_MICRO_CHOICES", "ROLLOUT_CHUNK_CHOICES", "UNMEASURED_KNOBS", "knob_values", "offload_levels",
     "rollout_chunk_choices", "rollout_tp_choices", "search_memory", "offload_seconds", "search_offload",
+    "FINETUNES", "FULL_ACTOR_LR", "LORA_LR_SCALE", "finetune_reason", "gpu_seconds", "lora_overrides",
     "MASTER_DTYPE", "GRPO_OVERRIDES", "verl_overrides", "plan_env", "checkpoint_plan", "GRPO_N", "RUNGS",
     "ALGORITHMS", "make_plan", "verl_refusal", "ladder", "weakest_gpu", "cluster_plan", "REPO_ROOT",
     "DEFAULT_MODEL_CONFIG", "catalog_models", "with_model", "plan_naming_models_that_fit", "load_model_config",

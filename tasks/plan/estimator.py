@@ -1,4 +1,4 @@
-"""The memory estimate of one choice: the project's memory model (tasks/memory.py) asked about a
+"""The memory estimate of one choice: the project's memory model (tasks/memory/) asked about a
 plan's GPU, workload, precision and MemoryChoice (``default_estimator``), what a plan may use of a
 GPU (``gpu_budget_mib``) and vLLM's share of it (``vllm_memory_for``, between VLLM_SHARE_MIN and
 VLLM_SHARE_MAX)."""
@@ -21,7 +21,7 @@ def gpu_budget_mib(gpu: GpuTarget) -> int:
     """What a plan may use of one GPU: total minus what the driver keeps (an idle H200 shows
     615 MiB in use of 143771) and allocator fragmentation: 5%, at least 512 MiB; and minus the
     margin for what a real old card's process may hold outside PyTorch beyond what the H200
-    measured (tasks/memory.py: OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB, never measured; the predicted
+    measured (tasks/memory/shape.py: OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB, never measured; the predicted
     peak counts only the measured 1368 MiB)."""
     from tasks.memory import OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB
 
@@ -36,14 +36,28 @@ def max_num_batched_tokens(workload: Workload) -> int:
 def vllm_memory_for(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice):
     """vLLM's share and footprint for this plan's engine (tasks.memory.vllm_memory)."""
     from tasks.memory import ModelShape, held_at_vllm_start_mib, vllm_memory
+    from tasks.memory.lora import lora_held_at_vllm_start_mib, vllm_lora_mib
 
     shape = ModelShape.from_config(dict(workload.model_config))
+    wl = _verl_workload(gpu, workload, precision, choice)
+    dtype = _MEM_DTYPE[precision.rollout_dtype]
     return vllm_memory(
-        shape, engine=vllm_engine(gpu), dtype=_MEM_DTYPE[precision.rollout_dtype], gpu_memory_mib=gpu.memory_mib,
+        shape, engine=vllm_engine(gpu), dtype=dtype, gpu_memory_mib=gpu.memory_mib,
         seqs=choice.rollout_micro_batch, seq_len=workload.sequence_length, tp=choice.rollout_tp,
         max_num_batched_tokens=max_num_batched_tokens(workload),
-        held_at_start_mib=held_at_vllm_start_mib(shape, _verl_workload(gpu, workload, precision, choice)),
-        share_min=VLLM_SHARE_MIN, share_max=VLLM_SHARE_MAX)
+        held_at_start_mib=lora_held_at_vllm_start_mib(shape, wl, lora_spec(workload, precision)) if workload.lora
+        else held_at_vllm_start_mib(shape, wl),
+        share_min=VLLM_SHARE_MIN, share_max=VLLM_SHARE_MAX,
+        lora_mib=vllm_lora_mib(shape, workload.lora_rank, dtype, choice.rollout_tp) if workload.lora else 0.0)
+
+
+def lora_spec(workload: Workload, precision: Precision):
+    """The memory model's LoRA (tasks/memory/lora.py) of a LoRA rung: its rank and targets, the frozen base in
+    the training dtype (the plan's actor model_dtype on LoRA rungs: tasks/plan/lora.py)."""
+    from tasks.memory.lora import LORA_MODULES, LoraSpec
+
+    targets = LORA_MODULES if workload.target_modules == "all-linear" else tuple(workload.target_modules)
+    return LoraSpec(rank=workload.lora_rank, targets=targets, base_dtype=precision.train_dtype)
 
 
 def _verl_workload(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice,
@@ -81,15 +95,17 @@ def _verl_workload(gpu: GpuTarget, workload: Workload, precision: Precision, cho
 
 
 def default_estimator(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice) -> MemoryEstimate:
-    """The project's memory model (tasks/memory.py: verl_gpu_budget) for one choice."""
+    """The project's memory model for one choice (tasks/memory/verl_budget.py: verl_gpu_budget; on a LoRA rung
+    tasks/memory/lora.py: lora_gpu_budget)."""
     from tasks.memory import ModelShape, verl_gpu_budget
+    from tasks.memory.lora import lora_gpu_budget
 
     if not workload.model_config:
         raise PlanError("the workload has no model config.json: the memory estimate needs the model's shape")
     shape = ModelShape.from_config(dict(workload.model_config))
     vllm = vllm_memory_for(gpu, workload, precision, choice) if precision.rollout == "vllm" else None
-    est = verl_gpu_budget(shape, _verl_workload(gpu, workload, precision, choice,
-                                                vllm.rollout_mib if vllm else None))
+    wl = _verl_workload(gpu, workload, precision, choice, vllm.rollout_mib if vllm else None)
+    est = lora_gpu_budget(shape, wl, lora_spec(workload, precision)) if workload.lora else verl_gpu_budget(shape, wl)
     breakdown = {k: int(round(v)) for k, v in est.breakdown.items()}
     breakdown["host_ram"] = int(round(est.host_ram_mib))   # offloaded states (and vLLM's weights asleep)
     peak = int(round(est.peak_mib))

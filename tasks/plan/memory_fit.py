@@ -36,6 +36,8 @@ def offload_levels(workload: Workload, precision: Precision) -> list[dict[str, b
     """The cumulative offload states to try, fewest first."""
     steps = [k for k in OFFLOAD_LADDER
              if k != "ref_param_offload"        # no effect in verl 0.5.0: its FSDP1 ref stays on the GPU (call 12)
+             # LoRA: the adapters' AdamW states are megabytes; only the frozen base is worth offloading
+             and not (k == "actor_optimizer_offload" and workload.lora)
              and not (k == "actor_param_offload" and precision.rollout == "hf")
              and not (k.startswith("critic") and not workload.uses_critic)]
     levels = []

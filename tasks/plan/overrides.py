@@ -5,10 +5,12 @@ retention is overrides too."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from tasks.checkpoints import CheckpointPlan, plan_checkpoints, retention_overrides
+from tasks.checkpoints import CheckpointPlan, plan_checkpoints, plan_lora_checkpoints, retention_overrides
 from tasks.plan.estimator import max_num_batched_tokens
+from tasks.plan.lora import lora_overrides
 from tasks.plan.precision import VLLM_MIN_CC, vllm_engine
 from tasks.plan.terms import (OFFLOAD_KEYS, OFFLOAD_KNOBS, OFFLOAD_LADDER, GpuTarget, MemoryChoice, Precision, Reason,
                               Workload)
@@ -52,6 +54,9 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     if not w.uses_critic:
         for key, value, why in GRPO_OVERRIDES:
             add(key, value, why)
+    if w.lora:
+        for key, value, why in lora_overrides(gpu, w, precision):
+            add(key, value, why)
     # precision
     mp = {"param_dtype": precision.train_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     for role, label in (("actor_rollout_ref.actor", "actor"), ("actor_rollout_ref.ref", "reference"),
@@ -60,6 +65,11 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
             add(f"{role}.fsdp_config.mixed_precision.{fld}", val,
                 f"{label} FSDP {fld}: {precision.train_dtype} training on compute capability {gpu.compute_capability}"
                 if fld == "param_dtype" else f"{label} {fld} in fp32 for stable sums")
+        if role == "actor_rollout_ref.actor" and w.lora:
+            add(f"{role}.fsdp_config.model_dtype", precision.train_dtype,
+                "LoRA: the actor's frozen base is loaded in the training dtype (it takes no optimizer step, so no fp32 "
+                "master copy); PEFT keeps the adapters in fp32, so AdamW steps fp32 weights")
+            continue
         add(f"{role}.fsdp_config.model_dtype", MASTER_DTYPE if role != "actor_rollout_ref.ref" or precision.train_dtype == "fp32"
             else "bf16",
             f"{label} weights are loaded in this dtype"
@@ -137,6 +147,12 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
             why = "says what happens: verl 0.5.0 builds the ref with CPUOffloadPolicy under fsdp2 whatever this flag says"
         elif name == "ref_param_offload" and not w.uses_reference:
             why = "no reference model in this run"
+        elif name == "ref_param_offload" and w.lora:
+            why = "no reference model: with LoRA verl's reference is the actor with its adapter disabled (ref_in_actor)"
+        elif name == "actor_optimizer_offload" and w.lora:
+            why = "LoRA: the adapters' AdamW states are megabytes; only the frozen base is worth offloading"
+        elif name == "actor_param_offload" and w.lora and on:
+            why = "the frozen base waits in host RAM between passes: without it the estimate exceeds the budget"
         elif name == "ref_param_offload":
             why = ("not taken: verl 0.5.0 kept the FSDP1 ref's params on the GPU with it on (GPU call 12), so the "
                    "plan counts them resident")
@@ -157,7 +173,7 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
     add("trainer.experiment_name", w.experiment_name, "names the checkpoint folder")
     add("trainer.default_local_dir", w.checkpoint_dir, "checkpoints under the train dir")
     add("trainer.resume_mode", "auto", "a restarted unit resumes from the last checkpoint")
-    for key, value, why in retention_overrides(checkpoints or checkpoint_plan(w, gpu.count)):
+    for key, value, why in retention_overrides(checkpoints or checkpoint_plan(w, gpu.count, precision.train_dtype)):
         add(key, value, why)
     add("trainer.val_before_train", False, "start training at once")
     return o if w.uses_critic else [x for x in o if not x.key.startswith("critic.")]   # verl builds no critic
@@ -183,13 +199,18 @@ def plan_env(precision: Precision, gpu: GpuTarget) -> tuple[dict[str, str], list
     return env, reasons
 
 
-def checkpoint_plan(workload: Workload, world_size: int) -> CheckpointPlan:
+def checkpoint_plan(workload: Workload, world_size: int, train_dtype: str = MASTER_DTYPE) -> CheckpointPlan:
     """The rung's checkpoints (tasks/checkpoints.py): one save's bytes for its layout (the actor on
-    FSDP2 on the CPU-offload rungs, else FSDP1; a critic on PPO), over ``world_size`` ranks."""
+    FSDP2 on the CPU-offload rungs, else FSDP1; a critic on PPO), over ``world_size`` ranks; on a LoRA
+    rung the actor's frozen base in ``train_dtype`` (its model_dtype there) and its adapters."""
     from tasks.memory import ModelShape
+    from tasks.memory.lora import LORA_MODULES
 
-    return plan_checkpoints(ModelShape.from_config(dict(workload.model_config)), critic=workload.uses_critic,
-                            actor_layout="fsdp2" if workload.actor_offload_policy else "fsdp", world_size=world_size,
-                            param_dtype=MASTER_DTYPE, side_files_bytes=workload.model_side_bytes,
-                            keep=workload.checkpoint_keep, every=workload.save_freq,
-                            total_steps=workload.total_training_steps)
+    w = workload
+    targets = LORA_MODULES if w.target_modules == "all-linear" else tuple(w.target_modules)
+    plan = plan_checkpoints if not w.lora else functools.partial(
+        plan_lora_checkpoints, lora_rank=w.lora_rank, lora_targets=targets, base_dtype=train_dtype)
+    return plan(ModelShape.from_config(dict(w.model_config)), critic=w.uses_critic,
+                actor_layout="fsdp2" if w.actor_offload_policy else "fsdp", world_size=world_size,
+                param_dtype=MASTER_DTYPE, side_files_bytes=w.model_side_bytes,
+                keep=w.checkpoint_keep, every=w.save_freq, total_steps=w.total_training_steps)

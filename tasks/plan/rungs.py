@@ -1,6 +1,7 @@
 """The plan of one box (``make_plan``): its precision (tasks/plan/precision.py), then the fallback
-ladder (``RUNGS``: PPO with a critic -> GRPO -> GRPO with the actor on FSDP2 CPU offload -> GRPO
-with shorter responses), best training first, each rung's batches shared evenly over the GPUs
+ladder (``RUNGS``: PPO with a critic -> GRPO -> PPO and GRPO with LoRA adapters on the actor -> GRPO with the
+actor on FSDP2 CPU offload -> GRPO with shorter responses; ``workload.finetune`` picks the full or the LoRA
+rungs, "auto" both: tasks/plan/lora.py), best training first, each rung's batches shared evenly over the GPUs
 (``ladder``); the first rung whose memory fits (tasks/plan/memory_fit.py) is the plan, which then
 meets verl 0.5.0's own checks (``verl_refusal``, tasks/verl_rules.py)."""
 
@@ -11,6 +12,7 @@ from math import gcd
 
 from tasks.gpu_support import refusal as gpu_refusal
 from tasks.plan.estimator import default_estimator
+from tasks.plan.lora import FINETUNES, finetune_reason, vllm_rank_refusal
 from tasks.plan.memory_fit import search_memory
 from tasks.plan.overrides import checkpoint_plan, plan_env, verl_overrides
 from tasks.plan.precision import choose_precision
@@ -18,22 +20,30 @@ from tasks.plan.terms import Estimator, GpuTarget, PlanError, Reason, TrainingPl
 from tasks.verl_config import VERL_VERSION
 
 # The fallback ladder, best training first: (rung, algorithm, response tokens (None: the workload's),
-# the actor on FSDP2 with CPUOffloadPolicy, why).
+# the actor on FSDP2 with CPUOffloadPolicy, LoRA adapters on the actor, why).
 GRPO_N = 4   # samples per prompt: verl's GSM8K GRPO example takes 5; 4 keeps PPO's 256 sequences a step in 64 x 4
 _OFFLOAD_WHY = ("the actor on FSDP2 with CPUOffloadPolicy (actor_rollout_ref.actor.strategy=fsdp2, fsdp_config."
                 "offload_policy=True): its params, gradients and AdamW states live on the CPU and the AdamW step runs "
                 "there; the GPU holds the layers FSDP gathers while they compute, activations, logits and the "
                 "rollout; verl offloads the ref the same way. Slower: every micro-batch moves the weights in and the "
                 "gradients out over PCIe. Critic-free: verl 0.5.0 cannot FSDP2-wrap the critic (GPU call 6)")
-RUNGS: tuple[tuple[str, str, int | None, bool, str], ...] = (
-    ("ppo", "ppo", None, False, "PPO with a learned critic (GAE): verl's GSM8K quick start"),
-    ("grpo", "grpo", None, False, f"GRPO: no critic (no critic params, gradients, optimizer states or passes); each "
-                                  f"prompt sampled {GRPO_N} times, the advantage is a reward against its group's"),
-    ("grpo-cpu-offload", "grpo", None, True, f"GRPO with {_OFFLOAD_WHY}"),
-    ("grpo-cpu-offload-response-192", "grpo", 192, True, "GRPO, actor on FSDP2 CPU offload, responses cut to 192 "
-                                                         "tokens: GSM8K answers longer lose their '#### n' (score 0)"),
-    ("grpo-cpu-offload-response-128", "grpo", 128, True, "GRPO, actor on FSDP2 CPU offload, responses cut to 128 "
-                                                         "tokens: many GSM8K answers lose their '#### n' (score 0)"),
+_LORA_WHY = ("LoRA adapters on the actor's linear layers, the base frozen in the training dtype: no gradients or "
+             "AdamW states for the base and no reference model (verl's ref is the actor with its adapter disabled), "
+             "so the step stays on the GPU")
+RUNGS: tuple[tuple[str, str, int | None, bool, bool, str], ...] = (
+    ("ppo", "ppo", None, False, False, "PPO with a learned critic (GAE): verl's GSM8K quick start"),
+    ("grpo", "grpo", None, False, False, f"GRPO: no critic (no critic params, gradients, optimizer states or passes); "
+                                         f"each prompt sampled {GRPO_N} times, the advantage is a reward against its "
+                                         "group's"),
+    ("ppo-lora", "ppo", None, False, True, f"PPO with {_LORA_WHY}; the critic fully fine-tuned"),
+    ("grpo-lora", "grpo", None, False, True, f"GRPO with {_LORA_WHY}"),
+    ("grpo-cpu-offload", "grpo", None, True, False, f"GRPO with {_OFFLOAD_WHY}"),
+    ("grpo-cpu-offload-response-192", "grpo", 192, True, False, "GRPO, actor on FSDP2 CPU offload, responses cut to "
+                                                                "192 tokens: GSM8K answers longer lose their '#### n' "
+                                                                "(score 0)"),
+    ("grpo-cpu-offload-response-128", "grpo", 128, True, False, "GRPO, actor on FSDP2 CPU offload, responses cut to "
+                                                                "128 tokens: many GSM8K answers lose their '#### n' "
+                                                                "(score 0)"),
 )
 ALGORITHMS = ("auto", "ppo", "grpo")
 
@@ -52,15 +62,22 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
         raise PlanError("train_batch_size must be >= ppo_mini_batch_size")
     if workload.algorithm not in ALGORITHMS:
         raise PlanError(f"workload algorithm must be one of {', '.join(ALGORITHMS)}, not {workload.algorithm!r}")
+    if workload.finetune not in FINETUNES:
+        raise PlanError(f"workload finetune must be one of {', '.join(FINETUNES)}, not {workload.finetune!r}",
+                        key="workload.finetune")
     estimator = estimator or default_estimator
     precision, reasons = choose_precision(gpu, workload.flash_attn_installed, workload.rollout_engine)
+    refused = vllm_rank_refusal(workload, precision)
+    if refused:
+        raise refused
     if gpu.mixed:
         reasons.insert(0, Reason("gpu", f"{gpu.count} x {gpu.name} ({gpu.memory_mib} MiB)",
                                  f"the box mixes GPU models ({gpu.mixed_words()}): planned for the weakest, "
                                  "precision and rollout by the lowest compute capability, memory by the smallest GPU; "
                                  "FSDP gives every GPU the same share, so the larger ones keep memory unused"))
     failed: list[tuple[str, PlanError]] = []
-    for rung, w, why in ladder(workload, gpu):
+    rungs = ladder(workload, gpu)
+    for rung, w, why in rungs:
         try:
             choice, est, mem_reasons = search_memory(gpu, w, precision, estimator)
         except PlanError as exc:
@@ -71,15 +88,17 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
         before = "; ".join(f"{r} is short by {e.short_mib} MiB" for r, e in failed)
         rung_reason = Reason("rung", rung, why + (f" ({before})" if before else ""))
         env, env_reasons = plan_env(precision, gpu)
-        cp = checkpoint_plan(w, gpu.count)
+        cp = checkpoint_plan(w, gpu.count, precision.train_dtype)
         plan = TrainingPlan(gpu=gpu, precision=precision, memory=choice, estimate=est, workload=w, rung=rung,
                             overrides=verl_overrides(gpu, w, precision, choice, cp), env=env, checkpoints=cp,
-                            reasons=reasons + [rung_reason, *_batch_reasons(workload, w)] + mem_reasons + env_reasons
+                            reasons=reasons + [rung_reason, finetune_reason(gpu, workload, rung, w, precision, choice,
+                                                                            estimator, rungs, failed),
+                                               *_batch_reasons(workload, w)] + mem_reasons + env_reasons
                             + [Reason(*r) for r in cp.reasons])
         verl_refusal(plan)
         return plan
     tried = ", ".join(f"{r} short by {e.short_mib} MiB" for r, e in failed)
-    err = PlanError(f"{failed[-1][1].reason} Rungs tried: {tried} (no LoRA rung: not proven on a GPU yet).",
+    err = PlanError(f"{failed[-1][1].reason} Rungs tried: {tried}.",
                     fix=failed[-1][1].fix)
     err.short_mib = failed[-1][1].short_mib     # the last rung tried: the one the message describes
     raise err
@@ -105,14 +124,16 @@ def verl_refusal(plan: TrainingPlan) -> None:
 
 def ladder(workload: Workload, gpu: GpuTarget) -> list[tuple[str, Workload, str]]:
     """The rungs ``workload.algorithm`` allows ("auto": all of RUNGS; else that algorithm at the
-    workload's lengths), each as the workload it trains, with batches every GPU gets a share of."""
+    workload's lengths) and ``workload.finetune`` ("auto": full and LoRA; "full" or "lora": those rungs alone),
+    each as the workload it trains, with batches every GPU gets a share of."""
     out = []
-    for rung, algorithm, response, offload_policy, why in RUNGS:
+    for rung, algorithm, response, offload_policy, lora, why in RUNGS:
         if workload.algorithm not in ("auto", algorithm) or \
-                (response and (workload.algorithm != "auto" or response >= workload.max_response_length)):
+                (response and (workload.algorithm != "auto" or response >= workload.max_response_length)) or \
+                workload.finetune == ("full" if lora else "lora"):
             continue
         w = replace(workload, algorithm=algorithm, max_response_length=response or workload.max_response_length,
-                    actor_offload_policy=offload_policy)
+                    actor_offload_policy=offload_policy, lora=lora)
         if algorithm == "grpo":   # PPO's sequences a step: prompts / GRPO_N, each sampled GRPO_N times
             w = replace(w, rollout_n=GRPO_N, use_kl_loss=True, train_batch_size=max(1, w.train_batch_size // GRPO_N),
                         ppo_mini_batch_size=max(1, w.ppo_mini_batch_size // GRPO_N))

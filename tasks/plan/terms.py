@@ -142,6 +142,12 @@ class Workload:
     experiment_name: str = "qwen2.5-0.5b-gsm8k"
     flash_attn_installed: bool = False
     rollout_engine: str = "auto"         # workload.rollout: "auto" (vLLM where the GPU has it), "vllm", "hf"
+    # LoRA (settings workload.finetune, lora_rank, lora_alpha, target_modules; tasks/plan/lora.py)
+    finetune: str = "auto"               # "auto": LoRA where full fine-tuning needs CPU offload or does not fit
+    lora_rank: int = 32
+    lora_alpha: int = 32
+    target_modules: str | tuple[str, ...] = "all-linear"
+    lora: bool = False                   # this rung trains LoRA adapters on the actor (the ladder sets it)
     val_rows: int = VAL_ROWS             # rows of val_small.parquet (HF chunks must divide them)
     train_rows: int | None = None        # prompts of the train split (verl's dataloader needs a whole batch)
     actor_offload_policy: bool = False   # the actor (and ref) on FSDP2 with CPUOffloadPolicy (RUNGS)
@@ -241,7 +247,10 @@ class TrainingPlan:
             "rung": self.rung,
             "workload": {k: getattr(self.workload, k) for k in ("algorithm", "rollout_n", "train_batch_size",
                          "ppo_mini_batch_size", "max_prompt_length", "max_response_length", "total_training_steps",
-                         "total_epochs", "actor_offload_policy")} if self.workload else None,
+                         "total_epochs", "actor_offload_policy", "finetune", "lora")} if self.workload else None,
+            "lora": {"rank": self.workload.lora_rank, "alpha": self.workload.lora_alpha,
+                     "target_modules": self.workload.target_modules if isinstance(self.workload.target_modules, str)
+                     else list(self.workload.target_modules)} if self.workload and self.workload.lora else None,
             "rollout": self.precision.rollout,
             "rollout_dtype": self.precision.rollout_dtype,
             "train_dtype": self.precision.train_dtype,

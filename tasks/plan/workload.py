@@ -102,6 +102,8 @@ def workload_for(settings, flash_attn_installed: bool = False) -> Workload:
         save_freq=settings.checkpoints["every"],
         checkpoint_keep=settings.checkpoints["keep"],
         rollout_engine=w["rollout"],
+        finetune=w["finetune"], lora_rank=w["lora_rank"], lora_alpha=w["lora_alpha"],
+        target_modules=w["target_modules"] if isinstance(w["target_modules"], str) else tuple(w["target_modules"]),
         train_rows=((settings.catalog.artifact(settings.dataset_artifact).get("splits") or {}).get("train") or {})
         .get("rows"),
     ), settings.catalog.artifact(settings.model_artifact))

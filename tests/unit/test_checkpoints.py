@@ -168,7 +168,7 @@ def test_the_p40_plan_keeps_one_save_whole_and_records_the_prediction():
 
 
 def test_the_cpu_offload_rung_saves_fsdp2_and_no_critic():
-    d = plan_for(GTX1080).to_dict()
+    d = plan_for(GTX1080, workload={"finetune": "full"}).to_dict()
     assert d["rung"] == "grpo-cpu-offload"
     assert d["checkpoints"]["save"]["roles"]["actor"]["layout"] == "fsdp2"
     assert "critic" not in d["checkpoints"]["save"]["roles"]

@@ -48,7 +48,8 @@ CHUNKS, MINI_BATCHES, MICRO_PER_MINI, LOG_PROB_MICRO = 2, 2, 4, 4
 def plan_overrides(model_dir: Path) -> list[str]:
     """The GTX 1080's plan, its model and sizes swapped for the tiny run's."""
     workload = Workload(model_path=str(model_dir), train_files="/unused/train.parquet", val_files="/unused/val.parquet",
-                        checkpoint_dir="/unused/ckpt", model_config=load_model_config(), total_training_steps=1)
+                        checkpoint_dir="/unused/ckpt", model_config=load_model_config(), total_training_steps=1,
+                        finetune="full")      # the full plan: "auto" gives this card LoRA
     plan = make_plan(GpuTarget("NVIDIA GeForce GTX 1080", "6.1", 8192), workload)
     assert plan.rung == "grpo-cpu-offload"
     keep = [line for line in plan.override_lines if line.split("=", 1)[0] not in SHRINK

@@ -3,7 +3,7 @@
 The raw records of the GPU harness (console logs and the workers' per-phase memory probes) are
 committed; bench/gpu/ppo_results.py reads them and re-estimates, with the memory model as it is
 in this tree, exactly the workload each profile ran (PPO with the critic, or GRPO with the actor
-on FSDP2 CPU offload: calls 7-9). A change to tasks/memory.py or tasks/plan/ that moves a
+on FSDP2 CPU offload: calls 7-9). A change to tasks/memory/ or tasks/plan/ that moves a
 prediction more than 10% from what verl measured fails here.
 What this cannot show: a configuration that was not run (docs/training-runs.md lists them).
 """
@@ -29,7 +29,7 @@ INCOMPLETE = {"ppo-20261204/call6/fsdp2-11g", "ppo-20261204/call6/fsdp2-8g", "pp
 # one pass fails the test until it is taken off this list).
 PHASE_GAPS: dict[str, str] = {}
 # (call 13's were mended in issue 29: the fp16 HF rollout over fp32 weights keeps its residual stream in fp32, and
-# the gathered passes of patches 0007-0008 hold the whole model: tasks/memory.py)
+# the gathered passes of patches 0007-0008 hold the whole model: tasks/memory/verl_budget.py)
 
 
 def _results_module():

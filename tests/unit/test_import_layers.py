@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 KNOWN_STAGES = {"tasks.base", "tasks.driver", "tasks.cuda", "tasks.env", "tasks.data", "tasks.train", "tasks.cluster"}
 
@@ -147,13 +149,14 @@ def test_tasks_imports_only_look_down():
 PLAN_MODULE_MAX_LINES = 400
 
 
-def test_the_plan_is_a_package_of_small_modules():
-    """tasks/plan/ holds one decision a module (docs/architecture.md, "The plan package"); none
-    grows past PLAN_MODULE_MAX_LINES: split it along its next seam instead."""
-    sizes = {p.name: len(p.read_text().splitlines()) for p in sorted((REPO / "tasks" / "plan").glob("*.py"))}
+@pytest.mark.parametrize("package", ["plan", "memory"])
+def test_the_plan_and_the_memory_model_are_packages_of_small_modules(package):
+    """tasks/plan/ and tasks/memory/ hold one decision a module (docs/architecture.md, "The plan
+    package"); none grows past PLAN_MODULE_MAX_LINES: split it along its next seam instead."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in sorted((REPO / "tasks" / package).glob("*.py"))}
     assert {"__init__.py", "__main__.py", "cli.py"} <= set(sizes), sorted(sizes)
     over = {name: n for name, n in sizes.items() if n > PLAN_MODULE_MAX_LINES}
-    assert not over, f"modules of tasks/plan/ over {PLAN_MODULE_MAX_LINES} lines: {over}"
+    assert not over, f"modules of tasks/{package}/ over {PLAN_MODULE_MAX_LINES} lines: {over}"
 
 
 # ------------------------------------------------------------------ the check itself, on made-up trees

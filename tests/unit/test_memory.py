@@ -99,7 +99,7 @@ def test_bf16_autocast_against_fp32_activations(shape):
     PyTorch's math kernel (score matrix materialised), so it costs what fp32 eager costs. The
     logits grow too: bf16 logits and their fp32 copy for the loss live together (6 B per vocab
     entry per token) against fp32's logits alone (4 B)."""
-    from tasks.memory import _layer_saved_bytes_per_token
+    from tasks.memory.train_step import _layer_saved_bytes_per_token
 
     per_tok_bf16 = _layer_saved_bytes_per_token(shape, True, "flash")
     per_tok_fp32 = _layer_saved_bytes_per_token(shape, False, "flash")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -52,10 +53,14 @@ GPU_TABLE = [
 # The rung of the ladder each GPU lands on with the default workload; None: no rung fits. The 8-11 GB
 # cards cannot hold the actor's AdamW step (20 bytes per parameter + the process): the actor on FSDP2
 # with CPUOffloadPolicy (GPU call 7)
+# with CPUOffloadPolicy (GPU call 7) when every weight trains (workload.finetune = "full"); LoRA adapters on the
+# GPU alone by default ("auto": tasks/plan/lora.py)
 OFFLOADED = "grpo-cpu-offload"
-RUNG = {"NVIDIA GeForce GTX 1080": OFFLOADED, "NVIDIA GeForce GTX 1080 Ti": OFFLOADED,
-        "NVIDIA GeForce RTX 2080 Ti": OFFLOADED, "NVIDIA GeForce RTX 3080": OFFLOADED,
-        "NVIDIA GeForce RTX 4060": OFFLOADED, "NVIDIA GeForce RTX 3060": OFFLOADED}
+LORA = "grpo-lora"
+SMALL = ("NVIDIA GeForce GTX 1080", "NVIDIA GeForce GTX 1080 Ti", "NVIDIA GeForce RTX 2080 Ti",
+         "NVIDIA GeForce RTX 3080", "NVIDIA GeForce RTX 4060", "NVIDIA GeForce RTX 3060")
+RUNG = {name: LORA for name in SMALL}
+FULL_RUNG = {name: OFFLOADED for name in SMALL}
 DOES_NOT_FIT = {name for name, rung in RUNG.items() if rung is None}
 
 
@@ -238,8 +243,10 @@ def test_fsdp_shards_states_over_the_gpus():
     four = make_plan(GpuTarget("Tesla P40", "6.1", 24576, 4), workload())
     assert four.estimate.breakdown["actor_states"] * 4 == pytest.approx(one.estimate.breakdown["actor_states"], abs=2)
     assert four.memory.actor_micro_batch > one.memory.actor_micro_batch
-    # an 11 GB card alone trains GRPO with the actor offloaded to the CPU; four of them train PPO
-    assert make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload()).rung == OFFLOADED
+    # an 11 GB card alone trains GRPO with LoRA (or, every weight trained, with the actor offloaded to the CPU);
+    # four of them train PPO
+    assert make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload()).rung == LORA
+    assert make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload(finetune="full")).rung == OFFLOADED
     assert make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264, 4), workload()).rung == "ppo"
 
 
@@ -277,17 +284,19 @@ def test_ladder_shortens_responses_last_and_names_every_rung():
         make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(), estimator=_rung_estimator(lambda w: False))
     msg = str(err.value)
     assert msg.split("short by ", 1)[1].startswith("628 MiB")       # the last rung's shortfall first
-    assert ("ppo short by 756 MiB, grpo short by 756 MiB, grpo-cpu-offload short by 756 MiB, "
-            "grpo-cpu-offload-response-192 short by 692 MiB") in msg
-    assert "LoRA" in msg and "Change:" in msg
+    assert ("ppo short by 756 MiB, grpo short by 756 MiB, ppo-lora short by 756 MiB, grpo-lora short by 756 MiB, "
+            "grpo-cpu-offload short by 756 MiB, grpo-cpu-offload-response-192 short by 692 MiB") in msg
+    assert "Change:" in msg
 
 
 def test_algorithm_choice_limits_the_ladder():
     never = _rung_estimator(lambda w: False)
-    with pytest.raises(PlanError, match=r"Rungs tried: ppo short by \d+ MiB \("):
+    with pytest.raises(PlanError, match=r"Rungs tried: ppo short by \d+ MiB, ppo-lora short by \d+ MiB\. "):
         make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(algorithm="ppo"), estimator=never)
-    with pytest.raises(PlanError, match=r"Rungs tried: grpo short by \d+ MiB, grpo-cpu-offload short by \d+ MiB \("):
-        make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(algorithm="grpo"), estimator=never)
+    with pytest.raises(PlanError, match=r"Rungs tried: grpo short by \d+ MiB, grpo-cpu-offload short by \d+ MiB\. "):
+        make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(algorithm="grpo", finetune="full"), estimator=never)
+    with pytest.raises(PlanError, match=r"Rungs tried: ppo-lora short by \d+ MiB, grpo-lora short by \d+ MiB\. "):
+        make_plan(GpuTarget("Tesla T4", "7.5", 15360), workload(finetune="lora"), estimator=never)
     p = make_plan(GpuTarget("NVIDIA H200", "9.0", 143771), workload(algorithm="grpo"))
     assert p.rung == "grpo" and p.workload.rollout_n == 4
     with pytest.raises(PlanError, match="algorithm must be one of auto, ppo, grpo"):
@@ -452,6 +461,7 @@ def test_offload_rung_comes_after_grpo_and_ranks_by_the_speed_model(monkeypatch)
         return est
 
     gpu = GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264)
+    workload = functools.partial(globals()["workload"], finetune="full")     # LoRA would fit first
     p = make_plan(gpu, workload(), estimator=estimator(False))
     assert p.rung == OFFLOADED and p.workload.max_response_length == 256
     assert (p.memory.actor_micro_batch, p.memory.grad_ckpt) == (4, True)     # not micro-batch 1 without checkpointing
@@ -477,5 +487,5 @@ def test_offload_rung_comes_after_grpo_and_ranks_by_the_speed_model(monkeypatch)
     assert "s a step" in speed.why and "accumulate_grads_unsharded" in speed.value
     # algorithm = "grpo" gets the offload rung too; "ppo" never does (verl 0.5.0 cannot FSDP2-wrap the critic)
     assert make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload(algorithm="grpo")).rung == OFFLOADED
-    with pytest.raises(PlanError, match=r"Rungs tried: ppo short by \d+ MiB \("):
+    with pytest.raises(PlanError, match=r"Rungs tried: ppo short by \d+ MiB\. "):
         make_plan(GpuTarget("NVIDIA GeForce GTX 1080 Ti", "6.1", 11264), workload(algorithm="ppo"))

@@ -96,7 +96,7 @@ def test_the_plan_takes_the_fastest_configuration_that_fits(name, cc, mib, engin
     step really is, the issue's 2x, is what bench/gpu/run_speed.sh measures on the GPU.)"""
     gpu = GpuTarget(name, cc, mib)
     w = Workload(model_path="m", train_files="t", val_files="v", checkpoint_dir="c", model_config=load_model_config(),
-                 rollout_engine=engine)
+                 rollout_engine=engine, finetune="full")      # "auto" gives these cards LoRA (tasks/plan/lora.py)
     plan = make_plan(gpu, w)
     assert plan.rung == "grpo-cpu-offload"
     w, prec, chosen = plan.workload, plan.precision, plan.memory

@@ -331,7 +331,7 @@ def test_plan_records_the_host_ram_its_offload_needs():
     from tasks.plan import GpuTarget, make_plan
     from tests.unit.test_plan import workload
 
-    offload = make_plan(GpuTarget("NVIDIA GeForce GTX 1080", "6.1", 8192), workload()).to_dict()
+    offload = make_plan(GpuTarget("NVIDIA GeForce GTX 1080", "6.1", 8192), workload(finetune="full")).to_dict()
     assert offload["rung"] == "grpo-cpu-offload"
     # 0.5B: fp32 params + gradients + AdamW m, v (16 bytes a parameter) and the fp32 ref (4)
     assert 9000 < offload["predicted_host_ram_mib"] < 10000

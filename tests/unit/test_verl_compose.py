@@ -89,6 +89,14 @@ def _plans():
         ("P40 + RTX 3090 box (mixed)", DOC_MIXED, {}),
         ("2 x RTX 4060, a 3B model (vLLM TP 2)", GpuTarget("NVIDIA GeForce RTX 4060", "8.9", 8188, 2),
          {"model_config": QWEN_3B}),
+        # LoRA (tasks/plan/lora.py); the 8-12 GB cards above get grpo-lora by default
+        ("P40 PPO with LoRA (HF rollout, the critic full)", p40, {"finetune": "lora"}),
+        ("RTX 3090 PPO with LoRA (vLLM)", GpuTarget(*rtx3090), {"finetune": "lora"}),
+        ("2 x RTX 3060 GRPO with LoRA (vLLM, layered summon)", GpuTarget("NVIDIA GeForce RTX 3060", "8.6", 12288, 2),
+         {"finetune": "lora", "algorithm": "grpo"}),
+        ("RTX 3060 LoRA on q_proj and v_proj", GpuTarget("NVIDIA GeForce RTX 3060", "8.6", 12288),
+         {"finetune": "lora", "target_modules": ("q_proj", "v_proj")}),
+        ("RTX 3090, the 3B with LoRA", GpuTarget(*rtx3090), {"finetune": "lora", "model_config": QWEN_3B}),
     ]
     return [case for case in cases if _plan(case) is not None]
 

@@ -235,7 +235,7 @@ def test_the_launch_share_keeps_the_plans_kv_cache_on_the_gpu_as_it_is(capture, 
 
 
 def test_the_plan_and_the_launcher_share_one_arithmetic(shape):
-    """tasks/memory.py's vllm_memory sizes the plan's share with verl_lab_box/vllm_share.py: on an idle GPU
+    """tasks/memory/generate.py's vllm_memory sizes the plan's share with verl_lab_box/vllm_share.py: on an idle GPU
     of the plan's size, the launcher's arithmetic gives the plan's own share back."""
     from verl_lab_box.vllm_share import GpuAtLaunch, launch_share
 

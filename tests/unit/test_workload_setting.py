@@ -19,7 +19,8 @@ def test_default_is_one_epoch_of_the_ladder_with_no_step_cap():
     s = load_settings("box1", {})
     assert s.train_steps is None and s.workload == WORKLOAD_DEFAULTS
     assert WORKLOAD_DEFAULTS == {"algorithm": "auto", "model": None, "train_batch_size": 256, "ppo_mini_batch_size": 64,
-                                 "max_prompt_length": 256, "max_response_length": 256, "epochs": 1, "rollout": "auto"}
+                                 "max_prompt_length": 256, "max_response_length": 256, "epochs": 1, "rollout": "auto",
+                                 "finetune": "auto", "lora_rank": 32, "lora_alpha": 32, "target_modules": "all-linear"}
     assert s.model_artifact == "qwen_model" and workload_for(s).experiment_name == "qwen2.5-0.5b-gsm8k"
     ov = overrides(s)
     assert ov["trainer.total_epochs"] == 1 and "trainer.total_training_steps" not in ov
@@ -125,7 +126,7 @@ def test_a_model_the_gpu_cannot_train_is_refused_naming_those_that_fit():
     text = str(err.value)
     assert "does not fit 1 x NVIDIA GeForce RTX 4060" in text
     assert ("Models of the catalog that fit, largest first: Qwen/Qwen2.5-1.5B-Instruct (rung grpo-cpu-offload); "
-            "Qwen/Qwen2.5-0.5B-Instruct (rung grpo-cpu-offload): set workload.model") in text
+            "Qwen/Qwen2.5-0.5B-Instruct (rung grpo-lora): set workload.model") in text
     tiny = GpuTarget("NVIDIA GeForce GT 1030", "6.1", 2048)
     with pytest.raises(PlanError, match=r"No model of the catalog fits: the smallest, Qwen/Qwen2.5-0.5B-Instruct, "
                                         r"is short by \d+ MiB too"):
