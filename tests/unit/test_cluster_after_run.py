@@ -1,0 +1,149 @@
+"""How a Ray cluster run ends (issue 34): the launcher's after-run gathers the last save on the head
+(``cluster-gather``) before the export and the scores, and fails the unit's way when it cannot.
+
+Pure: ``verl_lab_box.cluster_gather.plan_fetch`` on the listings nodes answer (what the head copies,
+and every reason it refuses: a rank on no node, two world sizes, a node that is down, a stale copy).
+Plumbing: the real launcher with stand-ins of verl's trainer, the gather, the export and the score
+(tests/unit/test_launcher_after_run.py's): the gather runs with ray.env's environment, before the
+export; its failure ends the launcher with AFTER_RUN_FAILED and exports nothing; a box alone never
+gathers. The gather over real Ray nodes with their own disks, and the real export and score on the
+head after it: tests/unit/test_cluster_two_disks.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_launcher_after_run import STEP, run  # noqa: F401 - the fixture
+from tests.unit.test_train_launcher import box  # noqa: F401 - the fixture
+from verl_lab_box.cluster_gather import plan_fetch
+
+HEAD, WK = "10.0.0.5", "10.0.0.7"
+SHARD = "model_world_size_2_rank_{}.pt"
+
+
+def _node(host, *names, ident=(100, 7)):
+    return {"host": host, "files": {n: list(ident) for n in names}}
+
+
+def test_the_head_copies_what_only_another_node_holds():
+    """rank 0 (with fsdp_config.json and huggingface/) on the worker, rank 1 on the head: the worker's
+    rank 0 shard and rank 0's side files are copied; the head's own shard is not."""
+    nodes = {HEAD: _node("head", SHARD.format(1)),
+             WK: _node("wk1", SHARD.format(0), "fsdp_config.json", "huggingface/config.json",
+                       "huggingface/tokenizer.json")}
+    fetch, problems = plan_fetch(HEAD, nodes, 4, 2)
+    assert problems == []
+    assert [(f["name"], f["from"]) for f in fetch] == [(SHARD.format(0), WK), ("fsdp_config.json", WK),
+                                                       ("huggingface/config.json", WK),
+                                                       ("huggingface/tokenizer.json", WK)]
+    assert fetch[0]["bytes"] == 100 and fetch[0]["mtime_ns"] == 7
+    # the head holds all of it already (a re-run): nothing to copy
+    nodes[HEAD]["files"].update(nodes[WK]["files"])
+    assert plan_fetch(HEAD, nodes, 4, 2) == ([], [])
+
+
+def test_a_rank_on_no_node_is_named_with_what_each_node_holds():
+    nodes = {HEAD: _node("head", SHARD.format(1)), WK: {"host": "wk1", "files": None}}
+    fetch, problems = plan_fetch(HEAD, nodes, 4, 2)
+    assert problems[0] == (f"{SHARD.format(0)} of step 4 is on no node (node {HEAD} (head): ranks 1; node {WK} (wk1): "
+                           "no global_step_4/actor)")
+    assert any(p.startswith("fsdp_config.json of step 4 is on no node") for p in problems)
+    # a node that left: the plan's count says so
+    _, down = plan_fetch(HEAD, {HEAD: nodes[HEAD]}, 4, 2)
+    assert down[0].endswith("1 of the plan's 2 nodes answered: a node that is down or has left the cluster holds it "
+                            "(journalctl -u verl-lab-ray.service there)")
+
+
+def test_shards_of_two_world_sizes_or_none_at_all_are_refused():
+    nodes = {HEAD: _node("head", "model_world_size_4_rank_1.pt"), WK: _node("wk1", SHARD.format(0))}
+    _, problems = plan_fetch(HEAD, nodes, 4, 2)
+    assert problems[0].startswith("step 4 has shards of 2 world sizes (2, 4): saves of two runs")
+    _, none = plan_fetch(HEAD, {HEAD: _node("head"), WK: _node("wk1")}, 4, 2)
+    assert none[0] == f"no node holds a model shard of step 4 (node {HEAD} (head): ranks none; node {WK} (wk1): ranks none)"
+
+
+def test_copies_that_differ_are_refused_unless_the_heads_was_gathered():
+    """The same rank's shard on two nodes with other bytes: a stale copy; named, never chosen. A copy an
+    earlier gather left on the head yields to the node's own file (copied again where it changed)."""
+    side = ("fsdp_config.json", "huggingface/config.json")
+    nodes = {HEAD: _node("head", SHARD.format(1), SHARD.format(0), *side),
+             WK: _node("wk1", SHARD.format(0), ident=(100, 9))}
+    _, problems = plan_fetch(HEAD, nodes, 4, 2)
+    assert problems == [f"{SHARD.format(0)} of step 4 differs between nodes: node {HEAD} (head) 100 bytes, mtime 7, "
+                        f"node {WK} (wk1) 100 bytes, mtime 9: a stale copy from a run whose ranks were placed otherwise; "
+                        "remove it there"]
+    fetch, problems = plan_fetch(HEAD, nodes, 4, 2, gathered=[SHARD.format(0)])
+    assert problems == [] and [(f["name"], f["from"], f["mtime_ns"]) for f in fetch] == [(SHARD.format(0), WK, 9)]
+    nodes[WK]["files"][SHARD.format(0)] = [100, 7]            # the same file: nothing to copy again
+    assert plan_fetch(HEAD, nodes, 4, 2, gathered=[SHARD.format(0)]) == ([], [])
+
+
+def test_the_head_must_be_a_node_of_the_cluster():
+    assert plan_fetch("10.0.0.9", {WK: _node("wk1")}, 4, 2) == (
+        [], ["the head 10.0.0.9 is not among the cluster's nodes (10.0.0.7)"])
+
+
+# ---------------------------------------------------------------- the launcher's cluster branch
+
+GATHER = """\
+import json, os, sys
+with open(os.environ["RECORD"], "a") as fh:
+    fh.write(json.dumps({"gather": sys.argv[1:], "ray_address": os.environ.get("RAY_ADDRESS")}) + "\\n")
+if os.environ.get("FAIL") == "gather":
+    print("verl-lab cluster gather FAILED (step 3, head 10.0.0.5):\\n  model_world_size_2_rank_0.pt of step 3 is on "
+          "no node (...)", flush=True)
+    sys.exit(1)
+"""
+
+
+@pytest.fixture
+def cluster_run(run):  # noqa: F811
+    """The launcher's train dir with a two-node plan, ray.env and a stand-in cluster-gather beside the plan."""
+    launch, calls, layout = run
+    plan_file = Path(layout.plan_file)
+    plan = json.loads(plan_file.read_text())
+    for o in plan["launch"]["overrides"]:
+        if o["override"].startswith("trainer.nnodes="):
+            o["override"] = "trainer.nnodes=2"
+    plan_file.write_text(json.dumps(plan))
+    assert "trainer.nnodes=2" in [o["override"] for o in plan["launch"]["overrides"]]
+    (plan_file.parent / "ray.env").write_text("# Ray\nRAY_ADDRESS=10.0.0.5:6379\n")
+    (plan_file.parent / "cluster-gather").write_text(GATHER)
+    return launch, calls, layout
+
+
+def test_a_finished_cluster_run_is_gathered_on_the_head_then_exported_and_scored(cluster_run):
+    launch, calls, layout = cluster_run
+    out = launch("--no-preflight")
+    assert out.returncode == 0, out.stdout + out.stderr
+    order = [k for c in calls() for k in c if k in ("main_ppo", "gather", "export", "score")]
+    assert order == ["main_ppo", "gather", "export", "score", "score"]
+    gather = next(c for c in calls() if "gather" in c)
+    assert gather["gather"] == ["--plan", layout.plan_file, "--step", str(STEP)]
+    assert gather["ray_address"] == "10.0.0.5:6379"               # ray.env's, for a run by hand too
+    assert next(c["export"] for c in calls() if "export" in c) == [
+        "--checkpoint-dir", layout.checkpoint_dir, "--step", str(STEP), "--final"]
+    assert "not exported" not in out.stdout + out.stderr
+    on_demand = launch("--export", "--no-score")                  # deploy/export.py's way: the same gather first
+    assert on_demand.returncode == 0 and [k for c in calls()[-2:] for k in c if k in ("gather", "export")] == [
+        "gather", "export"]
+
+
+def test_a_cluster_run_that_cannot_be_gathered_fails_the_unit_and_exports_nothing(cluster_run):
+    launch, calls, _ = cluster_run
+    out = launch("--no-preflight", FAIL="gather")
+    assert out.returncode == 70, out.stdout + out.stderr           # AFTER_RUN_FAILED: the unit is failed, not restarted
+    assert [k for c in calls() for k in c if k in ("main_ppo", "gather", "export", "score")] == ["main_ppo", "gather"]
+    assert "verl-lab cluster gather FAILED (step 3, head 10.0.0.5)" in out.stdout
+    assert "the cluster's step 3 cannot be gathered on this head (cluster-gather exit 1" in out.stderr
+
+
+def test_a_box_alone_never_gathers(run):  # noqa: F811
+    launch, calls, layout = run
+    (Path(layout.plan_file).parent / "cluster-gather").write_text(GATHER)
+    out = launch("--no-preflight")
+    assert out.returncode == 0 and not [c for c in calls() if "gather" in c]
