@@ -24,8 +24,9 @@ gathered files with the save. A re-run copies nothing that is there already (sam
 Why Ray: the cluster's nodes already reach each other on Ray's port as the train user; no SSH keys
 between boxes, no other port, and the same pinned-task pattern the cluster check proves.
 
-Exit 0 when the head holds the whole step; 1 (``verl-lab cluster gather FAILED`` and a line per
-problem, naming the node and the file) when it cannot; 2 for a bad plan or arguments.
+Exit 0 when the head holds the whole step; 1 when it cannot (a line ``verl-lab cluster gather FAILED
+(step N, head IP): ...`` per problem, naming the file and what each node holds; the doctor's rules in
+files/doctor/cluster.toml read them); 2 for a bad plan or arguments.
 Standard library only at module level (``ray`` is imported in ``main``).
 """
 
@@ -241,8 +242,8 @@ def main(argv=None) -> int:
     nodes = dict(zip(ips, found))
     before = _read_json(os.path.join(actor, RECORD)) or {}
     fetch, problems = plan_fetch(head, nodes, args.step, nnodes, [c["name"] for c in before.get("copied") or []])
-    if problems:
-        print(f"{FAILED} (step {args.step}, head {head}):\n  " + "\n  ".join(problems), flush=True)
+    if problems:                            # a line each: the doctor reads them (files/doctor/cluster.toml)
+        print("\n".join(f"{FAILED} (step {args.step}, head {head}): {p}" for p in problems), flush=True)
         return 1
     copied = []
     try:
@@ -253,7 +254,7 @@ def main(argv=None) -> int:
                   f"{got['seconds']:.1f} s, sha256 {got['sha256'][:16]} on both", flush=True)
             copied.append(got)
     except (OSError, ray.exceptions.RayError) as exc:
-        print(f"{FAILED} (step {args.step}, head {head}):\n  {type(exc).__name__}: {exc}", flush=True)
+        print(f"{FAILED} (step {args.step}, head {head}): copying failed: {type(exc).__name__}: {exc}", flush=True)
         return 1
     seconds = round(time.monotonic() - started, 2)
     record = {"step": args.step, "head": head, "nodes": {ip: {"host": n["host"], "files": n["files"]}

@@ -94,7 +94,7 @@ import json, os, sys
 with open(os.environ["RECORD"], "a") as fh:
     fh.write(json.dumps({"gather": sys.argv[1:], "ray_address": os.environ.get("RAY_ADDRESS")}) + "\\n")
 if os.environ.get("FAIL") == "gather":
-    print("verl-lab cluster gather FAILED (step 3, head 10.0.0.5):\\n  model_world_size_2_rank_0.pt of step 3 is on "
+    print("verl-lab cluster gather FAILED (step 3, head 10.0.0.5): model_world_size_2_rank_0.pt of step 3 is on "
           "no node (...)", flush=True)
     sys.exit(1)
 """
@@ -147,3 +147,47 @@ def test_a_box_alone_never_gathers(run):  # noqa: F811
     (Path(layout.plan_file).parent / "cluster-gather").write_text(GATHER)
     out = launch("--no-preflight")
     assert out.returncode == 0 and not [c for c in calls() if "gather" in c]
+
+
+# ---------------------------------------------------------------- the disk plan
+
+def test_the_disk_plan_counts_the_shards_a_cluster_head_gathers():
+    """tasks/checkpoints.py: a node of 2 GPUs in a world of 4 (two nodes) holds 2 ranks' files; its head copies the
+    other node's 2 actor model shards for the export: counted in the disk a run needs and in what the launcher's
+    disk check reads as the export's need. A box alone gathers nothing."""
+    from tasks import checkpoints as ck
+    from tasks.memory import ModelShape
+
+    shape = ModelShape(layers=24, hidden=896, heads=14, kv_heads=2, head_dim=64, ffn=4864, vocab=151936,
+                       tied_embeddings=True)
+    cluster = ck.plan_checkpoints(shape, critic=True, actor_layout="fsdp", world_size=4, param_dtype="fp32",
+                                  side_files_bytes=0)
+    actor = cluster.save.roles[0]
+    assert cluster.gather_bytes(2) == 2 * max(actor.model_bytes) >= sum(actor.model_bytes[2:])
+    assert cluster.disk_bytes(2) == 2 * cluster.save.box_bytes(2) + cluster.export_bytes + cluster.gather_bytes(2)
+    launch = cluster.launch("/c", 2)
+    assert launch["export_bytes"] == cluster.export_bytes + launch["gather_bytes"] and launch["gather_bytes"] > 0
+    alone = ck.plan_checkpoints(shape, critic=True, actor_layout="fsdp", world_size=2, param_dtype="fp32",
+                                side_files_bytes=0)
+    assert alone.gather_bytes(2) == 0 and alone.launch("/c", 2)["export_bytes"] == alone.export_bytes
+
+
+# ---------------------------------------------------------------- what status says of a cluster run that cannot export
+
+def test_status_shows_a_cluster_run_that_could_not_gather_as_failed_with_why():
+    """deploy/status.py's row for the head: the unit ended by the launcher's 70 is failed (not finished), the
+    doctor's verdict (the same calls deploy/status.py makes) names the rule and the file, and no model is shown."""
+    from tasks.doctor import diagnose, render
+    from tasks.status import box_status, gsm8k_words, render_rows
+
+    journal = (Path(__file__).resolve().parents[1] / "fixtures" / "doctor" / "cluster-save-not-whole.log").read_text()
+    unit = {"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "Result": "exit-code",
+            "NRestarts": "0", "ExecMainStartTimestampMonotonic": "91234567"}
+    diag = diagnose("head", {"journal": journal}, None, failed=True)
+    verdict = "\n".join(render(diag).splitlines()[1:])
+    exports = {"latest_step": 3, "finished_step": 3, "base": None, "exports": []}
+    row = box_status("head", {}, unit, journal, None, verdict, "", exports)
+    assert row["unit"] == "failed" and gsm8k_words(row["gsm8k"]) == "-"
+    assert "cluster-save-not-whole" in verdict and "model_world_size_2_rank_0.pt of step 3 is on no node" in verdict
+    assert "systemctl start verl-lab-ray.service" in verdict
+    assert "failed" in render_rows([row]).splitlines()[1]
