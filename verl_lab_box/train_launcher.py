@@ -603,6 +603,7 @@ def finished_step(launch, extra=None):
 
 def train(launch, extra, export=True):
     """verl's trainer as a child, then, when it finished by itself, the export and the scores."""
+    launch.extra = list(extra)
     done = finished_step(launch, extra)
     if done is not None:
         print(f"verl-lab: the run finished at step {done} already ({launch.checkpoint_dir}/{FINISHED}, the same "
@@ -627,10 +628,18 @@ def after_run(launch, final, score=True):
     step = latest_checkpoint(launch)
     ckpt = launch.checkpoint_dir
     ev = launch.evaluation
+    cluster = any(o.startswith("trainer.nnodes=") and o != "trainer.nnodes=1" for o in launch.overrides)
+    saves = [o.split("=", 1)[1] for o in launch.run_overrides(launch.extra) if o.startswith("trainer.save_freq=")]
+    if step is None and cluster and saves and saves[-1].isdigit() and int(saves[-1]) > 0:
+        # the run saved, yet the head has no tracker: verl's TaskRunner wrote it on another node's disk
+        print(f"verl-lab: the cluster run saved (trainer.save_freq={saves[-1]}) but {ckpt} has no {TRACKER}: verl's "
+              "TaskRunner ran on another node (is patch 0010 in the env? deploy/env.py applies it), so the export "
+              "and a restart cannot find the checkpoint: not exported", file=sys.stderr, flush=True)
+        return AFTER_RUN_FAILED
     if step is None:
         print(f"verl-lab: no checkpoint in {ckpt} to export (trainer.save_freq=-1?)", flush=True)
         return 0
-    if any(o.startswith("trainer.nnodes=") and o != "trainer.nnodes=1" for o in launch.overrides):
+    if cluster:
         # a cluster: each node saved its own ranks' shards on its own disk; cluster-gather (beside the plan, as
         # the cluster stage places it) copies the step's model shards the head lacks, over Ray, then all is local
         gather = [launch.env_python, os.path.join(os.path.dirname(os.path.abspath(launch.plan_file)), "cluster-gather"),

@@ -142,6 +142,22 @@ def test_a_cluster_run_that_cannot_be_gathered_fails_the_unit_and_exports_nothin
     assert "the cluster's step 3 cannot be gathered on this head (cluster-gather exit 1" in out.stderr
 
 
+def test_a_cluster_run_that_saved_but_left_no_tracker_on_the_head_fails(cluster_run, box):  # noqa: F811
+    """verl without patch 0010 writes the tracker where Ray put its TaskRunner: the head finds none though the plan
+    saves. Never a silent "no checkpoint": exit 70, naming the patch. With saves turned off by hand, nothing to do."""
+    launch, calls, layout = cluster_run
+    plan = json.loads(Path(layout.plan_file).read_text())
+    assert any(o["override"].startswith("trainer.save_freq=") and int(o["override"].split("=")[1]) > 0
+               for o in plan["launch"]["overrides"])
+    (box["tmp"] / "site" / "verl" / "trainer" / "main_ppo.py").write_text("import sys\nsys.exit(0)\n")   # no tracker here
+    out = launch("--no-preflight")
+    assert out.returncode == 70, out.stdout + out.stderr
+    assert "has no latest_checkpointed_iteration.txt: verl's TaskRunner ran on another node (is patch 0010" in out.stderr
+    assert not [c for c in calls() if "gather" in c or "export" in c]
+    off = launch("--no-preflight", "--", "trainer.save_freq=-1")
+    assert off.returncode == 0 and "no checkpoint in" in off.stdout, off.stdout + off.stderr
+
+
 def test_a_box_alone_never_gathers(run):  # noqa: F811
     launch, calls, layout = run
     (Path(layout.plan_file).parent / "cluster-gather").write_text(GATHER)
