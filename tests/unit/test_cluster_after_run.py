@@ -207,3 +207,61 @@ def test_status_shows_a_cluster_run_that_could_not_gather_as_failed_with_why():
     assert "cluster-save-not-whole" in verdict and "model_world_size_2_rank_0.pt of step 3 is on no node" in verdict
     assert "systemctl start verl-lab-ray.service" in verdict
     assert "failed" in render_rows([row]).splitlines()[1]
+
+
+# ---------------------------------------------------------------- one file's copy (Ray's calls stood in by local ones)
+
+class _Local:
+    """A pinned Ray task stood in by a local call: ``.remote(...)`` returns the result as its ref."""
+
+    def __init__(self, fn, log=None):
+        self.fn, self.log = fn, log
+
+    def remote(self, *args):
+        if self.log is not None:
+            self.log.append(args)
+        return self.fn(*args)
+
+
+def _item(path: Path) -> dict:
+    st = path.stat()
+    return {"name": path.name, "from": WK, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns - 5_000_000_000}
+
+
+def test_a_file_is_copied_in_order_chunk_by_chunk_with_the_nodes_mtime(tmp_path, monkeypatch):
+    """copy_file with 10-byte reads, 4 in flight, over 95 bytes: every chunk once, in order, the node's mtime kept,
+    no part file left; the same path read (the node's) and written (the head's) as on two disks."""
+    from types import SimpleNamespace
+
+    from verl_lab_box import cluster_gather as cg
+
+    monkeypatch.setattr(cg, "CHUNK", 10)
+    src = tmp_path / "node" / SHARD.format(0)
+    src.parent.mkdir()
+    src.write_bytes(bytes(range(95)))
+    item, reads = _item(src), []
+    dest = tmp_path / "head" / "actor" / SHARD.format(0)
+    ray = SimpleNamespace(get=lambda ref: ref)
+    node = str(src)
+    got = cg.copy_file(ray, item, str(dest), _Local(lambda p, off, n: cg.read_chunk(node, off, n), reads),
+                       _Local(lambda p: cg.file_sha256(node)))
+    assert dest.read_bytes() == src.read_bytes() and dest.stat().st_mtime_ns == item["mtime_ns"]
+    assert [r[1] for r in reads] == list(range(0, 95, 10)) and got["sha256"] == cg.file_sha256(str(src))
+    assert [p.name for p in dest.parent.iterdir()] == [dest.name]
+
+
+def test_a_copy_whose_sha256_differs_from_the_nodes_is_not_kept(tmp_path):
+    """The node's file changed while it was read (its sha256 is not the copy's): an error naming the file and the
+    node, and neither the file nor its part file on the head."""
+    from types import SimpleNamespace
+
+    from verl_lab_box import cluster_gather as cg
+
+    src = tmp_path / SHARD.format(0)
+    src.write_bytes(b"x" * 1000)
+    dest = tmp_path / "head" / SHARD.format(0)
+    with pytest.raises(OSError, match=f"{SHARD.format(0)} from node {WK}: 1000 bytes, sha256 .*the node's file 1000 "
+                                      "bytes, sha256 0000000000000000: changed while copied"):
+        cg.copy_file(SimpleNamespace(get=lambda ref: ref), _item(src), str(dest),
+                     _Local(lambda p, off, n: cg.read_chunk(str(src), off, n)), _Local(lambda p: "0" * 64))
+    assert not dest.parent.exists() or list(dest.parent.iterdir()) == []
