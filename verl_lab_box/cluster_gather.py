@@ -223,7 +223,12 @@ def main(argv=None) -> int:
 
     started = time.monotonic()
     head_ip = os.environ.get("VERL_LAB_NODE_IP")
-    ray.init(address=os.environ.get("RAY_ADDRESS"), _node_ip_address=head_ip, log_to_driver=False)
+    try:
+        ray.init(address=os.environ.get("RAY_ADDRESS"), _node_ip_address=head_ip, log_to_driver=False)
+    except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; each is this one failure
+        print(f"{FAILED} (step {args.step}, head {head_ip}): no Ray cluster at {os.environ.get('RAY_ADDRESS')} "
+              f"({type(exc).__name__}: {exc}): is verl-lab-ray.service running on the head?", flush=True)
+        return 1
     if __name__ != "__main__":             # imported (tests): the tasks travel by value, as from the script
         import ray.cloudpickle as cloudpickle
 
@@ -238,7 +243,12 @@ def main(argv=None) -> int:
             scheduling_strategy=NodeAffinitySchedulingStrategy(alive[ip], soft=False))
 
     ips = sorted(alive)
-    found = ray.get([pinned(listing, ip).remote(actor) for ip in ips], timeout=args.timeout)
+    try:
+        found = ray.get([pinned(listing, ip).remote(actor) for ip in ips], timeout=args.timeout)
+    except ray.exceptions.RayError as exc:
+        print(f"{FAILED} (step {args.step}, head {head}): the nodes {', '.join(ips)} did not all answer within "
+              f"{args.timeout:g} s ({type(exc).__name__}: {exc})", flush=True)
+        return 1
     nodes = dict(zip(ips, found))
     before = _read_json(os.path.join(actor, RECORD)) or {}
     fetch, problems = plan_fetch(head, nodes, args.step, nnodes, [c["name"] for c in before.get("copied") or []])
