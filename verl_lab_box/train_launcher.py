@@ -622,36 +622,59 @@ def train(launch, extra, export=True):
     return after_run(launch, final=True) if export else 0
 
 
+def gather_on_head(launch, step):
+    """A Ray cluster's run: each node saved its own ranks' shards on its own disk; ``cluster-gather`` (beside
+    the plan, as the cluster stage places it) copies the step's model shards and rank 0's files the head lacks,
+    over Ray. None when the export may go on (gathered, or no save at all); else the exit status: 2 on a
+    worker (a cluster is exported on its head), AFTER_RUN_FAILED when the step cannot be made whole here."""
+    try:
+        env = ray_env(launch)
+    except OSError as exc:
+        print(f"verl-lab: a cluster run, but {exc.filename or 'ray.env'} cannot be read ({exc.strerror or exc}): "
+              "re-run deploy/cluster.py; not exported", file=sys.stderr, flush=True)
+        return AFTER_RUN_FAILED
+    me, head = env.get("VERL_LAB_NODE_IP", ""), env.get("RAY_ADDRESS", "").rpartition(":")[0]
+    if me and head and me != head:
+        print(f"verl-lab: this box ({me}) is a worker of the Ray cluster whose head is {head}: a cluster run is "
+              "exported on its head (train-launcher --export there, or deploy/export.py)", file=sys.stderr, flush=True)
+        return 2
+    saves = [o.split("=", 1)[1] for o in launch.run_overrides(launch.extra) if o.startswith("trainer.save_freq=")]
+    if step is None:
+        if saves and saves[-1].isdigit() and int(saves[-1]) > 0:
+            # the run saved, yet the head has no tracker: verl's TaskRunner wrote it on another node's disk
+            print(f"verl-lab: the cluster run saved (trainer.save_freq={saves[-1]}) but {launch.checkpoint_dir} has "
+                  f"no {TRACKER}: verl's TaskRunner ran on another node (is patch 0010 in the env? deploy/env.py "
+                  "applies it), so the export and a restart cannot find the checkpoint: not exported",
+                  file=sys.stderr, flush=True)
+            return AFTER_RUN_FAILED
+        return None
+    gather = [launch.env_python, os.path.join(os.path.dirname(os.path.abspath(launch.plan_file)), "cluster-gather"),
+              "--plan", launch.plan_file, "--step", str(step)]
+    try:
+        rc = run_child(gather, launch.work_dir, env=env)
+    except OSError as exc:
+        rc = f"not run ({exc})"
+    if rc != 0:
+        print(f"verl-lab: the cluster's step {step} cannot be gathered on this head (cluster-gather exit {rc}; its "
+              "reason is above): not exported", file=sys.stderr, flush=True)
+        return AFTER_RUN_FAILED
+    return None
+
+
 def after_run(launch, final, score=True):
     """The latest actor checkpoint as a proven Hugging Face folder (verl_lab_export.py), then the base
-    model's GSM8K score (kept once made) and the export's (verl_lab_score.py). 0, or AFTER_RUN_FAILED."""
+    model's GSM8K score (kept once made) and the export's (verl_lab_score.py); a Ray cluster's step gathered on
+    the head first (``gather_on_head``). 0, AFTER_RUN_FAILED, or 2 on a cluster's worker."""
     step = latest_checkpoint(launch)
     ckpt = launch.checkpoint_dir
     ev = launch.evaluation
-    cluster = any(o.startswith("trainer.nnodes=") and o != "trainer.nnodes=1" for o in launch.overrides)
-    saves = [o.split("=", 1)[1] for o in launch.run_overrides(launch.extra) if o.startswith("trainer.save_freq=")]
-    if step is None and cluster and saves and saves[-1].isdigit() and int(saves[-1]) > 0:
-        # the run saved, yet the head has no tracker: verl's TaskRunner wrote it on another node's disk
-        print(f"verl-lab: the cluster run saved (trainer.save_freq={saves[-1]}) but {ckpt} has no {TRACKER}: verl's "
-              "TaskRunner ran on another node (is patch 0010 in the env? deploy/env.py applies it), so the export "
-              "and a restart cannot find the checkpoint: not exported", file=sys.stderr, flush=True)
-        return AFTER_RUN_FAILED
+    if any(o.startswith("trainer.nnodes=") and o != "trainer.nnodes=1" for o in launch.overrides):
+        rc = gather_on_head(launch, step)
+        if rc is not None:
+            return rc
     if step is None:
         print(f"verl-lab: no checkpoint in {ckpt} to export (trainer.save_freq=-1?)", flush=True)
         return 0
-    if cluster:
-        # a cluster: each node saved its own ranks' shards on its own disk; cluster-gather (beside the plan, as
-        # the cluster stage places it) copies the step's model shards the head lacks, over Ray, then all is local
-        gather = [launch.env_python, os.path.join(os.path.dirname(os.path.abspath(launch.plan_file)), "cluster-gather"),
-                  "--plan", launch.plan_file, "--step", str(step)]
-        try:
-            rc = run_child(gather, launch.work_dir, env=ray_env(launch))
-        except OSError as exc:
-            rc = f"not run ({exc})"
-        if rc != 0:
-            print(f"verl-lab: the cluster's step {step} cannot be gathered on this head (cluster-gather exit {rc}; "
-                  "its reason is above): not exported", file=sys.stderr, flush=True)
-            return AFTER_RUN_FAILED
     try:
         exporter, scorer = box_file(EXPORTERS), box_file(SCORERS)
     except ImportError as exc:

@@ -158,6 +158,17 @@ def test_a_cluster_run_that_saved_but_left_no_tracker_on_the_head_fails(cluster_
     assert off.returncode == 0 and "no checkpoint in" in off.stdout, off.stdout + off.stderr
 
 
+def test_a_workers_launcher_does_not_export_and_says_where(cluster_run):
+    """train-launcher --export by hand on a worker (its ray.env: its own node address, the head's RAY_ADDRESS): it
+    would gather onto the worker's disk; it names the head instead, gathers and exports nothing."""
+    launch, calls, layout = cluster_run
+    (Path(layout.plan_file).parent / "ray.env").write_text("RAY_ADDRESS=10.0.0.5:6379\nVERL_LAB_NODE_IP=10.0.0.7\n")
+    out = launch("--export")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "this box (10.0.0.7) is a worker of the Ray cluster whose head is 10.0.0.5" in out.stderr
+    assert not [c for c in calls() if "gather" in c or "export" in c]
+
+
 def test_a_box_alone_never_gathers(run):  # noqa: F811
     launch, calls, layout = run
     (Path(layout.plan_file).parent / "cluster-gather").write_text(GATHER)
