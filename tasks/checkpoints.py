@@ -236,21 +236,30 @@ class CheckpointPlan:
     def saves_in_run(self) -> int | None:
         return saves_in_run(self.every, self.total_steps)
 
+    def gather_bytes(self, gpus: int) -> int:
+        """On a Ray cluster's head (``gpus`` ranks a node, fewer than the world): the other nodes' actor model
+        shards of the last save, copied beside its own for the export (verl_lab_box/cluster_gather.py). Every
+        member gets the one cluster plan, so every member's disk is asked for it. 0 on a box alone."""
+        return max(self.save.roles[0].model_bytes) * max(0, self.save.world_size - gpus)
+
     def disk_bytes(self, gpus: int) -> int:
         """Saves and export on a box of ``gpus`` GPUs when no earlier save is there (before margin)."""
         n = min(self.max_to_keep, self.saves_in_run or self.max_to_keep)
-        return n * self.save.box_bytes(gpus) + self.export_bytes
+        return n * self.save.box_bytes(gpus) + self.export_bytes + self.gather_bytes(gpus)
 
     def launch(self, checkpoint_dir: str, gpus: int) -> dict[str, Any]:
-        """plan.json's launch section entry: what the launcher's disk check reads."""
+        """plan.json's launch section entry: what the launcher's disk check reads (``export_bytes``: what the
+        export needs on this disk, a cluster's gathered shards included)."""
         return {"dir": checkpoint_dir, "save_bytes": self.save.box_bytes(gpus), "max_saves": self.max_to_keep,
-                "keep": self.keep, "every": self.every, "export_bytes": self.export_bytes,
+                "keep": self.keep, "every": self.every, "export_bytes": self.export_bytes + self.gather_bytes(gpus),
+                "gather_bytes": self.gather_bytes(gpus),
                 "saves_in_run": self.saves_in_run, "last_step": self.total_steps}
 
     def to_dict(self, gpus: int) -> dict[str, Any]:
         return {"save": self.save.to_dict(), "save_bytes_this_box": self.save.box_bytes(gpus), "keep": self.keep,
                 "max_ckpt_to_keep": self.max_to_keep, "save_freq": self.every, "saves_in_run": self.saves_in_run,
-                "export_bytes": self.export_bytes, "disk_bytes_this_box": self.disk_bytes(gpus)}
+                "export_bytes": self.export_bytes, "gather_bytes_this_box": self.gather_bytes(gpus),
+                "disk_bytes_this_box": self.disk_bytes(gpus)}
 
 
 def plan_checkpoints(shape: ModelShape, *, critic: bool, actor_layout: str, world_size: int, param_dtype: str,

@@ -43,6 +43,7 @@ UNIT_TEMPLATE = TEMPLATES / "verl-lab-ray.service.j2"
 ENV_TEMPLATE = TEMPLATES / "ray.env.j2"
 DROPIN_TEMPLATE = TEMPLATES / "train-cluster.conf.j2"
 CHECKER = Path(__file__).resolve().parent.parent / "verl_lab_box" / "cluster_check.py"
+GATHERER = Path(__file__).resolve().parent.parent / "verl_lab_box" / "cluster_gather.py"
 RAY_UNIT = "verl-lab-ray.service"
 RAY_UNIT_PATH = f"/etc/systemd/system/{RAY_UNIT}"
 TRAIN_DROPIN = f"/etc/systemd/system/{TRAIN_UNIT}.d/cluster.conf"
@@ -188,7 +189,8 @@ def ray_env_file(settings: LabSettings) -> str:
 
 
 def cluster_paths(settings: LabSettings) -> list[str]:
-    return [ray_dir(settings), ray_env_file(settings), f"{settings.train_dir}/cluster-check", RAY_UNIT_PATH,
+    return [ray_dir(settings), ray_env_file(settings), f"{settings.train_dir}/cluster-check",
+            f"{settings.train_dir}/cluster-gather", RAY_UNIT_PATH,
             str(Path(TRAIN_DROPIN).parent), TRAIN_DROPIN]
 
 
@@ -200,6 +202,8 @@ def cluster_wanted(node: RayNode) -> list:
                         mode="640", group=s.train_user),
             wanted_file(f"{s.train_dir}/cluster-check", "Cluster check (verl_lab_box/cluster_check.py)",
                         CHECKER.read_bytes(), mode="750", group=s.train_user),
+            wanted_file(f"{s.train_dir}/cluster-gather", "Cluster gather (verl_lab_box/cluster_gather.py)",
+                        GATHERER.read_bytes(), mode="750", group=s.train_user),
             wanted_file(RAY_UNIT_PATH, f"Unit {RAY_UNIT} ({node.role})", rendered(UNIT_TEMPLATE, **values)),
             wanted_dir(str(Path(TRAIN_DROPIN).parent)),
             wanted_file(TRAIN_DROPIN, f"{TRAIN_UNIT} in cluster {node.cluster.name}", rendered(DROPIN_TEMPLATE, **values))]

@@ -38,8 +38,9 @@ signal goes on to verl and, once verl is gone, ends the launcher the same way: n
 whatever verl's exit status. Failed (verl exits non-zero): the launcher exits with verl's status
 (the unit's ``Restart=on-failure`` resumes from the last checkpoint). Finished (verl exits 0 by
 itself): ``<checkpoint_dir>/run-finished.json`` records the step and the overrides the run had,
-then the export (``verl_lab_export.py`` beside the launcher: verl's model merger and its proof)
-and the GSM8K scores (``verl_lab_score.py``: the base model once, then the export), with the env's
+then, for a Ray cluster, the step's model shards the head lacks copied from the other nodes
+(``cluster-gather`` beside the plan), then the export (``verl_lab_export.py`` beside the launcher:
+verl's model merger and its proof) and the GSM8K scores (``verl_lab_score.py``: the base model once, then the export), with the env's
 Python; if one of them fails the launcher exits ``AFTER_RUN_FAILED``, which the unit does not
 restart on (``RestartPreventExitStatus``). A later start of a finished run (same overrides, the same
 latest checkpoint) trains no further step: it goes straight to the export, which a proven export
@@ -440,6 +441,18 @@ def check_host_ram(rep, launch, meminfo="/proc/meminfo"):
         rep.ok("host ram", f"{total} MiB >= {need} MiB of offloaded model states, before the processes' own")
 
 
+def ray_env(launch):
+    """This process's environment with ``ray.env`` beside the plan under it (systemd sets these already:
+    the unit's drop-in; a run by hand reads them here)."""
+    env = dict(os.environ)
+    with open(os.path.join(os.path.dirname(os.path.abspath(launch.plan_file)), "ray.env")) as fh:
+        for line in fh:
+            key, sep, value = line.strip().partition("=")
+            if sep and not key.startswith("#"):
+                env.setdefault(key, value)
+    return env
+
+
 def check_cluster(rep, launch):
     """A plan for a Ray cluster (trainer.nnodes > 1): every node joined, with the head's env, model
     and data (``cluster-check`` beside the plan, in the env's Python, with ``ray.env`` beside it)."""
@@ -447,14 +460,8 @@ def check_cluster(rep, launch):
     if nodes == "1":
         return
     here = os.path.dirname(os.path.abspath(launch.plan_file))
-    env = dict(os.environ)
-    with open(os.path.join(here, "ray.env")) as fh:         # systemd sets these already (the unit's drop-in)
-        for line in fh:
-            key, sep, value = line.strip().partition("=")
-            if sep and not key.startswith("#"):
-                env.setdefault(key, value)
     res = subprocess.run([launch.env_python, os.path.join(here, "cluster-check"), "--plan", launch.plan_file],
-                         capture_output=True, text=True, timeout=600, env=env)
+                         capture_output=True, text=True, timeout=600, env=ray_env(launch))
     lines = [line.strip() for line in (res.stdout + res.stderr).splitlines() if line.strip()]
     if res.returncode == 0:
         rep.ok("cluster", (res.stdout.strip().splitlines() or [f"{nodes} nodes"])[-1])
@@ -537,12 +544,12 @@ def plan_option(argv):
 
 # ---------------------------------------------------------------- the run and what follows it
 
-def run_child(cmd, cwd):
+def run_child(cmd, cwd, env=None):
     """``cmd`` as a child; SIGTERM, SIGINT and SIGHUP are passed on to it. Returns its exit status, or
     ends this process by the first such signal once the child is gone (a stopped run is no finished
     run, whatever the child's status)."""
     sys.stdout.flush()
-    proc = subprocess.Popen(cmd, cwd=cwd)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env)
     got = []
 
     def forward(signum, _frame):
@@ -596,6 +603,7 @@ def finished_step(launch, extra=None):
 
 def train(launch, extra, export=True):
     """verl's trainer as a child, then, when it finished by itself, the export and the scores."""
+    launch.extra = list(extra)
     done = finished_step(launch, extra)
     if done is not None:
         print(f"verl-lab: the run finished at step {done} already ({launch.checkpoint_dir}/{FINISHED}, the same "
@@ -614,16 +622,56 @@ def train(launch, extra, export=True):
     return after_run(launch, final=True) if export else 0
 
 
+def gather_on_head(launch, step):
+    """A Ray cluster's run: each node saved its own ranks' shards on its own disk; ``cluster-gather`` (beside
+    the plan, as the cluster stage places it) copies the step's model shards and rank 0's files the head lacks,
+    over Ray. None when the export may go on (gathered, or no save at all); else the exit status: 2 on a
+    worker (a cluster is exported on its head), AFTER_RUN_FAILED when the step cannot be made whole here."""
+    try:
+        env = ray_env(launch)
+    except OSError as exc:
+        print(f"verl-lab: a cluster run, but {exc.filename or 'ray.env'} cannot be read ({exc.strerror or exc}): "
+              "re-run deploy/cluster.py; not exported", file=sys.stderr, flush=True)
+        return AFTER_RUN_FAILED
+    me, head = env.get("VERL_LAB_NODE_IP", ""), env.get("RAY_ADDRESS", "").rpartition(":")[0]
+    if me and head and me != head:
+        print(f"verl-lab: this box ({me}) is a worker of the Ray cluster whose head is {head}: a cluster run is "
+              "exported on its head (train-launcher --export there, or deploy/export.py)", file=sys.stderr, flush=True)
+        return 2
+    saves = [o.split("=", 1)[1] for o in launch.run_overrides(launch.extra) if o.startswith("trainer.save_freq=")]
+    if step is None:
+        if saves and saves[-1].isdigit() and int(saves[-1]) > 0:
+            # the run saved, yet the head has no tracker: verl's TaskRunner wrote it on another node's disk
+            print(f"verl-lab: the cluster run saved (trainer.save_freq={saves[-1]}) but {launch.checkpoint_dir} has "
+                  f"no {TRACKER}: verl's TaskRunner ran on another node (is patch 0010 in the env? deploy/env.py "
+                  "applies it), so the export and a restart cannot find the checkpoint: not exported",
+                  file=sys.stderr, flush=True)
+            return AFTER_RUN_FAILED
+        return None
+    gather = [launch.env_python, os.path.join(os.path.dirname(os.path.abspath(launch.plan_file)), "cluster-gather"),
+              "--plan", launch.plan_file, "--step", str(step)]
+    try:
+        rc = run_child(gather, launch.work_dir, env=env)
+    except OSError as exc:
+        rc = f"not run ({exc})"
+    if rc != 0:
+        print(f"verl-lab: the cluster's step {step} cannot be gathered on this head (cluster-gather exit {rc}; its "
+              "reason is above): not exported", file=sys.stderr, flush=True)
+        return AFTER_RUN_FAILED
+    return None
+
+
 def after_run(launch, final, score=True):
     """The latest actor checkpoint as a proven Hugging Face folder (verl_lab_export.py), then the base
-    model's GSM8K score (kept once made) and the export's (verl_lab_score.py). 0, or AFTER_RUN_FAILED."""
+    model's GSM8K score (kept once made) and the export's (verl_lab_score.py); a Ray cluster's step gathered on
+    the head first (``gather_on_head``). 0, AFTER_RUN_FAILED, or 2 on a cluster's worker."""
     step = latest_checkpoint(launch)
     ckpt = launch.checkpoint_dir
     ev = launch.evaluation
     if any(o.startswith("trainer.nnodes=") and o != "trainer.nnodes=1" for o in launch.overrides):
-        print("verl-lab: not exported: a cluster run's checkpoint shards lie on every node's own disk, and the "
-              "merge needs every rank's shards in one folder", flush=True)
-        return 0
+        rc = gather_on_head(launch, step)
+        if rc is not None:
+            return rc
     if step is None:
         print(f"verl-lab: no checkpoint in {ckpt} to export (trainer.save_freq=-1?)", flush=True)
         return 0

@@ -32,8 +32,9 @@ class RunExports(FactBase[dict]):
     def command(self, checkpoint_dir: str) -> str:
         d = shlex.quote(checkpoint_dir.rstrip("/"))
         parts = [f"echo '{SECTION}tracker'", f"(cat {d}/latest_checkpointed_iteration.txt 2>/dev/null; echo)",
-                 f"echo '{SECTION}finished'", f"(cat {d}/run-finished.json 2>/dev/null || true)",
-                 f"echo '{SECTION}base'", f"(cat {d}/gsm8k-base.json 2>/dev/null || true)",
+                 # the launcher's JSON files end without a newline: the echo keeps the next section's line its own
+                 f"echo '{SECTION}finished'", f"(cat {d}/run-finished.json 2>/dev/null; echo)",
+                 f"echo '{SECTION}base'", f"(cat {d}/gsm8k-base.json 2>/dev/null; echo)",
                  f"for f in {d}/global_step_*/hf.proof.json {d}/global_step_*/hf.gsm8k.json; do "
                  f"[ -f \"$f\" ] || continue; echo \"{SECTION}$f\"; cat \"$f\"; echo; done"]
         return "; ".join(parts)

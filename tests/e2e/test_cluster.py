@@ -12,8 +12,11 @@ Proven here: the cluster forms with 3 nodes and the declared GPUs; the environme
 and the launcher read (interface from the route to the head, RAY_ADDRESS); a second deploy
 changes nothing; the head's unit restarted -> both workers rejoin; a stopped unit leaves no Ray
 process; the boxes' /etc/hosts is left as it is (loopback node addresses); with the head stopped,
-deploy/doctor.py on a worker names cluster-not-joined from its Ray unit's journal. Not proven here: training across nodes (NCCL needs GPUs; the CPU torch stand-in is not
-in these venvs), the launcher's cross-node checks (not built yet), a real multi-host network.
+deploy/doctor.py on a worker names cluster-not-joined from its Ray unit's journal; a cluster run's last save, each
+box holding its own ranks' shards, is gathered whole on the head by the launcher's after-run path (issue 34). Not proven
+here: training across nodes (NCCL needs GPUs; the CPU torch stand-in is not in these venvs), the export and score after
+the gather (tests/unit/test_cluster_two_disks.py runs them on two Ray nodes with their own disks), a real multi-host
+network.
 """
 
 from __future__ import annotations
@@ -195,6 +198,76 @@ def test_the_cluster_check_passes_then_refuses_a_node_with_another_env(lab, conv
     assert lines and all(line.startswith(f"  node {ADDRESS[WK1]} ({lab.box(WK1).hostname})") for line in lines), lines
     assert any("verl sources" in line for line in lines), lines
     assert refused.returncode == 1 and f"  FAIL  cluster: node {ADDRESS[WK1]} (" in refused.stdout, refused.stdout
+
+
+STEP_DIR = "/opt/verl-lab/train/checkpoints/global_step_2"
+LISTING_EXPORTER = """import os, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+actor = os.path.join(args["--checkpoint-dir"], "global_step_" + args["--step"], "actor")
+print("EXPORTER SEES " + " ".join(sorted(os.path.relpath(os.path.join(r, n), actor) for r, _, f in os.walk(actor) for n in f)))
+"""
+
+
+def _sha256s(box, names) -> dict[str, str]:
+    out = box.ssh(f"cd {STEP_DIR}/actor && sha256sum {' '.join(names)}", user="verl").stdout
+    return {line.split()[1]: line.split()[0] for line in out.splitlines()}
+
+
+def test_a_finished_cluster_runs_last_save_is_gathered_on_the_head(lab, converged):
+    """Issue 34: each box keeps its own ranks' shards on its own disk (here rank 0 with fsdp_config.json and
+    huggingface/ on wk1, as when the head's address is not the lowest; one shard larger than the gather's 64 MiB
+    reads); the head's launcher (`train-launcher --export`, the after-run's path, as the train user) runs the
+    placed cluster-gather, which copies what the head lacks over the boxes' Ray, byte-identical, the optimizer
+    shards left where they are, then hands the whole folder to the exporter (a stand-in that lists it: the real
+    export needs torch, not in these venvs; it runs on the head of tests/unit/test_cluster_two_disks.py). A worker
+    whose shard is gone: exit 70, the file and what every node holds named."""
+    wait_for_nodes(lab)
+    head = lab.box(HEAD)
+    big = (64 << 20) + 12345
+    saves = {WK1: {"model_world_size_3_rank_0.pt": 3 << 20, "optim_world_size_3_rank_0.pt": 1 << 20,
+                   "fsdp_config.json": 40, "huggingface/config.json": 700, "huggingface/tokenizer.json": 9000},
+             HEAD: {"model_world_size_3_rank_1.pt": 3 << 20, "optim_world_size_3_rank_1.pt": 1 << 20},
+             WK2: {"model_world_size_3_rank_2.pt": big, "optim_world_size_3_rank_2.pt": 1 << 20}}
+    for name, files in saves.items():
+        lab.box(name).ssh(f"rm -rf {STEP_DIR} && mkdir -p {STEP_DIR}/actor/huggingface && cd {STEP_DIR}/actor && "
+                          + " && ".join(f"head -c {size} /dev/urandom > {f}" for f, size in files.items()), user="verl")
+    head.ssh(f"echo 2 > {STEP_DIR}/../latest_checkpointed_iteration.txt", user="verl")
+    exporter = "/opt/verl-lab/train/verl_lab_export.py"
+    head.ssh(f"cp -p {exporter} {exporter}.real")
+    head.write_text(exporter, LISTING_EXPORTER, mode="644")
+    launcher = "runuser -u verl -- /usr/bin/python3 /opt/verl-lab/train/train-launcher --export --no-score"
+    try:
+        started = time.monotonic()
+        res = head.ssh(launcher, check=False, timeout=600)
+        seconds = time.monotonic() - started
+        copied = {n: _sha256s(lab.box(name), [n])[n] for name, files in saves.items() if name != HEAD
+                  for n in files if not n.startswith("optim_")}
+        on_head = _sha256s(head, sorted(copied))
+        lab.box(WK2).ssh(f"mv {STEP_DIR}/actor/model_world_size_3_rank_2.pt /tmp/r2")
+        head.ssh(f"rm {STEP_DIR}/actor/model_world_size_3_rank_2.pt")
+        lost = head.ssh(launcher, check=False, timeout=600)
+        lab.box(WK2).ssh(f"mv /tmp/r2 {STEP_DIR}/actor/model_world_size_3_rank_2.pt")
+    finally:
+        head.ssh(f"mv {exporter}.real {exporter}")
+    print(f"gathered in {seconds:.1f} s:\n{res.stdout[-2000:]}")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert on_head == copied                                                       # byte-identical on the head
+    listed = next(line for line in res.stdout.splitlines() if line.startswith("EXPORTER SEES ")).split()[2:]
+    assert [n for n in listed if n.startswith("model_")] == [f"model_world_size_3_rank_{r}.pt" for r in range(3)]
+    assert {"fsdp_config.json", "huggingface/config.json", "huggingface/tokenizer.json",
+            "verl-lab-gathered.json"} <= set(listed)
+    assert not {"optim_world_size_3_rank_0.pt", "optim_world_size_3_rank_2.pt"} & set(listed)
+    record = json.loads(head.read_text(f"{STEP_DIR}/actor/verl-lab-gathered.json"))
+    assert {c["name"]: c["from"] for c in record["copied"]} == {
+        "model_world_size_3_rank_0.pt": ADDRESS[WK1], "fsdp_config.json": ADDRESS[WK1],
+        "huggingface/config.json": ADDRESS[WK1], "huggingface/tokenizer.json": ADDRESS[WK1],
+        "model_world_size_3_rank_2.pt": ADDRESS[WK2]}
+    assert record["bytes"] == (3 << 20) + 40 + 700 + 9000 + big and record["head"] == ADDRESS[HEAD]
+    assert lost.returncode == 70, lost.stdout[-3000:] + lost.stderr[-3000:]
+    assert (f"verl-lab cluster gather FAILED (step 2, head {ADDRESS[HEAD]}): model_world_size_3_rank_2.pt of step 2 "
+            f"is on no node (node {ADDRESS[HEAD]} (") in lost.stdout
+    assert f"node {ADDRESS[WK2]} ({lab.box(WK2).hostname}): ranks none" in lost.stdout
+    assert "EXPORTER SEES" not in lost.stdout and "cannot be gathered on this head" in lost.stderr
 
 
 def test_the_doctor_names_a_worker_that_lost_its_head_from_its_ray_journal(lab, converged, tmp_path):

@@ -308,7 +308,7 @@ def test_the_launch_section_carries_what_the_preflight_checks():
     launch = json.loads(lay.plan_json())["launch"]["checkpoints"]
     cp = lay.plan.checkpoints
     assert launch == {"dir": "/opt/verl-lab/train/checkpoints", "save_bytes": cp.save.box_bytes(1), "max_saves": 2,
-                      "keep": 1, "every": 10, "export_bytes": cp.export_bytes, "saves_in_run": None,
+                      "keep": 1, "every": 10, "export_bytes": cp.export_bytes, "gather_bytes": 0, "saves_in_run": None,
                       "last_step": None}
 
 
