@@ -28,7 +28,12 @@ demand). For ``DIR/global_step_N/actor`` (N: ``--step``, else the step in verl's
    names, sizes and mtimes).
 
 A re-run whose proof still matches the shards and the folder changes nothing ("already proven");
-a folder without its proof (a run cut between the two renames) is made again. ``--final`` records
+a folder without its proof (a run cut between the two renames) is made again. One export of a step
+at a time: the step folder's lock (``.export.lock``, verl_lab_box/checkpoints.py ``step_lock``, a
+``flock`` the kernel releases when its holder dies) is held from the check to the proof's JSON, so
+an export started beside another (the unit's after-run and ``train-launcher --export``) waits, then
+finds it proven; a ``.hf.partial`` found under the lock is one whose maker died. Before it, the
+exports of saves verl's retention removed are pruned (``prune_exports``). ``--final`` records
 that the training run finished at this step (the launcher passes it only after verl exited 0 by
 itself); an export on demand of a run still going is recorded as not final.
 """
@@ -82,25 +87,34 @@ def step_dir(checkpoint_dir: str, step: int) -> str:
     return os.path.join(checkpoint_dir, f"global_step_{step}")
 
 
+CHECKPOINT_READERS = ("verl_lab_checkpoints.py", "checkpoints.py")   # its sibling: placed beside it, or in the repo
+
+
+def checkpoints_module():
+    """verl_lab_box/checkpoints.py, loaded from beside this program (the step lock, the pruning)."""
+    import importlib.util
+
+    if "verl_lab_checkpoints" in sys.modules:
+        return sys.modules["verl_lab_checkpoints"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in CHECKPOINT_READERS:
+        path = os.path.join(here, name)
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("verl_lab_checkpoints", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["verl_lab_checkpoints"] = module
+            spec.loader.exec_module(module)
+            return module
+    raise ImportError(f"no {' or '.join(CHECKPOINT_READERS)} beside {os.path.abspath(__file__)}: re-run deploy/train.py")
+
+
 def shard_identity(actor_dir: str) -> list[dict]:
-    """The files the export is made from: name, bytes and mtime of ``fsdp_config.json`` and every
-    model shard (a changed checkpoint is a new export)."""
-    names = sorted(n for n in os.listdir(actor_dir)
-                   if n == "fsdp_config.json" or (n.startswith("model_world_size_") and n.endswith(".pt")))
-    out = []
-    for n in names:
-        st = os.stat(os.path.join(actor_dir, n))
-        out.append({"name": n, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
-    return out
+    """The files the export is made from (verl_lab_box/checkpoints.py ``shard_identity``)."""
+    return checkpoints_module().shard_identity(actor_dir)
 
 
 def folder_identity(folder: str) -> list[dict]:
-    out = []
-    for root, _, files in os.walk(folder):
-        for n in files:
-            path = os.path.join(root, n)
-            out.append({"name": os.path.relpath(path, folder), "bytes": os.path.getsize(path)})
-    return sorted(out, key=lambda f: f["name"])
+    return checkpoints_module().folder_identity(folder)
 
 
 def read_json(path: str) -> dict | None:
@@ -122,18 +136,13 @@ def write_json(path: str, data: dict) -> None:
 
 def proven(checkpoint_dir: str, step: int) -> dict | None:
     """The proof of step ``step``'s export when it still holds: proven, the same shards, the same
-    files in the folder; else None."""
-    folder = step_dir(checkpoint_dir, step)
-    proof = read_json(os.path.join(folder, PROOF))
-    export = os.path.join(folder, EXPORT)
-    actor = os.path.join(folder, "actor")
-    if not proof or not proof.get("ok") or proof.get("format") != FORMAT or not os.path.isdir(export):
-        return None
-    if not os.path.isdir(actor) or proof.get("shards") != shard_identity(actor):
-        return None
-    if proof.get("files") != folder_identity(export):
-        return None
-    return proof
+    files in the folder; else None (verl_lab_box/checkpoints.py ``proven_export``, which the
+    launcher asks too)."""
+    ck = checkpoints_module()
+    if ck.EXPORT_FORMAT != FORMAT:
+        raise ExportError(f"{ck.__file__} reads proofs of format {ck.EXPORT_FORMAT}, this program writes {FORMAT}: "
+                          "re-run deploy/train.py (it places both)")
+    return ck.proven_export(checkpoint_dir, step)
 
 
 # ---------------------------------------------------------------- the checkpoint's own weights
@@ -308,7 +317,9 @@ def merge(actor_dir: str, target: str, python: str = sys.executable) -> float:
 
 
 def export(checkpoint_dir: str, step: int | None = None, final: bool = False, python: str = sys.executable) -> dict:
-    """The proven export of ``step`` (default: the latest checkpoint); made when it is not there yet."""
+    """The proven export of ``step`` (default: the latest checkpoint); made when it is not there yet.
+    Exports of saves verl removed are pruned first; the step's lock is held throughout (a second
+    export of the step waits for it, then finds it proven)."""
     if step is None:
         step = latest_step(checkpoint_dir)
         if step is None:
@@ -319,6 +330,19 @@ def export(checkpoint_dir: str, step: int | None = None, final: bool = False, py
     if not os.path.isdir(actor):
         raise ExportError(f"{actor} does not exist: step {step} has no actor checkpoint (removed by the plan's "
                           "retention?)")
+    ck = checkpoints_module()
+    ck.prune_exports(checkpoint_dir, say=log)
+    with ck.step_lock(folder, f"export of step {step}", say=log):
+        return _export(checkpoint_dir, step, final, python)
+
+
+def _export(checkpoint_dir: str, step: int, final: bool, python: str) -> dict:
+    """``export`` under the step's lock: a partial folder here is one whose maker died."""
+    folder = step_dir(checkpoint_dir, step)
+    actor = os.path.join(folder, "actor")
+    if not os.path.isdir(actor):
+        raise ExportError(f"{actor} was removed while this export waited for the step's lock (verl's retention): "
+                          "export a later step")
     have = proven(checkpoint_dir, step)
     if have is not None:
         if final and not have.get("final"):

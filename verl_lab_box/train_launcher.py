@@ -594,27 +594,85 @@ def finished_step(launch, extra=None):
     return record["step"]
 
 
+def record_finished(launch, extra):
+    """``run-finished.json``: the run finished at the latest checkpoint, with these overrides."""
+    done = latest_checkpoint(launch)
+    part = os.path.join(launch.checkpoint_dir, FINISHED + ".part")
+    with open(part, "w") as fh:
+        json.dump({"step": done, "overrides_sha256": run_digest(launch, extra)}, fh)
+    os.replace(part, os.path.join(launch.checkpoint_dir, FINISHED))
+    return done
+
+
+def marker_value(path, key):
+    """An integer ``key=value`` of a stage's marker (the data stage's ``train_rows``), or None."""
+    try:
+        with open(path) as fh:
+            found = dict(line.strip().partition("=")[::2] for line in fh if "=" in line)
+    except OSError:
+        return None
+    value = found.get(key, "")
+    return int(value) if value.isdigit() else None
+
+
+def at_last_step(launch, extra):
+    """The planned last step when the latest checkpoint is at or past it, else None: verl 0.5.0
+    adds 1 to the step it loads before it checks for the last one (ray_trainer.py ``fit``), so
+    started again from its last save it would train a step past the plan."""
+    last = checkpoints_module().planned_last_step(launch.run_overrides(extra),
+                                                  marker_value(launch.data_marker, "train_rows"))
+    latest = latest_checkpoint(launch)
+    return last if last is not None and latest is not None and latest >= last else None
+
+
 def train(launch, extra, export=True):
     """verl's trainer as a child, then, when it finished by itself, the export and the scores."""
     done = finished_step(launch, extra)
+    last = None if done is not None else at_last_step(launch, extra)
     if done is not None:
         print(f"verl-lab: the run finished at step {done} already ({launch.checkpoint_dir}/{FINISHED}, the same "
               "overrides): no step is trained again", flush=True)
+    elif last is not None:
+        done = record_finished(launch, extra)
+        print(f"verl-lab: the latest checkpoint (step {done}) is at or past the run's last step ({last}): verl is "
+              "not started again (it would train one step past the plan); the run is finished", flush=True)
     else:
+        checkpoints_module().prune_exports(launch.checkpoint_dir, say=lambda m: print(f"verl-lab: {m}", flush=True))
         rc = run_child(command(launch, extra), launch.work_dir)
         if rc != 0:
             print(f"verl-lab: verl exited {rc}: the run failed", file=sys.stderr, flush=True)
             return rc
-        done = latest_checkpoint(launch)
-        part = os.path.join(launch.checkpoint_dir, FINISHED + ".part")
-        with open(part, "w") as fh:
-            json.dump({"step": done, "overrides_sha256": run_digest(launch, extra)}, fh)
-        os.replace(part, os.path.join(launch.checkpoint_dir, FINISHED))
+        done = record_finished(launch, extra)
         print(f"verl-lab: the run finished (verl exited 0), latest checkpoint: step {done}", flush=True)
-    return after_run(launch, final=True) if export else 0
+    return after_run(launch, final=True, gpu_free=True) if export else 0
 
 
-def after_run(launch, final, score=True):
+def export_ram_short(launch, step, gpu_free, meminfo="/proc/meminfo"):
+    """Why the export of ``step`` does not fit the host RAM available now (plan.json's
+    ``launch.checkpoints.export_host_ram`` against MemAvailable), or None: it fits, is proven
+    already (nothing to merge or prove), or the plan predicts nothing."""
+    ram = (launch.checkpoints or {}).get("export_host_ram")
+    if not ram:
+        return None
+    if checkpoints_module().proven_export(launch.checkpoint_dir, step) is not None:
+        return None
+    need = ram["gpu_free_mib"] if gpu_free else ram["gpu_busy_mib"]
+    try:
+        with open(meminfo) as fh:
+            available = next(int(line.split()[1]) // 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    if available >= need:
+        return None
+    return (f"the export of step {step} needs about {need} MiB of host RAM (verl's merger {ram['merge_mib']} MiB, "
+            f"the proof {ram['proof_model_on_gpu_mib' if gpu_free else 'proof_model_on_cpu_mib']} MiB: plan.json "
+            f"launch.checkpoints.export_host_ram), {launch.host} has {available} MiB available (MemAvailable). Fix: "
+            "stop training first (train_unit_state = \"stopped\" in the host's data, then deploy/train.py; "
+            "then deploy/export.py), or export on a box with more RAM (copy global_step_N/actor there and run "
+            "verl_lab_export.py --checkpoint-dir)")
+
+
+def after_run(launch, final, score=True, gpu_free=False):
     """The latest actor checkpoint as a proven Hugging Face folder (verl_lab_export.py), then the base
     model's GSM8K score (kept once made) and the export's (verl_lab_score.py). 0, or AFTER_RUN_FAILED."""
     step = latest_checkpoint(launch)
@@ -631,6 +689,10 @@ def after_run(launch, final, score=True):
         exporter, scorer = box_file(EXPORTERS), box_file(SCORERS)
     except ImportError as exc:
         print(f"verl-lab: {exc}", file=sys.stderr, flush=True)
+        return AFTER_RUN_FAILED
+    short = export_ram_short(launch, step, gpu_free)
+    if short:
+        print(f"verl-lab: not exported: {short}", file=sys.stderr, flush=True)
         return AFTER_RUN_FAILED
     cmd = [launch.env_python, exporter, "--checkpoint-dir", ckpt, "--step", str(step)]
     if run_child(cmd + (["--final"] if final else []), launch.work_dir) != 0:
