@@ -647,7 +647,10 @@ def train(launch, extra, export=True):
     return after_run(launch, final=True, gpu_free=True) if export else 0
 
 
-def export_ram_short(launch, step, gpu_free, meminfo="/proc/meminfo"):
+MEMINFO = "/proc/meminfo"
+
+
+def export_ram_short(launch, step, gpu_free, meminfo=None):
     """Why the export of ``step`` does not fit the host RAM available now (plan.json's
     ``launch.checkpoints.export_host_ram`` against MemAvailable), or None: it fits, is proven
     already (nothing to merge or prove), or the plan predicts nothing."""
@@ -658,7 +661,7 @@ def export_ram_short(launch, step, gpu_free, meminfo="/proc/meminfo"):
         return None
     need = ram["gpu_free_mib"] if gpu_free else ram["gpu_busy_mib"]
     try:
-        with open(meminfo) as fh:
+        with open(meminfo or MEMINFO) as fh:
             available = next(int(line.split()[1]) // 1024 for line in fh if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
