@@ -5,8 +5,9 @@ train stage (from a fact) and the launcher's preflight make.
 Pure decisions are tested on plain values. ``test_prediction_matches_verls_own_save`` is the
 behaviour test of the prediction: verl 0.5.0's FSDPCheckpointManager (the patched tree the boxes
 run) saves a tiny Qwen2 with tied embeddings on CPU, FSDP1 and FSDP2, one and two ranks, the
-critic too (tests/fixtures/verl_checkpoint_probe.py); every file's size is compared with the
-prediction for that shape. Not tested here: a save on a GPU (bench/gpu: the lead's run), torch 2.6
+critic too (tests/fixtures/verl_checkpoint_probe.py, with the config and tokenizer of a model
+folder); every file's size is compared with the prediction for that shape, ``huggingface/`` with
+the prediction from the model folder's own files (what the plan reads from the catalog). Not tested here: a save on a GPU (bench/gpu: the lead's run), torch 2.6
 itself (the CPU torch here is 2.13; the state-dict code read for both is cited in tasks/checkpoints.py).
 """
 
@@ -352,11 +353,44 @@ def test_the_doctor_gives_the_plans_numbers_for_a_full_disk():
 
 # ---------------------------------------------------------------- verl's own save, on CPU
 
+NORMALIZE = """\
+import shutil, sys
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+src, dest = sys.argv[1:3]
+AutoConfig.from_pretrained(src).save_pretrained(dest)
+GenerationConfig.from_pretrained(src).save_pretrained(dest)
+AutoTokenizer.from_pretrained(src).save_pretrained(dest)
+shutil.copy(src + "/model.safetensors", dest)
+"""
+
+
 @pytest.fixture(scope="module")
-def saved(verl_python, patched_verl_root):
-    """Each probe run's files: (world, role, layout, param dtype) -> {relative path: bytes}."""
-    runs = [subprocess.Popen([str(verl_python), str(PROBE), "sizes", str(w)], cwd=patched_verl_root, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for w in (1, 2)]
+def model_dir(verl_python, tmp_path_factory):
+    """The tiny Qwen2 model's folder as a hub repo holds its files: written by transformers'
+    ``save_pretrained`` (Qwen2.5's tokenizer.json is indented JSON, as save_pretrained writes it;
+    the stand-in endpoint's is compact)."""
+    from tests.fixtures.standins.hf_endpoint import write_tiny_model
+
+    tmp = tmp_path_factory.mktemp("probe-model")
+    raw = write_tiny_model(tmp / "raw")
+    subprocess.run([str(verl_python), "-c", NORMALIZE, str(raw), str(tmp / "model")], check=True, timeout=300,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    return tmp / "model"
+
+
+def model_files(folder) -> dict:
+    """A model folder's files as the catalog lists a repo's: {name: {"size": bytes}}."""
+    return {p.name: {"size": p.stat().st_size} for p in Path(folder).iterdir() if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def saved(verl_python, patched_verl_root, model_dir):
+    """Each probe run's files: (world, role, layout, param dtype) -> {relative path: bytes}; the
+    model's config and tokenizer are ``model_dir``'s."""
+    runs = [subprocess.Popen([str(verl_python), str(PROBE), "sizes", str(w), str(model_dir)], cwd=patched_verl_root,
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+            for w in (1, 2)]
     out = {}
     for run in runs:
         stdout, stderr = run.communicate(timeout=900)
@@ -368,12 +402,20 @@ def saved(verl_python, patched_verl_root):
     return out
 
 
-def test_prediction_matches_verls_own_save(saved):
-    tiny = ModelShape.from_config(TINY)
+def test_prediction_matches_verls_own_save(saved, model_dir):
+    """Every byte predicted: the tensors from the model's shape, ``huggingface/`` (rank 0's config and
+    tokenizer files) from the model folder's own files as the plan predicts it from the catalog's
+    sizes (``side_files_bytes``), never from what the save wrote."""
+    tiny = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
+    side = ck.side_files_bytes(model_files(model_dir))
+    assert 0 < side < sum(f["size"] for f in model_files(model_dir).values())   # the weights are left out
     assert len(saved) == 6
     for (world, role, layout_, dtype), files in saved.items():
-        side = sum(b for f, b in files.items() if "/huggingface/" in f or f.endswith("fsdp_config.json"))
-        predicted = ck.role_save(tiny, role, layout_, world, 4, side - ck.FSDP_CONFIG_BYTES)
+        written = sum(b for f, b in files.items() if "/huggingface/" in f or f.endswith("fsdp_config.json"))
+        predicted = ck.role_save(tiny, role, layout_, world, 4, side)
+        # config.json is written again (the critic's with its label map), the tokenizer's files as they were
+        assert abs(predicted.rank0_bytes - written) <= 0.05 * written, (world, role, layout_, predicted.rank0_bytes,
+                                                                         written)
         for rank in range(world):
             for kind, want in (("model", predicted.model_bytes[rank]), ("optim", predicted.optim_bytes[rank]),
                                ("extra_state", predicted.extra_bytes)):
