@@ -85,7 +85,7 @@ def exported(fleet_lab, box):
             "> /dev/null 2>&1 < /dev/null &", user="verl")
     box.ssh(f"for i in $(seq 600); do [ -d {CKPT}/global_step_3/.hf.partial ] && exit 0; sleep 0.5; done; exit 1",
             timeout=320)
-    second = fleet_lab.deploy("deploy/export.py", hosts=[BOX], timeout=1800)
+    second = fleet_lab.deploy("deploy/export.py", hosts=[BOX], extra_args=["-vvv"], timeout=1800)   # with its output
     box.ssh(f"for i in $(seq 1800); do [ -f {log}.rc ] && exit 0; sleep 1; done; exit 1", timeout=1900)
     first = SimpleNamespace(returncode=int(box.read_text(f"{log}.rc").strip()), stdout=box.read_text(log))
     return first, second
