@@ -13,7 +13,7 @@ the proof out (tasks/facts/export.py lists `hf/` against it): a deleted `hf/` is
 An export of the same step already under way on the box (the unit's own after-run) is waited for
 (the step's lock: verl_lab_box/checkpoints.py `step_lock`), then found proven; exports of saves
 verl removed are pruned first; where the box's available RAM cannot hold the export (plan.json's
-`export_host_ram`) the launcher refuses it with the fix. `deploy/status.py` shows `base -> trained`
+`export_host_ram`) the export refuses it with the fix. `deploy/status.py` shows `base -> trained`
 per box.
 """
 

@@ -25,7 +25,9 @@ demand). For ``DIR/global_step_N/actor`` (N: ``--step``, else the step in verl's
    checkpoint's own dtype, which is the export's bf16 rounding);
 3. renames ``.hf.partial`` to ``DIR/global_step_N/hf`` and writes ``DIR/global_step_N/hf.proof.json``
    last (the merge and proof seconds, the export's files and bytes, the differences, the shards'
-   names, sizes and mtimes).
+   names, sizes and mtimes, the merger's and this process's peak RSS beside the host RAM the plan
+   predicted: ``--host-ram-mib``, which the launcher passes and which is checked against
+   MemAvailable before the merge).
 
 A re-run whose proof still matches the shards and the folder changes nothing ("already proven");
 a folder without its proof (a run cut between the two renames) is made again. One export of a step
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -316,10 +319,35 @@ def merge(actor_dir: str, target: str, python: str = sys.executable) -> float:
     return time.monotonic() - start
 
 
-def export(checkpoint_dir: str, step: int | None = None, final: bool = False, python: str = sys.executable) -> dict:
+MEMINFO = "/proc/meminfo"
+
+
+def ram_short(need_mib: int | None, step: int, meminfo: str | None = None) -> str | None:
+    """Why an export needing ``need_mib`` of host RAM does not fit what the box has available now
+    (MemAvailable), with the fix; None where it fits or nothing is known."""
+    if not need_mib:
+        return None
+    try:
+        with open(meminfo or MEMINFO) as fh:
+            available = next(int(line.split()[1]) // 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    if available >= need_mib:
+        return None
+    return (f"step {step}'s export needs about {need_mib} MiB of host RAM (plan.json launch.checkpoints."
+            f"export_host_ram: the higher of verl's merger and the proof), this box has {available} MiB available "
+            "(MemAvailable). Fix: stop training first (train_unit_state = \"stopped\" in the host's data, then "
+            f"deploy/train.py, then deploy/export.py), or export on a box with more RAM (global_step_{step}/actor "
+            "copied there, then verl_lab_export.py --checkpoint-dir)")
+
+
+def export(checkpoint_dir: str, step: int | None = None, final: bool = False, python: str = sys.executable,
+           host_ram_mib: int | None = None) -> dict:
     """The proven export of ``step`` (default: the latest checkpoint); made when it is not there yet.
     Exports of saves verl removed are pruned first; the step's lock is held throughout (a second
-    export of the step waits for it, then finds it proven)."""
+    export of the step waits for it, then finds it proven). ``host_ram_mib``: what the merge and
+    the proof need, checked against MemAvailable under the lock before the merge (not where the
+    export is proven already)."""
     if step is None:
         step = latest_step(checkpoint_dir)
         if step is None:
@@ -333,10 +361,10 @@ def export(checkpoint_dir: str, step: int | None = None, final: bool = False, py
     ck = checkpoints_module()
     ck.prune_exports(checkpoint_dir, say=log)
     with ck.step_lock(folder, f"export of step {step}", say=log):
-        return _export(checkpoint_dir, step, final, python)
+        return _export(checkpoint_dir, step, final, python, host_ram_mib)
 
 
-def _export(checkpoint_dir: str, step: int, final: bool, python: str) -> dict:
+def _export(checkpoint_dir: str, step: int, final: bool, python: str, host_ram_mib: int | None = None) -> dict:
     """``export`` under the step's lock: a partial folder here is one whose maker died."""
     folder = step_dir(checkpoint_dir, step)
     actor = os.path.join(folder, "actor")
@@ -351,6 +379,9 @@ def _export(checkpoint_dir: str, step: int, final: bool, python: str) -> dict:
         log(f"step {step}: already proven ({os.path.join(folder, EXPORT)}, logits within "
             f"{have['max_abs_logit_diff']:.3g})")
         return have
+    short = ram_short(host_ram_mib, step)
+    if short:
+        raise ExportError(short)
     partial, target = os.path.join(folder, PARTIAL), os.path.join(folder, EXPORT)
     for stale in (os.path.join(folder, PROOF), partial, target):
         if os.path.isdir(stale):
@@ -366,12 +397,15 @@ def _export(checkpoint_dir: str, step: int, final: bool, python: str) -> dict:
         shutil.rmtree(partial, ignore_errors=True)      # never a half-made folder beside the checkpoint
         raise
     prove_s = time.monotonic() - start
+    rss = {"merge_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024,   # Linux: KiB
+           "proof_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+           "host_ram_mib_predicted": host_ram_mib}
     os.replace(partial, target)
     files = folder_identity(target)
     proof = {"format": FORMAT, "ok": True, "step": step, "final": bool(final), "checkpoint": actor, "export": target,
              "shards": shards, "files": files, "export_bytes": sum(f["bytes"] for f in files),
              "merge_seconds": round(merge_s, 2), "proof_seconds": round(prove_s, 2),
-             "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **found, **versions()}
+             "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **rss, **found, **versions()}
     write_json(os.path.join(folder, PROOF), proof)
     log(f"step {step}: {target} proven ({proof['export_bytes']} bytes, {found['export_dtype']}; logits within "
         f"{found['max_abs_logit_diff']:.3g} of the checkpoint's weights in that dtype, {found['max_abs_logit_diff_vs_checkpoint_dtype']:.3g} "
@@ -395,10 +429,12 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint-dir", required=True, help="verl's trainer.default_local_dir")
     ap.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     ap.add_argument("--final", action="store_true", help="the training run finished at this step")
+    ap.add_argument("--host-ram-mib", type=int, help="the host RAM the merge and the proof need (plan.json's "
+                    "prediction, passed by the launcher): checked against MemAvailable before the merge")
     args = ap.parse_args(argv)
     os.umask(0o027)                     # as the training unit writes (UMask=0027)
     try:
-        proof = export(args.checkpoint_dir, args.step, args.final)
+        proof = export(args.checkpoint_dir, args.step, args.final, host_ram_mib=args.host_ram_mib)
     except ExportError as exc:
         print(f"verl-lab export FAILED: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -647,32 +647,12 @@ def train(launch, extra, export=True):
     return after_run(launch, final=True, gpu_free=True) if export else 0
 
 
-MEMINFO = "/proc/meminfo"
-
-
-def export_ram_short(launch, step, gpu_free, meminfo=None):
-    """Why the export of ``step`` does not fit the host RAM available now (plan.json's
-    ``launch.checkpoints.export_host_ram`` against MemAvailable), or None: it fits, is proven
-    already (nothing to merge or prove), or the plan predicts nothing."""
+def export_ram_mib(launch, gpu_free):
+    """The host RAM the export needs (plan.json ``launch.checkpoints.export_host_ram``: its fp32
+    model on the GPU once training released it, else in host RAM), or None in older plans. The
+    export checks it against MemAvailable under the step's lock, before it merges."""
     ram = (launch.checkpoints or {}).get("export_host_ram")
-    if not ram:
-        return None
-    if checkpoints_module().proven_export(launch.checkpoint_dir, step) is not None:
-        return None
-    need = ram["gpu_free_mib"] if gpu_free else ram["gpu_busy_mib"]
-    try:
-        with open(meminfo or MEMINFO) as fh:
-            available = next(int(line.split()[1]) // 1024 for line in fh if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-    if available >= need:
-        return None
-    return (f"the export of step {step} needs about {need} MiB of host RAM (verl's merger {ram['merge_mib']} MiB, "
-            f"the proof {ram['proof_model_on_gpu_mib' if gpu_free else 'proof_model_on_cpu_mib']} MiB: plan.json "
-            f"launch.checkpoints.export_host_ram), {launch.host} has {available} MiB available (MemAvailable). Fix: "
-            "stop training first (train_unit_state = \"stopped\" in the host's data, then deploy/train.py; "
-            "then deploy/export.py), or export on a box with more RAM (copy global_step_N/actor there and run "
-            "verl_lab_export.py --checkpoint-dir)")
+    return (ram["gpu_free_mib"] if gpu_free else ram["gpu_busy_mib"]) if ram else None
 
 
 def after_run(launch, final, score=True, gpu_free=False):
@@ -693,11 +673,9 @@ def after_run(launch, final, score=True, gpu_free=False):
     except ImportError as exc:
         print(f"verl-lab: {exc}", file=sys.stderr, flush=True)
         return AFTER_RUN_FAILED
-    short = export_ram_short(launch, step, gpu_free)
-    if short:
-        print(f"verl-lab: not exported: {short}", file=sys.stderr, flush=True)
-        return AFTER_RUN_FAILED
     cmd = [launch.env_python, exporter, "--checkpoint-dir", ckpt, "--step", str(step)]
+    if export_ram_mib(launch, gpu_free):
+        cmd += ["--host-ram-mib", str(export_ram_mib(launch, gpu_free))]
     if run_child(cmd + (["--final"] if final else []), launch.work_dir) != 0:
         print(f"verl-lab: the export of step {step} failed (the merge's or the proof's error is above)",
               file=sys.stderr, flush=True)

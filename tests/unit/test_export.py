@@ -242,3 +242,20 @@ def test_an_export_prunes_the_exports_of_removed_saves_and_a_deleted_folder_is_n
     assert again.returncode == 0 and "already proven" not in again.stdout and "proven" in again.stdout
     assert (step / "hf" / "model.safetensors").is_file()
 
+
+
+def test_an_export_short_of_host_ram_is_refused_before_the_merge_unless_it_is_proven(lab, checkpoints, exported,
+                                                                                      tmp_path):
+    """``--host-ram-mib`` (the plan's prediction, from the launcher) above MemAvailable: refused with
+    the fix, nothing merged or left; an export proven already needs no RAM and passes. The proof
+    records the merger's and this process's peak RSS beside the prediction."""
+    proof = exported["fsdp"][1]
+    assert proof["merge_peak_rss_mib"] > 100 and proof["proof_peak_rss_mib"] > 100
+    assert proof["host_ram_mib_predicted"] is None                  # run by hand: no prediction passed
+    ckpt = _broken(checkpoints, tmp_path, "ram")
+    res = lab.run(EXPORT, "--checkpoint-dir", ckpt, "--host-ram-mib", 2 ** 40)
+    assert res.returncode == 1 and f"step {STEPS}'s export needs about {2 ** 40} MiB of host RAM" in res.stderr
+    assert "Fix: stop training first" in res.stderr and "model_merger" not in res.stdout
+    assert sorted(p.name for p in (ckpt / f"global_step_{STEPS}").iterdir()) == [".export.lock", "actor"]
+    again = lab.run(EXPORT, "--checkpoint-dir", checkpoints["fsdp"][0], "--final", "--host-ram-mib", 2 ** 40)
+    assert again.returncode == 0 and "already proven" in again.stdout, again.stderr[-2000:]

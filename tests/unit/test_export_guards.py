@@ -6,8 +6,10 @@ trainer, the export and the score (tests/unit/test_launcher_after_run.py's ``run
   (verl 0.5.0 adds 1 to the step it loads before it checks for the last one: ray_trainer.py
   ``fit``), by ``trainer.total_training_steps`` or by epochs over the data stage's train rows;
 * exports whose save verl removed are pruned before verl starts;
-* the export's host RAM (plan.json's prediction) is checked against MemAvailable before the export
-  starts, with the fix, and not where the export is proven already (nothing to do).
+* the export is told the host RAM plan.json predicts for it (``--host-ram-mib``: the larger figure
+  where training may hold the GPU), which it checks against MemAvailable before it merges, with
+  the fix (verl_lab_box/export.py ``ram_short``; the real export's refusal and its skip where the
+  export is proven already: tests/unit/test_export.py).
 
 What is real: the launcher, its plan.json, verl_lab_box/checkpoints.py; the stand-ins are the
 programs it runs. The lock and the pruning inside the export are tests/unit/test_export.py's (the
@@ -89,41 +91,32 @@ def _meminfo(tmp_path, available_mib):
     return str(path)
 
 
-def test_an_export_that_does_not_fit_the_host_ram_is_refused_with_the_fix(run, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_the_export_is_told_the_host_ram_the_plan_predicts(run):  # noqa: F811
+    """After the unit's own run (training released the GPU) the smaller figure; on demand (training
+    may hold the GPU, so the proof's model is in host RAM) the larger; none in a plan without it."""
     launch, calls, layout = run
-    _tracker(layout, STEP)
-    lau = tl.load_launch(layout.plan_file)
-    ram = lau.checkpoints["export_host_ram"]
+    ram = json.loads(Path(layout.plan_file).read_text())["launch"]["checkpoints"]["export_host_ram"]
     assert ram["gpu_busy_mib"] > ram["gpu_free_mib"] > 4000                 # the 0.5B plan's prediction
-    monkeypatch.setattr(tl, "MEMINFO", _meminfo(tmp_path, ram["gpu_free_mib"] - 1))
-    assert tl.after_run(lau, final=True, gpu_free=True) == tl.AFTER_RUN_FAILED
-    err = capsys.readouterr().err
-    assert f"not exported: the export of step {STEP} needs about {ram['gpu_free_mib']} MiB of host RAM" in err
-    assert f"has {ram['gpu_free_mib'] - 1} MiB available (MemAvailable)" in err
-    assert 'stop training first (train_unit_state = "stopped"' in err and "or export on a box with more RAM" in err
-    assert not [c for c in calls() if "export" in c]
-    # beside training (on demand) the proof's model is in host RAM: the larger figure
-    monkeypatch.setattr(tl, "MEMINFO", _meminfo(tmp_path, ram["gpu_busy_mib"] - 1))
-    assert tl.export_ram_short(lau, STEP, gpu_free=True) is None
-    assert f"needs about {ram['gpu_busy_mib']} MiB" in tl.export_ram_short(lau, STEP, gpu_free=False)
+    assert launch("--no-preflight").returncode == 0
+    assert launch("--export").returncode == 0
+    after, on_demand = [c["export"] for c in calls() if "export" in c]
+    assert after[after.index("--host-ram-mib") + 1] == str(ram["gpu_free_mib"])
+    assert on_demand[on_demand.index("--host-ram-mib") + 1] == str(ram["gpu_busy_mib"])
+    plan = json.loads(Path(layout.plan_file).read_text())
+    plan["launch"]["checkpoints"]["export_host_ram"] = None
+    Path(layout.plan_file).write_text(json.dumps(plan))
+    assert launch("--export").returncode == 0
+    assert "--host-ram-mib" not in [c["export"] for c in calls() if "export" in c][-1]
 
 
-def test_the_ram_check_lets_a_proven_export_through(run, tmp_path, monkeypatch):  # noqa: F811
-    """Nothing to merge or prove: the export would only say "already proven"."""
-    _, _, layout = run
-    _tracker(layout, STEP)
-    step = Path(layout.checkpoint_dir, f"global_step_{STEP}")
-    (step / "actor" / "model_world_size_1_rank_0.pt").write_bytes(b"w")
-    (step / "hf").mkdir()
-    (step / "hf" / "model.safetensors").write_bytes(b"m" * 10)
-    proof = {"format": ck.EXPORT_FORMAT, "ok": True, "shards": ck.shard_identity(str(step / "actor")),
-             "files": ck.folder_identity(str(step / "hf"))}
-    (step / "hf.proof.json").write_text(json.dumps(proof))
-    lau = tl.load_launch(layout.plan_file)
-    monkeypatch.setattr(tl, "MEMINFO", _meminfo(tmp_path, 10))
-    assert tl.export_ram_short(lau, STEP, gpu_free=True) is None
-    (step / "hf" / "model.safetensors").write_bytes(b"m" * 11)             # the files decide: not proven now
-    assert "needs about" in tl.export_ram_short(lau, STEP, gpu_free=True)
+def test_the_export_refuses_a_box_short_of_host_ram_with_the_fix(tmp_path):
+    from verl_lab_box import export
+
+    short = export.ram_short(6775, 3, _meminfo(tmp_path, 6774))
+    assert short.startswith("step 3's export needs about 6775 MiB of host RAM") and "has 6774 MiB available" in short
+    assert 'stop training first (train_unit_state = "stopped"' in short and "global_step_3/actor copied there" in short
+    assert export.ram_short(6775, 3, _meminfo(tmp_path, 6775)) is None
+    assert export.ram_short(None, 3, _meminfo(tmp_path, 1)) is None
 
 
 @pytest.mark.parametrize("change, proven", [(None, True), ("delete", False), ("grow", False), ("shard", False),
