@@ -8,8 +8,13 @@ scores the base model (once) and the export on GSM8K's test split (`gsm8k-base.j
 
 A box whose training unit is running gets the export only (it runs on the CPU): the score needs
 the GPU that training holds, and comes when the run finishes. A box whose latest checkpoint is
-proven and scored changes nothing; so does a box with no checkpoint. `deploy/status.py` shows
-`base -> trained` per box.
+proven and scored changes nothing; so does a box with no checkpoint. Proven means the files bear
+the proof out (tasks/facts/export.py lists `hf/` against it): a deleted `hf/` is exported again.
+An export of the same step already under way on the box (the unit's own after-run) is waited for
+(the step's lock: verl_lab_box/checkpoints.py `step_lock`), then found proven; exports of saves
+verl removed are pruned first; where the box's available RAM cannot hold the export (plan.json's
+`export_host_ram`) the export refuses it with the fix. `deploy/status.py` shows `base -> trained`
+per box.
 """
 
 import shlex

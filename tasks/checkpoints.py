@@ -25,6 +25,18 @@ The layouts differ, as torch's code and a CPU run of verl's own manager show
 The export (verl's ``model_merger``, ``verl/model_merger/fsdp_model_merger.py``) casts every
 tensor to bf16 and saves with ``save_pretrained``; its ``lm_head`` is a separate tensor there,
 so a tied model's export carries the embedding twice too (measured on CPU).
+
+The export's host RAM (``export_host_ram``), the higher of its two processes (run one after the
+other): verl 0.5.0's merger (``FSDPModelMerger.merge_and_save``) loads rank 0's model file, keeps
+it to the end, and loads every rank's file again (``_load_and_merge_state_dicts``), then casts
+each tensor to bf16 while popping the fp32 one; ``save_hf_model_and_tokenizer`` makes the model
+with ``to_empty`` (its parameters in bf16, a tied one once) and saves it with the merged bf16 state
+dict, ``save_pretrained`` serializing (counted as one more bf16 copy). Its peak: rank 0's file +
+the larger of (every rank's file) and (merged bf16 + the empty model + the copy). The proof
+(verl_lab_box/export.py ``prove``) holds one fp32 copy of the weights rebuilt from the shards,
+an fp32 model (on the GPU when training has released it, else in host RAM) and the tensors
+compared at once (the largest three times: the stored one, its cast, the difference). Each
+process adds ``PROCESS_BASE_BYTES`` (Python, torch, transformers).
 """
 
 from __future__ import annotations
@@ -45,6 +57,10 @@ DATA_STATE_BYTES = 8 * 1024         # data.pt: the dataloader's state
 SAFETENSORS_ENTRY_BYTES = 160       # a safetensors header entry (name, dtype, shape, offsets)
 FSDP_CONFIG_BYTES = 64              # fsdp_config.json
 DEFAULT_KEEP, DEFAULT_EVERY = 1, 10
+# A process with torch and transformers imported, before any tensor: 324 MiB measured with the CPU
+# torch here (tests' env); CUDA's libraries and context add to it on a GPU box, so 1 GiB is allowed.
+PROCESS_BASE_BYTES = 2 ** 30
+MiB = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -206,6 +222,39 @@ def predict_export(shape: ModelShape, side_files_bytes: int) -> int:
     return sum(numel(d) for _, d in named) * DTYPE_BYTES["bf16"] + len(named) * SAFETENSORS_ENTRY_BYTES + side_files_bytes
 
 
+@dataclass(frozen=True)
+class ExportRam:
+    """The host RAM of the export's two processes (bytes), and the need: the higher peak."""
+
+    merge_bytes: int              # verl's model merger
+    proof_model_on_gpu_bytes: int  # the proof, its fp32 model on the GPU (training has released it)
+    proof_model_on_cpu_bytes: int  # the proof, its fp32 model in host RAM (the GPU busy, or none)
+
+    def need_bytes(self, gpu_free: bool) -> int:
+        return max(self.merge_bytes, self.proof_model_on_gpu_bytes if gpu_free else self.proof_model_on_cpu_bytes)
+
+    def launch(self) -> dict[str, int]:
+        """plan.json's ``launch.checkpoints.export_host_ram`` (MiB, rounded up)."""
+        up = lambda b: -(-b // MiB)  # noqa: E731
+        return {"merge_mib": up(self.merge_bytes), "proof_model_on_gpu_mib": up(self.proof_model_on_gpu_bytes),
+                "proof_model_on_cpu_mib": up(self.proof_model_on_cpu_bytes),
+                "gpu_free_mib": up(self.need_bytes(True)), "gpu_busy_mib": up(self.need_bytes(False))}
+
+
+def export_host_ram(shape: ModelShape, actor: RoleSave, param_bytes: int) -> ExportRam:
+    """The host RAM the export of ``actor``'s save needs (the module's docstring: what each holds)."""
+    named = tensors(shape, "actor")
+    every = sum(numel(d) for _, d in named)            # the tied head as its own name
+    largest = max(numel(d) for _, d in named)
+    shards, rank0 = sum(actor.model_bytes), actor.model_bytes[0]
+    bf16 = every * DTYPE_BYTES["bf16"]
+    empty_model = shape.params("actor") * DTYPE_BYTES["bf16"]
+    merge = rank0 + max(shards, bf16 + empty_model + bf16) + PROCESS_BASE_BYTES
+    proof = every * param_bytes + 3 * largest * 4 + PROCESS_BASE_BYTES
+    return ExportRam(merge_bytes=merge, proof_model_on_gpu_bytes=proof,
+                     proof_model_on_cpu_bytes=proof + shape.params("actor") * 4)
+
+
 def saves_in_run(every: int, total_steps: int | None) -> int | None:
     """How many saves a run of ``total_steps`` makes (verl saves every ``every`` steps and at the
     last); None where the run's length is not known before the data is read (epochs)."""
@@ -225,6 +274,7 @@ class CheckpointPlan:
     total_steps: int | None = None
     critic: bool = True
     reasons: tuple[tuple[str, Any, str], ...] = field(default=(), compare=False)
+    export_ram: ExportRam | None = None
 
     @property
     def max_to_keep(self) -> int:
@@ -253,13 +303,15 @@ class CheckpointPlan:
         return {"dir": checkpoint_dir, "save_bytes": self.save.box_bytes(gpus), "max_saves": self.max_to_keep,
                 "keep": self.keep, "every": self.every, "export_bytes": self.export_bytes + self.gather_bytes(gpus),
                 "gather_bytes": self.gather_bytes(gpus),
-                "saves_in_run": self.saves_in_run, "last_step": self.total_steps}
+                "saves_in_run": self.saves_in_run, "last_step": self.total_steps,
+                "export_host_ram": self.export_ram.launch() if self.export_ram else None}
 
     def to_dict(self, gpus: int) -> dict[str, Any]:
         return {"save": self.save.to_dict(), "save_bytes_this_box": self.save.box_bytes(gpus), "keep": self.keep,
                 "max_ckpt_to_keep": self.max_to_keep, "save_freq": self.every, "saves_in_run": self.saves_in_run,
                 "export_bytes": self.export_bytes, "gather_bytes_this_box": self.gather_bytes(gpus),
-                "disk_bytes_this_box": self.disk_bytes(gpus)}
+                "disk_bytes_this_box": self.disk_bytes(gpus),
+                "export_host_ram": self.export_ram.launch() if self.export_ram else None}
 
 
 def plan_checkpoints(shape: ModelShape, *, critic: bool, actor_layout: str, world_size: int, param_dtype: str,
@@ -272,6 +324,7 @@ def plan_checkpoints(shape: ModelShape, *, critic: bool, actor_layout: str, worl
     save = predict_save(shape, critic=critic, actor_layout=actor_layout, world_size=world_size,
                         param_bytes=DTYPE_BYTES[param_dtype], side_files_bytes=side_files_bytes)
     export = predict_export(shape, side_files_bytes)
+    ram = export_host_ram(shape, save.roles[0], DTYPE_BYTES[param_dtype])
     roles = " and the critic (FSDP1)" if critic else " (GRPO: no critic; the reference model is never saved)"
     reasons = (
         ("checkpoint_bytes", f"{gib(save.total_bytes)} ({save.total_bytes} B)",
@@ -281,14 +334,21 @@ def plan_checkpoints(shape: ModelShape, *, critic: bool, actor_layout: str, worl
         ("checkpoint_keep", keep,
          f"whole saves kept at any time (setting checkpoints.keep): verl 0.5.0 removes the oldest before it writes "
          f"the next, so max_actor_ckpt_to_keep = keep + 1 = {keep + 1} leaves {keep} whole while one is written "
-         "(with 1 a crash during a save would leave none, and verl would start again from step 0)"),
+         "(with 1, verl deletes the only save before writing the next: a run that dies then restarts from the "
+         "tracker's step, finds its folder emptied, fails to load and restarts again, in a loop)"),
         ("save_freq", every, "a save every this many steps and at the last (setting checkpoints.every; the step "
                              "cap bounds it); validation runs at each save"),
         ("export_bytes", f"{gib(export)} ({export} B)", "the exported model: every tensor in bf16 (the tied head as its own), config and "
-                                 "tokenizer files"),
+                                 "tokenizer files; an export whose save verl removed is pruned with it"),
+        ("export_host_ram", f"{gib(ram.need_bytes(True))} ({gib(ram.need_bytes(False))} beside training)",
+         f"the export's peak host RAM, checked against MemAvailable before it starts: verl's merger "
+         f"{gib(ram.merge_bytes)} (rank 0's shard kept, every shard, the bf16 model saved), the proof "
+         f"{gib(ram.proof_model_on_gpu_bytes)} (the weights in {param_dtype}, the tensors compared; + "
+         f"{gib(ram.proof_model_on_cpu_bytes - ram.proof_model_on_gpu_bytes)} for its fp32 model where training holds "
+         "the GPU)"),
     )
     return CheckpointPlan(save=save, keep=keep, every=every, export_bytes=export, total_steps=total_steps,
-                          critic=critic, reasons=reasons)
+                          critic=critic, reasons=reasons, export_ram=ram)
 
 
 def retention_overrides(cp: CheckpointPlan) -> list[tuple[str, Any, str]]:

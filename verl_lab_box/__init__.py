@@ -3,8 +3,10 @@
 - ``train_launcher.py``: the training launcher (``<train_dir>/train-launcher``), reading the
   box's ``plan.json``;
 - ``gpu.py``: the GPU reader (nvidia-smi, NVML), the GPU fact's command and parser;
-- ``checkpoints.py``: verl's saves under the checkpoint folder and the disk a run needs (the
-  preflight's check beside the launcher, the train stage's fact's command and parser);
+- ``checkpoints.py``: verl's saves and exports under the checkpoint folder and the disk a run
+  needs (the preflight's check beside the launcher, the train stage's fact's command and parser),
+  the lock of a step folder and the pruning of exports whose save is gone (the export and score
+  programs load it from beside them);
 - ``vllm_share.py``: vLLM 0.8.5's share arithmetic, the plan's and the launcher's (which sizes the
   share again at start for what other processes hold on the GPUs);
 - ``hf_snapshot.py``: a pinned Hugging Face snapshot, fetched, verified, swapped in;

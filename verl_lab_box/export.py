@@ -23,10 +23,17 @@ demand). For ``DIR/global_step_N/actor`` (N: ``--step``, else the step in verl's
    has released it, else on the CPU;
 3. renames ``.hf.partial`` to ``DIR/global_step_N/hf`` and writes ``DIR/global_step_N/hf.proof.json``
    last (the merge and proof seconds, the export's files and bytes, the differences, the shards'
-   names, sizes and mtimes).
+   names, sizes and mtimes, the merger's and this process's peak RSS beside the host RAM the plan
+   predicted: ``--host-ram-mib``, which the launcher passes and which is checked against
+   MemAvailable before the merge).
 
 A re-run whose proof still matches the shards and the folder changes nothing ("already proven");
-a folder without its proof (a run cut between the two renames) is made again. ``--final`` records
+a folder without its proof (a run cut between the two renames) is made again. One export of a step
+at a time: the step folder's lock (``.export.lock``, verl_lab_box/checkpoints.py ``step_lock``, a
+``flock`` the kernel releases when its holder dies) is held from the check to the proof's JSON, so
+an export started beside another (the unit's after-run and ``train-launcher --export``) waits, then
+finds it proven; a ``.hf.partial`` found under the lock is one whose maker died. Before it, the
+exports of saves verl's retention removed are pruned (``prune_exports``). ``--final`` records
 that the training run finished at this step (the launcher passes it only after verl exited 0 by
 itself); an export on demand of a run still going is recorded as not final.
 """
@@ -36,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -91,25 +99,34 @@ def step_dir(checkpoint_dir: str, step: int) -> str:
     return os.path.join(checkpoint_dir, f"global_step_{step}")
 
 
+CHECKPOINT_READERS = ("verl_lab_checkpoints.py", "checkpoints.py")   # its sibling: placed beside it, or in the repo
+
+
+def checkpoints_module():
+    """verl_lab_box/checkpoints.py, loaded from beside this program (the step lock, the pruning)."""
+    import importlib.util
+
+    if "verl_lab_checkpoints" in sys.modules:
+        return sys.modules["verl_lab_checkpoints"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in CHECKPOINT_READERS:
+        path = os.path.join(here, name)
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("verl_lab_checkpoints", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["verl_lab_checkpoints"] = module
+            spec.loader.exec_module(module)
+            return module
+    raise ImportError(f"no {' or '.join(CHECKPOINT_READERS)} beside {os.path.abspath(__file__)}: re-run deploy/train.py")
+
+
 def shard_identity(actor_dir: str) -> list[dict]:
-    """The files the export is made from: name, bytes and mtime of ``fsdp_config.json`` and every
-    model shard (a changed checkpoint is a new export)."""
-    names = sorted(n for n in os.listdir(actor_dir)
-                   if n == "fsdp_config.json" or (n.startswith("model_world_size_") and n.endswith(".pt")))
-    out = []
-    for n in names:
-        st = os.stat(os.path.join(actor_dir, n))
-        out.append({"name": n, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
-    return out
+    """The files the export is made from (verl_lab_box/checkpoints.py ``shard_identity``)."""
+    return checkpoints_module().shard_identity(actor_dir)
 
 
 def folder_identity(folder: str) -> list[dict]:
-    out = []
-    for root, _, files in os.walk(folder):
-        for n in files:
-            path = os.path.join(root, n)
-            out.append({"name": os.path.relpath(path, folder), "bytes": os.path.getsize(path)})
-    return sorted(out, key=lambda f: f["name"])
+    return checkpoints_module().folder_identity(folder)
 
 
 def write_json(path: str, data: dict) -> None:
@@ -122,18 +139,13 @@ def write_json(path: str, data: dict) -> None:
 
 def proven(checkpoint_dir: str, step: int) -> dict | None:
     """The proof of step ``step``'s export when it still holds: proven, the same shards, the same
-    files in the folder; else None."""
-    folder = step_dir(checkpoint_dir, step)
-    proof = read_json(os.path.join(folder, PROOF))
-    export = os.path.join(folder, EXPORT)
-    actor = os.path.join(folder, "actor")
-    if not proof or not proof.get("ok") or proof.get("format") != FORMAT or not os.path.isdir(export):
-        return None
-    if not os.path.isdir(actor) or proof.get("shards") != shard_identity(actor):
-        return None
-    if proof.get("files") != folder_identity(export):
-        return None
-    return proof
+    files in the folder; else None (verl_lab_box/checkpoints.py ``proven_export``, which the
+    launcher asks too)."""
+    ck = checkpoints_module()
+    if ck.EXPORT_FORMAT != FORMAT:
+        raise ExportError(f"{ck.__file__} reads proofs of format {ck.EXPORT_FORMAT}, this program writes {FORMAT}: "
+                          "re-run deploy/train.py (it places both)")
+    return ck.proven_export(checkpoint_dir, step)
 
 
 # ---------------------------------------------------------------- the export
@@ -150,8 +162,35 @@ def merge(actor_dir: str, target: str, python: str = sys.executable) -> float:
     return time.monotonic() - start
 
 
-def export(checkpoint_dir: str, step: int | None = None, final: bool = False, python: str = sys.executable) -> dict:
-    """The proven export of ``step`` (default: the latest checkpoint); made when it is not there yet."""
+MEMINFO = "/proc/meminfo"
+
+
+def ram_short(need_mib: int | None, step: int, meminfo: str | None = None) -> str | None:
+    """Why an export needing ``need_mib`` of host RAM does not fit what the box has available now
+    (MemAvailable), with the fix; None where it fits or nothing is known."""
+    if not need_mib:
+        return None
+    try:
+        with open(meminfo or MEMINFO) as fh:
+            available = next(int(line.split()[1]) // 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    if available >= need_mib:
+        return None
+    return (f"step {step}'s export needs about {need_mib} MiB of host RAM (plan.json launch.checkpoints."
+            f"export_host_ram: the higher of verl's merger and the proof), this box has {available} MiB available "
+            "(MemAvailable). Fix: stop training first (train_unit_state = \"stopped\" in the host's data, then "
+            f"deploy/train.py, then deploy/export.py), or export on a box with more RAM (global_step_{step}/actor "
+            "copied there, then verl_lab_export.py --checkpoint-dir)")
+
+
+def export(checkpoint_dir: str, step: int | None = None, final: bool = False, python: str = sys.executable,
+           host_ram_mib: int | None = None) -> dict:
+    """The proven export of ``step`` (default: the latest checkpoint); made when it is not there yet.
+    Exports of saves verl removed are pruned first; the step's lock is held throughout (a second
+    export of the step waits for it, then finds it proven). ``host_ram_mib``: what the merge and
+    the proof need, checked against MemAvailable under the lock before the merge (not where the
+    export is proven already)."""
     if step is None:
         step = latest_step(checkpoint_dir)
         if step is None:
@@ -162,6 +201,19 @@ def export(checkpoint_dir: str, step: int | None = None, final: bool = False, py
     if not os.path.isdir(actor):
         raise ExportError(f"{actor} does not exist: step {step} has no actor checkpoint (removed by the plan's "
                           "retention?)")
+    ck = checkpoints_module()
+    ck.prune_exports(checkpoint_dir, say=log)
+    with ck.step_lock(folder, f"export of step {step}", say=log):
+        return _export(checkpoint_dir, step, final, python, host_ram_mib)
+
+
+def _export(checkpoint_dir: str, step: int, final: bool, python: str, host_ram_mib: int | None = None) -> dict:
+    """``export`` under the step's lock: a partial folder here is one whose maker died."""
+    folder = step_dir(checkpoint_dir, step)
+    actor = os.path.join(folder, "actor")
+    if not os.path.isdir(actor):
+        raise ExportError(f"{actor} was removed while this export waited for the step's lock (verl's retention): "
+                          "export a later step")
     have = proven(checkpoint_dir, step)
     if have is not None:
         if final and not have.get("final"):
@@ -170,6 +222,9 @@ def export(checkpoint_dir: str, step: int | None = None, final: bool = False, py
         log(f"step {step}: already proven ({os.path.join(folder, EXPORT)}, logits within "
             f"{have['max_abs_logit_diff']:.3g})")
         return have
+    short = ram_short(host_ram_mib, step)
+    if short:
+        raise ExportError(short)
     partial, target = os.path.join(folder, PARTIAL), os.path.join(folder, EXPORT)
     for stale in (os.path.join(folder, PROOF), partial, target):
         if os.path.isdir(stale):
@@ -185,12 +240,15 @@ def export(checkpoint_dir: str, step: int | None = None, final: bool = False, py
         shutil.rmtree(partial, ignore_errors=True)      # never a half-made folder beside the checkpoint
         raise
     prove_s = time.monotonic() - start
+    rss = {"merge_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024,   # Linux: KiB
+           "proof_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+           "host_ram_mib_predicted": host_ram_mib}
     os.replace(partial, target)
     files = folder_identity(target)
     proof = {"format": FORMAT, "ok": True, "step": step, "final": bool(final), "checkpoint": actor, "export": target,
              "shards": shards, "files": files, "export_bytes": sum(f["bytes"] for f in files),
              "merge_seconds": round(merge_s, 2), "proof_seconds": round(prove_s, 2),
-             "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **found, **versions()}
+             "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **rss, **found, **versions()}
     write_json(os.path.join(folder, PROOF), proof)
     log(f"step {step}: {target} proven ({proof['export_bytes']} bytes, {found['export_dtype']}; logits within "
         f"{found['max_abs_logit_diff']:.3g} of the checkpoint's in its {found['checkpoint_dtype']} (limit "
@@ -214,10 +272,12 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint-dir", required=True, help="verl's trainer.default_local_dir")
     ap.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     ap.add_argument("--final", action="store_true", help="the training run finished at this step")
+    ap.add_argument("--host-ram-mib", type=int, help="the host RAM the merge and the proof need (plan.json's "
+                    "prediction, passed by the launcher): checked against MemAvailable before the merge")
     args = ap.parse_args(argv)
     os.umask(0o027)                     # as the training unit writes (UMask=0027)
     try:
-        proof = export(args.checkpoint_dir, args.step, args.final)
+        proof = export(args.checkpoint_dir, args.step, args.final, host_ram_mib=args.host_ram_mib)
     except ExportError as exc:
         print(f"verl-lab export FAILED: {exc}", file=sys.stderr, flush=True)
         return 1

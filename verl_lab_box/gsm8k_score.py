@@ -30,7 +30,10 @@ as verl's NaiveRewardManager judges validation.
 
 The JSON: accuracy, correct, rows, prompts/s, seconds, engine, dtype, batch, the model's files and
 the data's sha256. A re-run whose JSON names the same model files, data and settings changes
-nothing ("already scored").
+nothing ("already scored") but its ``final`` flag, set when the run has since finished at that
+step. The score is made under the lock of the folder it is written into (verl_lab_box/checkpoints.py
+``step_lock``: the export's step folder, the checkpoint folder for the base model), so a score and
+an export of one step never run together, and the export is not pruned under it.
 """
 
 from __future__ import annotations
@@ -224,6 +227,14 @@ def generate_vllm(args, tokenizer, ids: list[list[int]], eos: list[int]) -> tupl
 
 
 def score(args) -> dict:
+    """The score, made under the lock of the folder it is written into (the export's step folder,
+    or the checkpoint folder for the base model): one score or export of a step at a time."""
+    folder = os.path.dirname(os.path.abspath(args.out))
+    with export_module().checkpoints_module().step_lock(folder, f"GSM8K score of {args.label}", say=log):
+        return _score(args)
+
+
+def _score(args) -> dict:
     from transformers import AutoTokenizer
 
     from verl.utils.reward_score import default_compute_score
@@ -233,7 +244,11 @@ def score(args) -> dict:
     identity, data_sha = model_identity(args.model), sha256_of(args.data)
     have = already(args, identity, data_sha)
     if have is not None:
-        log(f"{args.label}: already scored ({args.out}: {have['correct']}/{have['rows']} = {have['accuracy']:.4f})")
+        if args.final and not have.get("final"):     # the run has since finished at this step
+            have["final"] = True
+            export_module().write_json(args.out, have)
+        log(f"{args.label}: already scored ({args.out}: {have['correct']}/{have['rows']} = {have['accuracy']:.4f}"
+            f"{', final' if have.get('final') else ''})")
         return have
     rows = read_rows(args.data, args.limit)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -601,25 +601,58 @@ def finished_step(launch, extra=None):
     return record["step"]
 
 
+def record_finished(launch, extra):
+    """``run-finished.json``: the run finished at the latest checkpoint, with these overrides."""
+    done = latest_checkpoint(launch)
+    part = os.path.join(launch.checkpoint_dir, FINISHED + ".part")
+    with open(part, "w") as fh:
+        json.dump({"step": done, "overrides_sha256": run_digest(launch, extra)}, fh)
+    os.replace(part, os.path.join(launch.checkpoint_dir, FINISHED))
+    return done
+
+
+def marker_value(path, key):
+    """An integer ``key=value`` of a stage's marker (the data stage's ``train_rows``), or None."""
+    try:
+        with open(path) as fh:
+            found = dict(line.strip().partition("=")[::2] for line in fh if "=" in line)
+    except OSError:
+        return None
+    value = found.get(key, "")
+    return int(value) if value.isdigit() else None
+
+
+def at_last_step(launch, extra):
+    """The planned last step when the latest checkpoint is at or past it, else None: verl 0.5.0
+    adds 1 to the step it loads before it checks for the last one (ray_trainer.py ``fit``), so
+    started again from its last save it would train a step past the plan."""
+    last = checkpoints_module().planned_last_step(launch.run_overrides(extra),
+                                                  marker_value(launch.data_marker, "train_rows"))
+    latest = latest_checkpoint(launch)
+    return last if last is not None and latest is not None and latest >= last else None
+
+
 def train(launch, extra, export=True):
     """verl's trainer as a child, then, when it finished by itself, the export and the scores."""
     launch.extra = list(extra)
     done = finished_step(launch, extra)
+    last = None if done is not None else at_last_step(launch, extra)
     if done is not None:
         print(f"verl-lab: the run finished at step {done} already ({launch.checkpoint_dir}/{FINISHED}, the same "
               "overrides): no step is trained again", flush=True)
+    elif last is not None:
+        done = record_finished(launch, extra)
+        print(f"verl-lab: the latest checkpoint (step {done}) is at or past the run's last step ({last}): verl is "
+              "not started again (it would train one step past the plan); the run is finished", flush=True)
     else:
+        checkpoints_module().prune_exports(launch.checkpoint_dir, say=lambda m: print(f"verl-lab: {m}", flush=True))
         rc = run_child(command(launch, extra), launch.work_dir)
         if rc != 0:
             print(f"verl-lab: verl exited {rc}: the run failed", file=sys.stderr, flush=True)
             return rc
-        done = latest_checkpoint(launch)
-        part = os.path.join(launch.checkpoint_dir, FINISHED + ".part")
-        with open(part, "w") as fh:
-            json.dump({"step": done, "overrides_sha256": run_digest(launch, extra)}, fh)
-        os.replace(part, os.path.join(launch.checkpoint_dir, FINISHED))
+        done = record_finished(launch, extra)
         print(f"verl-lab: the run finished (verl exited 0), latest checkpoint: step {done}", flush=True)
-    return after_run(launch, final=True) if export else 0
+    return after_run(launch, final=True, gpu_free=True) if export else 0
 
 
 def gather_on_head(launch, step):
@@ -661,7 +694,15 @@ def gather_on_head(launch, step):
     return None
 
 
-def after_run(launch, final, score=True):
+def export_ram_mib(launch, gpu_free):
+    """The host RAM the export needs (plan.json ``launch.checkpoints.export_host_ram``: its fp32
+    model on the GPU once training released it, else in host RAM), or None in older plans. The
+    export checks it against MemAvailable under the step's lock, before it merges."""
+    ram = (launch.checkpoints or {}).get("export_host_ram")
+    return (ram["gpu_free_mib"] if gpu_free else ram["gpu_busy_mib"]) if ram else None
+
+
+def after_run(launch, final, score=True, gpu_free=False):
     """The latest actor checkpoint as a proven Hugging Face folder (verl_lab_export.py), then the base
     model's GSM8K score (kept once made) and the export's (verl_lab_score.py); a Ray cluster's step gathered on
     the head first (``gather_on_head``). 0, AFTER_RUN_FAILED, or 2 on a cluster's worker."""
@@ -681,6 +722,8 @@ def after_run(launch, final, score=True):
         print(f"verl-lab: {exc}", file=sys.stderr, flush=True)
         return AFTER_RUN_FAILED
     cmd = [launch.env_python, exporter, "--checkpoint-dir", ckpt, "--step", str(step)]
+    if export_ram_mib(launch, gpu_free):
+        cmd += ["--host-ram-mib", str(export_ram_mib(launch, gpu_free))]
     if run_child(cmd + (["--final"] if final else []), launch.work_dir) != 0:
         print(f"verl-lab: the export of step {step} failed (the merge's or the proof's error is above)",
               file=sys.stderr, flush=True)

@@ -62,8 +62,10 @@ class FreeDisk(FactBase[dict | None]):
 class CheckpointDisk(FactBase[dict | None]):
     """verl's saves under the checkpoint folder ``path`` and the free disk there (or where it would
     be made): ``{"free": {"path", "free_bytes"}, "tracker": step or None, "saves": [{"step",
-    "roles": {"actor": bytes, "critic": bytes}}]}`` (verl_lab_box/checkpoints.py, whose ``scan``
-    answers the same on the box), or None (the default) when df gave nothing usable."""
+    "roles": {"actor": bytes, "critic": bytes}}], "exports": [{"step", "bytes", "save": whether
+    its actor save is still there}]}`` (verl_lab_box/checkpoints.py, whose ``scan`` answers the same
+    on the box; an export of a removed save is pruned before the run, so the disk check counts it
+    as free), or None (the default) when df gave nothing usable."""
 
     def command(self, path: str) -> str:
         return checkpoint_fact_command(path)

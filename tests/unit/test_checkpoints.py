@@ -5,8 +5,9 @@ train stage (from a fact) and the launcher's preflight make.
 Pure decisions are tested on plain values. ``test_prediction_matches_verls_own_save`` is the
 behaviour test of the prediction: verl 0.5.0's FSDPCheckpointManager (the patched tree the boxes
 run) saves a tiny Qwen2 with tied embeddings on CPU, FSDP1 and FSDP2, one and two ranks, the
-critic too (tests/fixtures/verl_checkpoint_probe.py); every file's size is compared with the
-prediction for that shape. Not tested here: a save on a GPU (bench/gpu: the lead's run), torch 2.6
+critic too (tests/fixtures/verl_checkpoint_probe.py, with the config and tokenizer of a model
+folder); every file's size is compared with the prediction for that shape, ``huggingface/`` with
+the prediction from the model folder's own files (what the plan reads from the catalog). Not tested here: a save on a GPU (bench/gpu: the lead's run), torch 2.6
 itself (the CPU torch here is 2.13; the state-dict code read for both is cited in tasks/checkpoints.py).
 """
 
@@ -309,7 +310,7 @@ def test_the_launch_section_carries_what_the_preflight_checks():
     cp = lay.plan.checkpoints
     assert launch == {"dir": "/opt/verl-lab/train/checkpoints", "save_bytes": cp.save.box_bytes(1), "max_saves": 2,
                       "keep": 1, "every": 10, "export_bytes": cp.export_bytes, "gather_bytes": 0, "saves_in_run": None,
-                      "last_step": None}
+                      "last_step": None, "export_host_ram": cp.export_ram.launch()}
 
 
 class _Launch:
@@ -352,11 +353,44 @@ def test_the_doctor_gives_the_plans_numbers_for_a_full_disk():
 
 # ---------------------------------------------------------------- verl's own save, on CPU
 
+NORMALIZE = """\
+import shutil, sys
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+src, dest = sys.argv[1:3]
+AutoConfig.from_pretrained(src).save_pretrained(dest)
+GenerationConfig.from_pretrained(src).save_pretrained(dest)
+AutoTokenizer.from_pretrained(src).save_pretrained(dest)
+shutil.copy(src + "/model.safetensors", dest)
+"""
+
+
 @pytest.fixture(scope="module")
-def saved(verl_python, patched_verl_root):
-    """Each probe run's files: (world, role, layout, param dtype) -> {relative path: bytes}."""
-    runs = [subprocess.Popen([str(verl_python), str(PROBE), "sizes", str(w)], cwd=patched_verl_root, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for w in (1, 2)]
+def model_dir(verl_python, tmp_path_factory):
+    """The tiny Qwen2 model's folder as a hub repo holds its files: written by transformers'
+    ``save_pretrained`` (Qwen2.5's tokenizer.json is indented JSON, as save_pretrained writes it;
+    the stand-in endpoint's is compact)."""
+    from tests.fixtures.standins.hf_endpoint import write_tiny_model
+
+    tmp = tmp_path_factory.mktemp("probe-model")
+    raw = write_tiny_model(tmp / "raw")
+    subprocess.run([str(verl_python), "-c", NORMALIZE, str(raw), str(tmp / "model")], check=True, timeout=300,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    return tmp / "model"
+
+
+def model_files(folder) -> dict:
+    """A model folder's files as the catalog lists a repo's: {name: {"size": bytes}}."""
+    return {p.name: {"size": p.stat().st_size} for p in Path(folder).iterdir() if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def saved(verl_python, patched_verl_root, model_dir):
+    """Each probe run's files: (world, role, layout, param dtype) -> {relative path: bytes}; the
+    model's config and tokenizer are ``model_dir``'s."""
+    runs = [subprocess.Popen([str(verl_python), str(PROBE), "sizes", str(w), str(model_dir)], cwd=patched_verl_root,
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+            for w in (1, 2)]
     out = {}
     for run in runs:
         stdout, stderr = run.communicate(timeout=900)
@@ -368,12 +402,20 @@ def saved(verl_python, patched_verl_root):
     return out
 
 
-def test_prediction_matches_verls_own_save(saved):
-    tiny = ModelShape.from_config(TINY)
+def test_prediction_matches_verls_own_save(saved, model_dir):
+    """Every byte predicted: the tensors from the model's shape, ``huggingface/`` (rank 0's config and
+    tokenizer files) from the model folder's own files as the plan predicts it from the catalog's
+    sizes (``side_files_bytes``), never from what the save wrote."""
+    tiny = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
+    side = ck.side_files_bytes(model_files(model_dir))
+    assert 0 < side < sum(f["size"] for f in model_files(model_dir).values())   # the weights are left out
     assert len(saved) == 6
     for (world, role, layout_, dtype), files in saved.items():
-        side = sum(b for f, b in files.items() if "/huggingface/" in f or f.endswith("fsdp_config.json"))
-        predicted = ck.role_save(tiny, role, layout_, world, 4, side - ck.FSDP_CONFIG_BYTES)
+        written = sum(b for f, b in files.items() if "/huggingface/" in f or f.endswith("fsdp_config.json"))
+        predicted = ck.role_save(tiny, role, layout_, world, 4, side)
+        # config.json is written again (the critic's with its label map), the tokenizer's files as they were
+        assert abs(predicted.rank0_bytes - written) <= 0.05 * written, (world, role, layout_, predicted.rank0_bytes,
+                                                                         written)
         for rank in range(world):
             for kind, want in (("model", predicted.model_bytes[rank]), ("optim", predicted.optim_bytes[rank]),
                                ("extra_state", predicted.extra_bytes)):
@@ -395,3 +437,152 @@ def test_two_ranks_split_the_tensors(saved):
     two = saved[(2, "actor", "fsdp2", "fp32")]
     halves = [two[f"global_step_1/actor/model_world_size_2_rank_{r}.pt"] for r in (0, 1)]
     assert abs(sum(halves) - one) < 0.1 * one
+
+
+# ---------------------------------------------------------------- the export's host RAM (pure)
+
+def test_the_exports_host_ram_is_the_higher_of_the_merger_and_the_proof():
+    """The 0.5B on one rank (FSDP1, fp32): verl's merger holds rank 0's file (the tied embedding
+    twice: 2.52 GB) to the end; then the merged bf16 state dict, the empty bf16 model and its
+    serialization; the proof the fp32 weights (every name) and three of the largest tensor, + the
+    fp32 model where training holds the GPU."""
+    s = shape()
+    actor = ck.role_save(s, "actor", "fsdp", 1, 4, 0)
+    ram = ck.export_host_ram(s, actor, 4)
+    every = sum(ck.numel(d) for _, d in ck.tensors(s, "actor"))
+    assert every == s.params("actor") + s.embed_params
+    rank0 = actor.model_bytes[0]
+    assert ram.merge_bytes == rank0 + max(rank0, 2 * 2 * every + 2 * s.params("actor")) + ck.PROCESS_BASE_BYTES
+    assert ram.proof_model_on_gpu_bytes == 4 * every + 3 * 4 * s.embed_params + ck.PROCESS_BASE_BYTES
+    assert ram.proof_model_on_cpu_bytes - ram.proof_model_on_gpu_bytes == 4 * s.params("actor")
+    assert 7.0e9 < ram.merge_bytes < 7.2e9 and 7.1e9 < ram.need_bytes(False) < 7.3e9
+    assert ram.need_bytes(True) == ram.merge_bytes          # the merger peaks higher once the GPU is free
+    # two ranks: rank 0's file is half; every rank's files are loaded again beside it
+    two = ck.export_host_ram(s, ck.role_save(s, "actor", "fsdp", 2, 4, 0), 4)
+    assert two.merge_bytes < ram.merge_bytes
+    big = ck.export_host_ram(shape(QWEN_15B), ck.role_save(shape(QWEN_15B), "actor", "fsdp", 1, 4, 0), 4)
+    assert big.need_bytes(False) > 2.5 * ram.need_bytes(False)
+    launch = ram.launch()
+    assert launch["gpu_busy_mib"] == -(-ram.need_bytes(False) // 2 ** 20)
+    assert launch["gpu_free_mib"] == launch["merge_mib"] <= launch["gpu_busy_mib"]
+
+
+def test_the_plan_records_the_exports_host_ram_and_why():
+    d = plan_for().to_dict()
+    ram = d["checkpoints"]["export_host_ram"]
+    assert set(ram) == {"merge_mib", "proof_model_on_gpu_mib", "proof_model_on_cpu_mib", "gpu_free_mib",
+                        "gpu_busy_mib"}
+    reasons = {r["setting"]: r for r in d["reasons"]}
+    assert "checked against MemAvailable before it starts" in reasons["export_host_ram"]["why"]
+    assert "finds its folder emptied, fails to load and restarts again" in reasons["checkpoint_keep"]["why"]
+
+
+# ---------------------------------------------------------------- the planned last step (pure)
+
+@pytest.mark.parametrize("overrides, rows, last", [
+    (["trainer.total_training_steps=5", "data.train_batch_size=8", "trainer.total_epochs=1"], 7473, 5),
+    (["data.train_batch_size=256", "trainer.total_epochs=2"], 7473, 29 * 2),        # drop_last: 29 whole batches
+    (["data.train_batch_size=256", "data.gen_batch_size=512", "trainer.total_epochs=1"], 7473, 14),
+    (["trainer.total_training_steps=100", "data.train_batch_size=256", "trainer.total_epochs=1"], 7473, 29),
+    (["data.train_batch_size=256", "trainer.total_epochs=1"], None, None),           # no marker: not known
+    (["trainer.total_training_steps=null", "data.train_batch_size=8", "trainer.total_epochs=1"], 80, 10),
+    (["trainer.total_training_steps=3", "trainer.total_training_steps=7"], None, 7),   # the last override wins
+    (["+trainer.total_training_steps=4"], None, 4),
+])
+def test_the_planned_last_step_is_verls(overrides, rows, last):
+    assert box.planned_last_step(overrides, rows) == last
+
+
+# ---------------------------------------------------------------- exports in the scan, pruned with their saves
+
+def _step(d, step, actor=True, export=True, size=200_000):
+    folder = d / f"global_step_{step}"
+    folder.mkdir(parents=True)
+    (folder / "data.pt").write_bytes(b"x")
+    if actor:
+        (folder / "actor").mkdir()
+        (folder / "actor" / "model_world_size_1_rank_0.pt").write_bytes(os.urandom(100_000))
+    if export:
+        (folder / "hf").mkdir()
+        (folder / "hf" / "model.safetensors").write_bytes(os.urandom(size))
+        (folder / "hf.proof.json").write_text("{}")
+        (folder / "hf.gsm8k.json").write_text("{}")
+    return folder
+
+
+def test_the_scan_and_the_fact_count_exports_and_whether_their_save_is_there(tmp_path):
+    d = tmp_path / "checkpoints"
+    _step(d, 10, actor=False)
+    _step(d, 20)
+    _step(d, 30, export=False)
+    (d / "global_step_40").mkdir()
+    (d / "global_step_40" / ".hf.partial").mkdir()                  # a maker that died
+    (d / "global_step_40" / ".hf.partial" / "x").write_bytes(os.urandom(50_000))
+    scanned = box.scan(str(d))
+    parsed = box.parse_fact_output(subprocess.run(["sh", "-c", box.fact_command(str(d))], capture_output=True,
+                                                  text=True).stdout)
+    assert [(e["step"], e["save"]) for e in scanned["exports"]] == [(10, False), (20, True), (40, False)]
+    assert parsed["exports"] == scanned["exports"]
+    assert all(e["bytes"] >= 50_000 for e in scanned["exports"])
+    assert scanned["exports"][0]["bytes"] >= 200_000 + 2 * 4096
+
+
+def test_exports_of_removed_saves_count_as_free_exports_of_kept_ones_stay():
+    f = found(0, [(20, SAVE)], tracker=20)
+    f["exports"] = [{"step": 10, "bytes": EXPORT, "save": False}, {"step": 20, "bytes": EXPORT, "save": True}]
+    need = box.disk_need(SAVE, 2, EXPORT, 10, f)
+    assert need["pruned_exports_bytes"] == EXPORT and need["kept_exports_bytes"] == EXPORT
+    assert need["reusable_bytes"] == SAVE + EXPORT
+    assert need["need_bytes"] == margin(2 * SAVE + EXPORT) - SAVE - EXPORT
+    words = box.need_words({**need, "free_bytes": 0}, "/c", keep=1)
+    assert "of earlier saves and exports there count as free" in words and "exports of kept saves hold 1.0 GiB" in words
+
+
+def test_exports_are_pruned_when_their_save_is_gone_and_never_under_a_lock(tmp_path):
+    d = tmp_path / "checkpoints"
+    gone, kept, busy = _step(d, 10, actor=False), _step(d, 20), _step(d, 30, actor=False)
+    said = []
+    with box.step_lock(str(busy), "an export under way", say=said.append):
+        pruned = box.prune_exports(str(d), say=said.append)
+    assert [p["step"] for p in pruned] == [10]
+    assert sorted(p.name for p in gone.iterdir()) == [box.LOCK, "data.pt"]              # the step's own files stay
+    assert {"hf", "hf.proof.json", "hf.gsm8k.json"} <= {p.name for p in kept.iterdir()}   # its save is there
+    assert (busy / "hf").is_dir()                                                        # locked: left for next time
+    assert "pruned the export of step 10" in said[-1] and "its save is gone" in said[-1]
+    assert [p["step"] for p in box.prune_exports(str(d), say=said.append)] == [30]
+    assert box.prune_exports(str(d)) == []
+
+
+def test_the_step_lock_is_one_holder_at_a_time_and_dies_with_its_holder(tmp_path):
+    """A second holder (another process) is refused without ``wait`` and told who holds it; with
+    ``wait`` it gets the lock once the first process is killed (the kernel releases flock)."""
+    import signal
+    import sys
+    import textwrap
+    import time
+
+    hold = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from verl_lab_box import checkpoints as box
+        with box.step_lock(sys.argv[1], "export of step 2"):
+            print("held", flush=True)
+            time.sleep(60)
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(box.StepBusy, match=f"pid {holder.pid}: export of step 2 is under way"):
+            with box.step_lock(str(tmp_path), "second", wait=False):
+                pass
+        said = []
+        killer = subprocess.Popen(["sh", "-c", f"sleep 1; kill -9 {holder.pid}"])
+        start = time.monotonic()
+        with box.step_lock(str(tmp_path), "second", say=said.append):
+            waited = time.monotonic() - start
+            assert (tmp_path / box.LOCK).read_text() == f"pid {os.getpid()}: second\n"
+        killer.wait()
+        assert waited >= 0.5 and said and f"waiting until pid {holder.pid}: export of step 2 is done" in said[0]
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,7 +45,7 @@ def lab(verl_python, tmp_path_factory):
         return subprocess.run([str(verl_python), *map(str, args)], cwd=tmp, env=env, capture_output=True, text=True,
                               timeout=timeout)
 
-    return SimpleNamespace(tmp=tmp, model=model, run=run)
+    return SimpleNamespace(tmp=tmp, model=model, run=run, python=str(verl_python), env=env)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,7 @@ def test_the_latest_checkpoint_becomes_a_proven_hugging_face_folder(lab, checkpo
             "tokenizer_config.json"} <= names
     assert sorted(p.name for p in (step / "hf").iterdir()) == sorted(names)
     assert proof["export_bytes"] == sum((step / "hf" / n).stat().st_size for n in names)
-    assert sorted(p.name for p in step.iterdir()) == ["actor", "hf", "hf.proof.json"]    # no partial left
+    assert sorted(p.name for p in step.iterdir()) == [".export.lock", "actor", "hf", "hf.proof.json"]  # no partial
     assert "verl.model_merger merge --backend fsdp" in out and "proven" in out
 
 
@@ -180,7 +181,7 @@ def _fails(lab, ckpt: Path, rule: str, *texts: str) -> str:
     for text in texts:
         assert text in out, out[-3000:]
     step = ckpt / f"global_step_{STEPS}"
-    assert sorted(p.name for p in step.iterdir()) == ["actor"]            # nothing half-made beside it
+    assert sorted(p.name for p in step.iterdir()) == [".export.lock", "actor"]   # nothing half-made beside it
     assert rule in [f.rule for f in diagnose("box", {"journal": out}).findings], out[-3000:]
     return out
 
@@ -212,3 +213,66 @@ def test_a_folder_without_fsdp_config_is_no_verl_checkpoint(lab, checkpoints, tm
     ckpt = _broken(checkpoints, tmp_path, "noconfig")
     (ckpt / f"global_step_{STEPS}" / "actor" / "fsdp_config.json").unlink()
     _fails(lab, ckpt, "checkpoint-not-verl-fsdp", "fsdp_config.json does not exist")
+
+
+def test_two_exports_of_one_step_started_together_leave_one_proven_export(lab, checkpoints, tmp_path):
+    """The second waits on the step's lock (it never removes the first one's .hf.partial), then finds
+    the export proven; both end 0."""
+    ckpt = _broken(checkpoints, tmp_path, "twice")
+    step = ckpt / f"global_step_{STEPS}"
+    first = subprocess.Popen([lab.python, str(EXPORT), "--checkpoint-dir", str(ckpt)], cwd=lab.tmp, env=lab.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (step / ".hf.partial").exists():               # the first one's merge is under way
+            assert first.poll() is None and time.monotonic() < deadline, "the first export ended before merging"
+            time.sleep(0.05)
+        second = lab.run(EXPORT, "--checkpoint-dir", ckpt)
+        out_first = first.communicate(timeout=600)[0]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0 and second.returncode == 0, out_first[-3000:] + second.stdout[-3000:]
+    assert "verl.model_merger merge" in out_first and "proven" in out_first
+    assert f"waiting until pid {first.pid}: export of step {STEPS} is done" in second.stdout
+    assert f"step {STEPS}: already proven" in second.stdout and "model_merger" not in second.stdout
+    assert sorted(p.name for p in step.iterdir()) == [".export.lock", "actor", "hf", "hf.proof.json"]
+
+
+def test_an_export_prunes_the_exports_of_removed_saves_and_a_deleted_folder_is_no_export(lab, checkpoints, exported,
+                                                                                         tmp_path):
+    """Step 1's save removed (as verl's retention removes it: the actor folder) beside its export:
+    exporting step 2 removes step 1's export; and an export whose hf/ was deleted is no longer
+    proven (the files decide), so a re-run makes it again."""
+    ckpt = _broken(checkpoints, tmp_path, "pruned")
+    old = ckpt / "global_step_1"
+    shutil.copytree(exported["fsdp"][0] / "hf", old / "hf")
+    (old / "hf.proof.json").write_text(json.dumps({**exported["fsdp"][1], "step": 1}))
+    (old / "hf.gsm8k.json").write_text("{}")
+    res = lab.run(EXPORT, "--checkpoint-dir", ckpt)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "pruned the export of step 1" in res.stdout
+    assert sorted(p.name for p in old.iterdir()) == [".export.lock"]
+    step = ckpt / f"global_step_{STEPS}"
+    shutil.rmtree(step / "hf")
+    again = lab.run(EXPORT, "--checkpoint-dir", ckpt)
+    assert again.returncode == 0 and "already proven" not in again.stdout and "proven" in again.stdout
+    assert (step / "hf" / "model.safetensors").is_file()
+
+
+
+def test_an_export_short_of_host_ram_is_refused_before_the_merge_unless_it_is_proven(lab, checkpoints, exported,
+                                                                                      tmp_path):
+    """``--host-ram-mib`` (the plan's prediction, from the launcher) above MemAvailable: refused with
+    the fix, nothing merged or left; an export proven already needs no RAM and passes. The proof
+    records the merger's and this process's peak RSS beside the prediction."""
+    proof = exported["fsdp"][1]
+    assert proof["merge_peak_rss_mib"] > 100 and proof["proof_peak_rss_mib"] > 100
+    assert proof["host_ram_mib_predicted"] is None                  # run by hand: no prediction passed
+    ckpt = _broken(checkpoints, tmp_path, "ram")
+    res = lab.run(EXPORT, "--checkpoint-dir", ckpt, "--host-ram-mib", 2 ** 40)
+    assert res.returncode == 1 and f"step {STEPS}'s export needs about {2 ** 40} MiB of host RAM" in res.stderr
+    assert "Fix: stop training first" in res.stderr and "model_merger" not in res.stdout
+    assert sorted(p.name for p in (ckpt / f"global_step_{STEPS}").iterdir()) == [".export.lock", "actor"]
+    again = lab.run(EXPORT, "--checkpoint-dir", checkpoints["fsdp"][0], "--final", "--host-ram-mib", 2 ** 40)
+    assert again.returncode == 0 and "already proven" in again.stdout, again.stderr[-2000:]

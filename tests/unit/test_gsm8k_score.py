@@ -6,10 +6,13 @@
   verl 0.5.0's own reward function; a re-run changes nothing; and, with the generation replaced by
   known answers, the score counts exactly the right ones (a random model scores 0, which proves
   nothing about the judge);
-* the vLLM path at the interface only (plumbing): vLLM cannot run here, so a module named ``vllm``
-  with the constructor and ``SamplingParams`` fields of vLLM 0.8.5 that verl 0.5.0's vLLM rollout
-  uses records what the score program asks of it. Whether vLLM 0.8.5 then generates the same
-  greedy answers is not tested anywhere.
+* the vLLM path at the interface: vLLM cannot run here, so its calls are checked against vLLM
+  0.8.5's real signatures, read with ``ast`` from its wheel's source (tests/fixtures/vllm_signatures.py:
+  ``LLM.__init__`` and the ``EngineArgs`` its ``**kwargs`` go to, ``LLM.generate``,
+  ``SamplingParams``' fields, ``TokensPrompt``, ``CompletionOutput``), statically and through a
+  module named ``vllm`` that accepts exactly those and records what the score program asks of it.
+  Whether vLLM 0.8.5 then generates the same greedy answers is not tested anywhere.
+* the ``final`` flag of a kept score set when the run has since finished at that step.
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ GSM8K = REPO / "verl_lab_box" / "gsm8k.py"
 ARGS = ["--engine", "hf", "--dtype", "float32", "--batch", "4", "--prompt-len", "128", "--max-new-tokens", "16"]
 
 FAKE_VLLM = '''\
-"""A stand-in for vLLM 0.8.5's LLM and SamplingParams: records what it is asked (tests only)."""
+"""A stand-in for vLLM 0.8.5's LLM and SamplingParams that accepts exactly the keywords vLLM
+0.8.5's source does (read from its wheel: tests/fixtures/vllm_signatures.py) and records what it
+is asked (tests only)."""
 import json, os
 
-ENGINE_ARGS = {"model", "dtype", "gpu_memory_utilization", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-               "seed", "disable_log_stats", "skip_tokenizer_init"}
-SAMPLING = {"n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop_token_ids", "detokenize"}
+SIG = json.loads(os.environ["FAKE_VLLM_SIGNATURES"])
 __version__ = "0.8.5"
 
 
@@ -48,7 +51,7 @@ def _record(what, data):
 
 class SamplingParams:
     def __init__(self, **kw):
-        unknown = set(kw) - SAMPLING
+        unknown = set(kw) - set(SIG["sampling_params"])
         if unknown:
             raise TypeError(f"unexpected SamplingParams fields {sorted(unknown)}")
         self.kw = kw
@@ -57,21 +60,55 @@ class SamplingParams:
 
 class _Out:
     def __init__(self, ids):
-        self.outputs = [type("C", (), {"token_ids": ids})()]
+        self.outputs = [type("CompletionOutput", (), {"token_ids": ids})()]
 
 
 class LLM:
-    def __init__(self, **kw):
-        unknown = set(kw) - ENGINE_ARGS
-        if unknown:
-            raise TypeError(f"unexpected engine args {sorted(unknown)}")
+    def __init__(self, *args, **kw):
+        named = SIG["llm_init"][:len(args)]
+        kw.update(zip(named, args))
+        unknown = set(kw) - set(SIG["llm_init"]) - set(SIG["engine_args"])
+        missing = set(SIG["llm_init_required"]) - set(kw)
+        if unknown or missing:
+            raise TypeError(f"unexpected engine args {sorted(unknown)}, missing {sorted(missing)}")
         _record("llm", kw)
 
-    def generate(self, prompts, sampling_params, use_tqdm=True):
-        _record("generate", {"prompts": prompts, "use_tqdm": use_tqdm})
+    def generate(self, *args, **kw):
+        kw.update(zip(SIG["generate"][:len(args)], args))
+        unknown = set(kw) - set(SIG["generate"])
+        if unknown:
+            raise TypeError(f"generate() got unexpected keyword arguments {sorted(unknown)}")
+        prompts = kw["prompts"]
+        for p in prompts:
+            if not set(p) <= set(SIG["tokens_prompt"]):
+                raise TypeError(f"a prompt with keys {sorted(p)} is no TokensPrompt")
+        _record("generate", {"prompts": prompts, "use_tqdm": kw.get("use_tqdm", True)})
         answers = json.loads(os.environ["FAKE_VLLM_ANSWERS"])
         return [_Out(answers[i]) for i in range(len(prompts))]
 '''
+
+
+def _vllm_calls() -> dict:
+    """The keywords of the score program's vLLM calls (``generate_vllm``), read from its source:
+    ``{"LLM": {...}, "SamplingParams": {...}, "generate": {...}}`` plus the positional counts, the
+    keys of the prompts it builds and the attributes it reads from the outputs."""
+    import ast
+
+    tree = ast.parse((REPO / "verl_lab_box" / "gsm8k_score.py").read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "generate_vllm")
+    calls, keys, attrs = {}, set(), set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if name in ("LLM", "SamplingParams", "generate"):
+                calls[name] = {"keywords": {k.arg for k in node.keywords}, "positional": len(node.args)}
+            if name == "generate":
+                prompts = next(k.value for k in node.keywords if k.arg == "prompts")
+                keys |= {k.value for d in ast.walk(prompts) if isinstance(d, ast.Dict) for k in d.keys
+                         if isinstance(k, ast.Constant)}
+        if isinstance(node, ast.Attribute):
+            attrs.add(node.attr)
+    return {"calls": calls, "prompt_keys": keys, "attributes": attrs}
 
 
 def test_batches_hold_the_sized_shape_longest_first():
@@ -170,14 +207,41 @@ def test_verls_judge_counts_exactly_the_right_answers(lab):
     assert [e["score"] for e in got["examples"]] == [1.0, 0.0, 1.0]
 
 
+def test_the_vllm_calls_are_vllm_085s_own_signatures():
+    """Every keyword the score program passes to ``LLM(...)``, ``SamplingParams(...)`` and
+    ``llm.generate(...)`` is one vLLM 0.8.5's source takes (its wheel read with ast, never imported),
+    its prompts are TokensPrompts and it reads ``token_ids`` of a CompletionOutput. A misspelt or
+    removed argument fails here."""
+    from tests.fixtures.vllm_signatures import signatures
+
+    sig = signatures()
+    assert sig["llm_init_kwargs"] and sig["sampling_params_struct"]        # the forms this check relies on
+    assert {"model", "dtype", "gpu_memory_utilization", "tensor_parallel_size", "seed"} <= set(sig["llm_init"])
+    assert {"max_num_seqs", "max_model_len", "disable_log_stats"} <= set(sig["engine_args"])
+    found = _vllm_calls()
+    calls = found["calls"]
+    assert set(calls) == {"LLM", "SamplingParams", "generate"}
+    llm = calls["LLM"]["keywords"]
+    assert not llm - set(sig["llm_init"]) - set(sig["engine_args"]), llm - set(sig["llm_init"]) - set(sig["engine_args"])
+    assert set(sig["llm_init_required"]) <= llm and calls["LLM"]["positional"] == 0
+    assert not calls["SamplingParams"]["keywords"] - set(sig["sampling_params"])
+    assert calls["SamplingParams"]["positional"] == 0
+    assert not calls["generate"]["keywords"] - set(sig["generate"]) and calls["generate"]["positional"] == 0
+    assert {"prompts", "sampling_params"} <= calls["generate"]["keywords"]
+    assert found["prompt_keys"] == {"prompt_token_ids"} <= set(sig["tokens_prompt"])
+    assert {"outputs", "token_ids"} <= found["attributes"] and "token_ids" in sig["completion_output"]
+
+
 def test_the_vllm_engine_is_asked_as_verls_greedy_validation_asks_it(lab):
-    """Plumbing: what the score program hands vLLM 0.8.5 (a recording stand-in), and that it scores
-    vLLM's token ids with the same judge."""
+    """Plumbing: what the score program hands vLLM 0.8.5 (a stand-in accepting exactly the keywords
+    of vLLM 0.8.5's source), and that it scores vLLM's token ids with the same judge."""
+    from tests.fixtures.vllm_signatures import signatures
+
     known = _truths_and_prompts(lab)
     record = lab.tmp / "vllm-record.jsonl"
     out = lab.tmp / "vllm.json"
     env = {"PYTHONPATH": f"{lab.fake}{os.pathsep}{lab.pythonpath}", "FAKE_VLLM_RECORD": str(record),
-           "FAKE_VLLM_ANSWERS": json.dumps(known["right"])}
+           "FAKE_VLLM_ANSWERS": json.dumps(known["right"]), "FAKE_VLLM_SIGNATURES": json.dumps(signatures())}
     res = lab.run(SCORE, "--model", lab.model, "--data", lab.test, "--out", out, "--label", "base", "--engine", "vllm",
                   "--dtype", "bfloat16", "--batch", "256", "--prompt-len", "128", "--max-new-tokens", "16",
                   "--vllm-share", "0.19", extra_env=env)
@@ -194,3 +258,30 @@ def test_the_vllm_engine_is_asked_as_verls_greedy_validation_asks_it(lab):
     assert generate["prompts"] == [{"prompt_token_ids": i} for i in known["ids"]] and generate["use_tqdm"] is False
     got = json.loads(out.read_text())
     assert (got["engine"], got["correct"], got["vllm"]) == ("vllm", 12, "0.8.5")
+
+
+def test_a_kept_score_becomes_final_when_the_run_finishes_at_its_step(lab):
+    """Scored on demand (not final), then asked again with --final once the run finished at that
+    step: nothing is generated again, the JSON says final."""
+    known = _truths_and_prompts(lab)
+    code = ("import json, sys, gsm8k_score as g\n"
+            "known = json.loads(open(sys.argv[1]).read())\n"
+            "def fake(args, tok, ids, eos):\n"
+            "    print('GENERATED', flush=True)\n"
+            "    return [known['right'][i] for i in range(len(ids))], {}\n"
+            "g.generate_hf = fake\n"
+            "sys.exit(g.main(sys.argv[2:]))")
+    (lab.tmp / "known-final.json").write_text(json.dumps(known))
+    out = lab.tmp / "global_step_3" / "hf.gsm8k.json"
+    out.parent.mkdir()
+    args = ["-c", code, lab.tmp / "known-final.json", "--model", lab.model, "--data", lab.test, "--out", out,
+            "--label", "global_step_3", "--step", "3", *ARGS]
+    first = lab.run(*args)
+    assert first.returncode == 0 and "GENERATED" in first.stdout, first.stderr[-3000:]
+    assert json.loads(out.read_text())["final"] is False
+    again = lab.run(*args, "--final")
+    assert again.returncode == 0 and "GENERATED" not in again.stdout, again.stderr[-3000:]
+    assert "already scored" in again.stdout and ", final)" in again.stdout
+    got = json.loads(out.read_text())
+    assert got["final"] is True and got["correct"] == 12
+    assert (out.parent / ".export.lock").read_text().endswith(": GSM8K score of global_step_3\n")   # scored under the step's lock

@@ -88,7 +88,9 @@ def test_a_finished_run_is_exported_and_scored_base_then_trained(run):
     assert out.returncode == 0, out.stdout + out.stderr
     (trainer,), exports, scores = ([c[k] for c in calls() if k in c] for k in ("main_ppo", "export", "score"))
     ckpt = layout.checkpoint_dir
-    assert exports == [["--checkpoint-dir", ckpt, "--step", str(STEP), "--final"]]
+    ram = json.loads(Path(layout.plan_file).read_text())["launch"]["checkpoints"]["export_host_ram"]
+    assert exports == [["--checkpoint-dir", ckpt, "--step", str(STEP), "--host-ram-mib", str(ram["gpu_free_mib"]),
+                        "--final"]]
     base, trained = scores
     ev = json.loads(Path(layout.plan_file).read_text())["launch"]["evaluation"]
     for args in (base, trained):
@@ -154,7 +156,9 @@ def test_export_on_demand_is_not_final_and_no_export_skips_it(run):
     assert out.returncode == 0, out.stdout + out.stderr
     exports = [c["export"] for c in calls() if "export" in c]
     trained = [c["score"] for c in calls() if "score" in c][-1]
-    assert exports == [["--checkpoint-dir", layout.checkpoint_dir, "--step", str(STEP)]] and "--final" not in trained
+    ram = json.loads(Path(layout.plan_file).read_text())["launch"]["checkpoints"]["export_host_ram"]
+    assert exports == [["--checkpoint-dir", layout.checkpoint_dir, "--step", str(STEP), "--host-ram-mib",
+                        str(ram["gpu_busy_mib"])]] and "--final" not in trained     # beside training: the larger
     assert "(step 3, not final)" in out.stdout
     out = launch("--export", "--no-score")
     assert out.returncode == 0 and len([c for c in calls() if "score" in c]) == 2
