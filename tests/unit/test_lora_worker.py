@@ -1,5 +1,5 @@
 """verl 0.5.0's LoRA with the HF rollout (Pascal cards, ``rollout = "hf"``), proven with verl's own
-ActorRolloutRefWorker on CPU (tests/fixtures/lora_worker_run.py), and patches 0011-0013 (files/patches/verl-0.5.0/)
+ActorRolloutRefWorker on CPU (tests/fixtures/lora_worker_run.py), and patches 0011-0012 (files/patches/verl-0.5.0/)
 shown needed: what the release does without each.
 
 The plans go through verl's Hydra config with LoRA's keys added (``actor_rollout_ref.model.lora_rank``,
@@ -33,9 +33,7 @@ from tests.unit.test_fsdp2_gather import KNOBS, SHRINK, tiny_model
 from tests.unit.test_hf_rollout import _tree
 
 RUN = Path(__file__).resolve().parents[1] / "fixtures" / "lora_worker_run.py"
-WRAP, SAMPLING, ROOT = ("0011-lora-keeps-its-fsdp1-wrap-policy-with-the-hf-rollout.diff",
-                        "0012-hf-rollout-samples-a-peft-model-with-the-rollout-values.diff",
-                        "0013-hf-rollout-gathers-the-fsdp2-root-of-a-peft-model.diff")
+WRAP, PEFT = "0011-lora-keeps-its-fsdp1-wrap-policy-with-the-hf-rollout.diff", "0012-hf-rollout-generates-with-a-peft-model.diff"
 RANK, ALPHA = 4, 8
 LORA = [f"actor_rollout_ref.model.lora_rank={RANK}", f"actor_rollout_ref.model.lora_alpha={ALPHA}",
         "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.rollout.load_format=safetensors",
@@ -87,10 +85,9 @@ def runs(verl_python, tmp_path_factory):
     model = tiny_model(tmp / "model")
     patches = verl_source.patch_files()
     names = [p.name for p in patches]
-    assert {WRAP, SAMPLING, ROOT} <= set(names)
+    assert {WRAP, PEFT} <= set(names)
     trees = {"release": _tree(tmp / "release", [p for p in patches if p.name < WRAP]),
              "wrap": _tree(tmp / "wrap", [p for p in patches if p.name <= WRAP]),
-             "sampling": _tree(tmp / "sampling", [p for p in patches if p.name <= SAMPLING]),
              "patched": _tree(tmp / "patched", patches)}
     variants = {
         "fsdp1": ("patched", plan_overrides("fsdp1", model)),
@@ -98,7 +95,7 @@ def runs(verl_python, tmp_path_factory):
         "fsdp2-knobs": ("patched", plan_overrides("fsdp2", model, KNOBS["gather"] + KNOBS["grads"] + KNOBS["fused"])),
         "fsdp1 release": ("release", plan_overrides("fsdp1", model)),
         "fsdp1 0011": ("wrap", plan_overrides("fsdp1", model)),
-        "fsdp2 0012": ("sampling", plan_overrides("fsdp2", model)),
+        "fsdp2 0011": ("wrap", plan_overrides("fsdp2", model)),
     }
     out = {}
     for name, (tree, overrides) in variants.items():
@@ -180,14 +177,14 @@ def test_without_0011_fsdp1_refuses_the_peft_model(runs):
 def test_without_0012_the_rollout_samples_with_the_models_generation_config(runs):
     """0004 stops transformers from merging generation_config.json's sampling values (the tiny model's: temperature
     0.7, top_p 0.8) by asking generate() for use_model_defaults; a PEFT model's generate takes ``**kwargs``, so
-    0004 never passes it and the rollout samples another distribution than the actor scores."""
+    without 0012 0004 never passes it and the rollout samples another distribution than the actor scores."""
     found = _ok(runs, "fsdp1 0011")
     assert found["rollout_gap_1"] > 0.1, found
     assert found["ref_vs_base_2"] < GAP and found["base_moved"] == 0.0       # the rest already holds
 
 
-def test_without_0013_fsdp2_generates_with_the_root_unsharded_nowhere(runs):
-    """A PEFT model's generate() calls its base model, not the FSDP2 root: the root's own parameters stay sharded
-    DTensors, and the embedding refuses them."""
-    found, log = runs["fsdp2 0012"]
+def test_without_0012_fsdp2_generates_with_the_root_never_gathered(runs):
+    """A PEFT model's generate() calls its base model, not the FSDP2 root: without 0012 the root's own parameters
+    stay sharded DTensors, and the embedding refuses them."""
+    found, log = runs["fsdp2 0011"]
     assert found is None and "got mixed torch.Tensor and DTensor" in log, log[-1500:]
