@@ -297,11 +297,14 @@ def prove(export: str, actor_dir: str, weights: dict, prompts: list[str],
     if diff > tolerance:
         raise LoraExportError(f"the merged model's logits differ from the adapter model's (PEFT's merge, in "
                               f"{dtype}) by {diff:.3g}, more than {tolerance}")
-    return {"lora_export_dtype": str(dtype).removeprefix("torch."), "lora_max_abs_weight_diff": worst,
-            "lora_max_abs_logit_diff": diff, "lora_logit_tolerance": tolerance,
-            "lora_max_abs_logit_diff_vs_adapter_fp32": _max_diff(got, adapter_logits),
-            "lora_max_abs_logit_diff_adapter_vs_base": _max_diff(adapter_logits, base_logits),
-            "lora_prompts": len(inputs)}
+    # the keys of export.prove's record, so that the proof file and its log line read the same for both
+    return {"export_dtype": str(dtype).removeprefix("torch."), "tensors": len(merged),
+            "max_abs_weight_diff": worst, "max_abs_weight_diff_key": worst_key,
+            "prompts": len(inputs), "prompt_tokens": sum(int(i.shape[1]) for i in inputs),
+            "max_abs_logit_diff": diff, "logit_tolerance": tolerance,
+            # against the adapter model in the checkpoint's fp32: the folder dtype's rounding
+            "max_abs_logit_diff_vs_checkpoint_dtype": _max_diff(got, adapter_logits),
+            "lora_max_abs_logit_diff_adapter_vs_base": _max_diff(adapter_logits, base_logits)}
 
 
 def export_and_prove(actor_dir: str, export: str, weights: dict, prompts: list[str]) -> dict:

@@ -111,11 +111,12 @@ def test_the_export_is_the_merged_model_and_the_adapter_in_peft_format(exports, 
     assert (export["lora_rank"], export["lora_alpha"], export["lora_scaling"]) == (4, 8, 2.0)
     assert export["lora_modules"] == 14 and export["adapter_tensors"] == 28 and export["merged_tensors"] > 14
     assert export["verl_adapter_max_abs_diff"] == 0.0          # verl's own lora_adapter/ holds the shards' adapter
-    assert export["lora_max_abs_weight_diff"] == 0.0            # the folder: the merge, bit for bit in bf16
-    assert export["lora_export_dtype"] == "bfloat16"
-    assert export["lora_max_abs_logit_diff"] <= export["lora_logit_tolerance"] == 1e-3
+    assert export["max_abs_weight_diff"] == 0.0                 # the folder: the merge, bit for bit in bf16
+    assert export["export_dtype"] == "bfloat16" and export["tensors"] == export["merged_tensors"]
+    assert export["max_abs_logit_diff"] <= export["logit_tolerance"] == 1e-3
+    assert export["prompts"] == 3 and export["prompt_tokens"] > 3
     # what training changed is far larger than the folder's bf16 rounding
-    assert export["lora_max_abs_logit_diff_adapter_vs_base"] > 10 * export["lora_max_abs_logit_diff_vs_adapter_fp32"]
+    assert export["lora_max_abs_logit_diff_adapter_vs_base"] > 10 * export["max_abs_logit_diff_vs_checkpoint_dtype"]
     assert {"model.safetensors", "config.json", "tokenizer.json", "lora_adapter/adapter_config.json",
             "lora_adapter/adapter_model.safetensors"} <= set(found["files"])
     assert found["again_same"]

@@ -33,7 +33,9 @@ from tests.unit.test_fsdp2_gather import KNOBS, SHRINK, tiny_model
 from tests.unit.test_hf_rollout import _tree
 
 RUN = Path(__file__).resolve().parents[1] / "fixtures" / "lora_worker_run.py"
-WRAP, PEFT = "0011-lora-keeps-its-fsdp1-wrap-policy-with-the-hf-rollout.diff", "0012-hf-rollout-generates-with-a-peft-model.diff"
+TWO_RANKS = Path(__file__).resolve().parents[1] / "fixtures" / "lora_two_ranks.py"
+WRAP = "0011-lora-keeps-its-fsdp1-wrap-policy-with-the-hf-rollout.diff"
+PEFT = "0012-hf-rollout-generates-with-a-peft-model.diff"
 RANK, ALPHA = 4, 8
 LORA = [f"actor_rollout_ref.model.lora_rank={RANK}", f"actor_rollout_ref.model.lora_alpha={ALPHA}",
         "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.rollout.load_format=safetensors",
@@ -102,7 +104,7 @@ def runs(verl_python, tmp_path_factory):
         spec = tmp / f"{name}.json"
         spec.write_text(json.dumps({"overrides": overrides}))
         out[name] = _run(verl_python, trees[tree], spec, tmp / name.replace(" ", "-"))
-    out["model"] = model
+    out["model"], out["tree"] = model, trees["patched"]
     return out
 
 
@@ -188,3 +190,23 @@ def test_without_0012_fsdp2_generates_with_the_root_never_gathered(runs):
     stay sharded DTensors, and the embedding refuses them."""
     found, log = runs["fsdp2 0011"]
     assert found is None and "got mixed torch.Tensor and DTensor" in log, log[-1500:]
+
+
+@pytest.mark.parametrize("card", ["fsdp1", "fsdp2"])
+def test_two_ranks_whose_rollouts_end_apart_stay_in_step(runs, verl_python, tmp_path, card):
+    """Two gloo ranks: rank 0's rows all end at their first token, rank 1's run the whole response length. Every
+    generated token's forward gathers the nested FSDP units (0011's wrap under FSDP1, the decoder layers under
+    FSDP2): transformers' synced_gpus keeps rank 0 running dummy forwards until rank 1 is done, then both compute
+    log-probs. Without synced_gpus the ranks hang (seen by hand: ``lora_two_ranks.py SPEC --no-sync`` times out)."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"overrides": plan_overrides(card, runs["model"])}))
+    res = subprocess.run([str(verl_python), str(TWO_RANKS), str(spec)], cwd=runs["tree"], capture_output=True,
+                         text=True, timeout=900)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-3000:]
+    found = json.loads(lines[-1][len("RESULT "):])
+    assert found["exit"] == [0, 0], found["logs"]
+    by_rank = {r["rank"]: r for r in found["ranks"]}
+    assert by_rank[0]["response_tokens"] == [1] * 8
+    assert by_rank[1]["response_tokens"] == [SHRINK["data.max_response_length"]] * 8
+    assert by_rank[0]["log_probs_finite"] and by_rank[1]["log_probs_finite"]
