@@ -198,8 +198,11 @@ def test_two_ranks_whose_rollouts_end_apart_stay_in_step(runs, verl_python, tmp_
     generated token's forward gathers the nested FSDP units (0011's wrap under FSDP1, the decoder layers under
     FSDP2): transformers' synced_gpus keeps rank 0 running dummy forwards until rank 1 is done, then both compute
     log-probs. Without synced_gpus the ranks hang (seen by hand: ``lora_two_ranks.py SPEC --no-sync`` times out)."""
+    # a mini-batch of 4 prompts: two ranks each take half (the P40's PPO samples one sequence a prompt)
+    overrides = [line if not line.startswith("actor_rollout_ref.actor.ppo_mini_batch_size=")
+                 else "actor_rollout_ref.actor.ppo_mini_batch_size=4" for line in plan_overrides(card, runs["model"])]
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"overrides": plan_overrides(card, runs["model"])}))
+    spec.write_text(json.dumps({"overrides": overrides}))
     res = subprocess.run([str(verl_python), str(TWO_RANKS), str(spec)], cwd=runs["tree"], capture_output=True,
                          text=True, timeout=900)
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
