@@ -22,6 +22,7 @@ What a GPU adds (bf16 rollouts, memory, speed, more than one rank) is not shown 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from tests.unit.test_hf_rollout import _tree
 
 RUN = Path(__file__).resolve().parents[1] / "fixtures" / "lora_worker_run.py"
 TWO_RANKS = Path(__file__).resolve().parents[1] / "fixtures" / "lora_two_ranks.py"
+PROBE = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "probe"
 WRAP = "0011-lora-keeps-its-fsdp1-wrap-policy-with-the-hf-rollout.diff"
 PEFT = "0012-hf-rollout-generates-with-a-peft-model.diff"
 RANK, ALPHA = 4, 8
@@ -72,10 +74,10 @@ def safetensors_header(path: Path) -> dict:
     return header
 
 
-def _run(python, cwd: Path, spec: Path, out: Path) -> tuple[dict | None, str]:
+def _run(python, cwd: Path, spec: Path, out: Path, env: dict | None = None) -> tuple[dict | None, str]:
     out.mkdir(parents=True, exist_ok=True)
     res = subprocess.run([str(python), str(RUN), str(spec), str(out)], cwd=cwd, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, env=env)
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     found = json.loads(lines[-1][len("RESULT "):]) if res.returncode == 0 and lines else None
     return found, res.stdout[-3000:] + res.stderr[-3000:]
@@ -213,3 +215,21 @@ def test_two_ranks_whose_rollouts_end_apart_stay_in_step(runs, verl_python, tmp_
     assert by_rank[0]["response_tokens"] == [1] * 8
     assert by_rank[1]["response_tokens"] == [SHRINK["data.max_response_length"]] * 8
     assert by_rank[0]["log_probs_finite"] and by_rank[1]["log_probs_finite"]
+
+
+def test_the_gpu_probe_measures_the_actors_gap_not_the_ref_pass(runs, verl_python, tmp_path):
+    """The GPU harness's probe (bench/gpu/probe/sitecustomize.py) records the rollout/actor log-prob gap on each
+    compute_log_prob. With LoRA, verl's compute_ref_log_prob is that call with the adapter disabled: the probe
+    records the actor's two passes (steps 1 and 2) and not the ref's, whose log-probs are the base model's (at step 2
+    far from the rollout's once the adapter moved)."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"overrides": plan_overrides("fsdp2", runs["model"])}))
+    probe_dir = tmp_path / "probe"
+    env = {**os.environ, "PYTHONPATH": f"{PROBE}{os.pathsep}{runs['tree']}", "VERL_LAB_PROBE_DIR": str(probe_dir)}
+    found, log = _run(verl_python, runs["tree"], spec, tmp_path / "out", env=env)
+    assert found is not None, log
+    records = [json.loads(line) for f in probe_dir.glob("*.jsonl") for line in f.read_text().splitlines()]
+    gaps = [r for r in records if r["event"].startswith("logprob_gap")]
+    assert [r["event"] for r in gaps] == ["logprob_gap", "logprob_gap"], gaps
+    assert all(r["logprob_gap_max"] < GAP for r in gaps), gaps
+    assert found["actor_vs_base_2"] > 100 * GAP          # the ref pass would have shown this
