@@ -30,6 +30,7 @@ LATE_IMPORTS = {
     "nvidia_driver_state": {"verl_lab_gpu"},                 # gpu.py, shipped beside it on the box
     "gsm8k": {"pyarrow"},                                    # the env's pyarrow (verl's own)
     "gsm8k_score": {"pyarrow", "torch", "transformers", "verl", "vllm"},   # the env's python scores a model
+    "lora_export": {"torch", "safetensors", "transformers", "peft"},        # the env's python: a LoRA export
     "hf_snapshot": {"huggingface_hub", "tqdm"},              # fetch: controller, or the env's python
     "train_launcher": {"torch", "verl"},                     # --probe-env, under the env's python
 }

@@ -56,6 +56,8 @@ def test_patch_set_is_pinned_to_0_5_0():
         "0008-fsdp2-update-gather-and-reduce-once-per-mini-batch.diff",
         "0009-fused-adamw-from-config.diff",
         "0010-taskrunner-on-the-driver-node.diff",
+        "0011-lora-keeps-its-fsdp1-wrap-policy-with-the-hf-rollout.diff",
+        "0012-hf-rollout-generates-with-a-peft-model.diff",
     ]
     assert all(p.parent.name == "verl-0.5.0" for p in verl_source.patch_files())
 

@@ -19,7 +19,8 @@ PYTHONPATH. Measurement only; it changes no training behaviour except the memory
   - one line per HF ``generate()`` chunk (prompts, new tokens, seconds);
   - on ``compute_log_prob``, the largest gap between the rollout's own log-probs of the tokens
     it sampled (recorded from the probability rows the sampler drew from) and the actor's
-    log-probs of the same tokens (``logprob_gap_max``), over the response mask.
+    log-probs of the same tokens (``logprob_gap_max``), over the response mask (not on a LoRA run's ref
+    pass, which verl makes through the actor's ``compute_log_prob`` with the adapter disabled).
 
   - once per process, at its first ``init_model``: torch's CPU threads (intra-op, inter-op),
     ``OMP_NUM_THREADS`` and the CPUs the process may use (the CPU-offload rung's AdamW step and
@@ -504,9 +505,13 @@ def _patch_workers(module) -> None:
 
     @functools.wraps(original)
     def compute_log_prob(self, data, *args, **kwargs):
+        # with LoRA verl's compute_ref_log_prob is this call with the adapter disabled (meta_info is_lora, popped
+        # by the call): the base model's log-probs, not the policy the rollout sampled; no gap record for it
+        ref_pass = bool(data.meta_info.get("is_lora", False)) if data.meta_info else False
         out = original(self, data, *args, **kwargs)
         try:
-            _logprob_gap(data, out)
+            if not ref_pass:
+                _logprob_gap(data, out)
         except Exception as exc:  # noqa: BLE001
             _write({"event": "logprob_gap_error", "error": f"{type(exc).__name__}: {exc}"})
         return out

@@ -1,0 +1,134 @@
+"""verl_lab_box/lora_export.py: a LoRA run's export (the adapter merged into the base, and the adapter alone in
+PEFT's format) and its proof, on checkpoints written by verl 0.5.0's own worker on CPU.
+
+The checkpoints: tests/fixtures/lora_worker_run.py (the FSDP1 P40 plan and the FSDP2 + CPUOffloadPolicy GTX 1080
+plan with LoRA, tests/unit/test_lora_worker.py): one update, then ``save_checkpoint``. On each,
+tests/fixtures/lora_export_run.py runs verl's own model merger, then lora_export, and judges the result by the
+training run itself: the actor's log-probs of the step-2 sequences after the update (computed by verl in training)
+against PEFT loading the exported adapter onto the original base model folder, and against the merged folder
+loaded by transformers alone. What verl's merger alone writes for a LoRA checkpoint is measured too (the base model,
+an adapter whose alpha is 0), and that the export's current proof refuses it.
+
+The config checks (which adapter configs the merge computes exactly) run here without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tasks import verl_source
+from tests.unit.test_fsdp2_gather import tiny_model
+from tests.unit.test_hf_rollout import _tree
+from tests.unit.test_lora_worker import _run, plan_overrides
+from verl_lab_box import lora_export
+
+EXPORT_RUN = Path(__file__).resolve().parents[1] / "fixtures" / "lora_export_run.py"
+
+
+# ---------------------------------------------------------------- the adapter config, without torch
+
+def _actor(tmp_path: Path, **config) -> Path:
+    folder = tmp_path / "actor" / "lora_adapter"
+    folder.mkdir(parents=True)
+    values = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "task_type": "CAUSAL_LM", "use_dora": False,
+              "bias": "none", "fan_in_fan_out": False, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+    values.update(config)
+    (folder / "adapter_config.json").write_text(json.dumps(values))
+    return tmp_path / "actor"
+
+
+def test_the_run_s_adapter_config_is_read_and_scaled_as_peft_does(tmp_path):
+    actor = _actor(tmp_path)
+    assert lora_export.is_lora_checkpoint(str(actor)) and not lora_export.is_lora_checkpoint(str(tmp_path))
+    config = lora_export.adapter_config(str(actor))
+    assert lora_export.scaling(config) == 2.0
+    assert lora_export.scaling({**config, "use_rslora": True}) == 16 / 8 ** 0.5
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"lora_alpha": 0}, "lora_alpha 0 is not positive (verl's model merger writes 0"),
+    ({"r": 0}, "r 0 is not a positive integer"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+    ({"use_dora": True}, "use_dora True"),
+    ({"bias": "all"}, "bias 'all'"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save is set"),
+    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern is set"),
+])
+def test_an_adapter_config_the_merge_cannot_compute_exactly_is_refused(tmp_path, change, words):
+    actor = _actor(tmp_path, **change)
+    with pytest.raises(lora_export.LoraExportError) as err:
+        lora_export.adapter_config(str(actor))
+    assert words in str(err.value) and "adapter_config.json" in str(err.value)
+
+
+def test_a_checkpoint_without_verls_adapter_config_says_what_is_missing(tmp_path):
+    with pytest.raises(lora_export.LoraExportError) as err:
+        lora_export.adapter_config(str(tmp_path))
+    assert "lora_adapter/adapter_config.json" in str(err.value) and "alpha is unknown" in str(err.value)
+
+
+# ---------------------------------------------------------------- verl's checkpoints, exported
+
+@pytest.fixture(scope="module")
+def exports(verl_python, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora-export")
+    model = tiny_model(tmp / "model")
+    tree = _tree(tmp / "tree", verl_source.patch_files())
+    out = {}
+    for card in ("fsdp1", "fsdp2"):
+        spec = tmp / f"{card}.json"
+        spec.write_text(json.dumps({"overrides": plan_overrides(card, model)}))
+        found, log = _run(verl_python, tree, spec, tmp / card)
+        assert found is not None, log
+        res = subprocess.run([str(verl_python), str(EXPORT_RUN), str(tmp / card / "global_step_1" / "actor"),
+                              str(model), str(tmp / card / "run.pt"), str(tmp / f"{card}-export")],
+                             cwd=tree, capture_output=True, text=True, timeout=600)
+        lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+        assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-3000:]
+        out[card] = json.loads(lines[-1][len("RESULT "):])
+    return out
+
+
+@pytest.mark.parametrize("card", ["fsdp1", "fsdp2"])
+def test_verls_merger_alone_writes_the_base_model_and_an_inert_adapter(exports, card):
+    merger = exports[card]["merger"]
+    assert merger["adapter_alpha"] == 0 and merger["adapter_dtype"] == "torch.bfloat16"
+    assert merger["folder_is_base"] and not merger["folder_is_merged"]
+    # the export's proof today refuses it (PEFT's names against the folder's), and the LoRA proof says why
+    assert merger["export_prove"].startswith("ExportError: the export's tensors differ from the checkpoint's")
+    assert merger["lora_prove"].startswith("LoraExportError:") and "not the merged model" in merger["lora_prove"]
+
+
+@pytest.mark.parametrize("card", ["fsdp1", "fsdp2"])
+def test_the_export_is_the_merged_model_and_the_adapter_in_peft_format(exports, card):
+    found = exports[card]
+    assert found["checkpoint"]["fsdp_version"] == (1 if card == "fsdp1" else 2)
+    export = found["export"]
+    assert (export["lora_rank"], export["lora_alpha"], export["lora_scaling"]) == (4, 8, 2.0)
+    assert export["lora_modules"] == 14 and export["adapter_tensors"] == 28 and export["merged_tensors"] > 14
+    assert export["verl_adapter_max_abs_diff"] == 0.0          # verl's own lora_adapter/ holds the shards' adapter
+    assert export["max_abs_weight_diff"] == 0.0                 # the folder: the merge, bit for bit in bf16
+    assert export["export_dtype"] == "bfloat16" and export["tensors"] == export["merged_tensors"]
+    assert export["max_abs_logit_diff"] <= export["logit_tolerance"] == 1e-3
+    assert export["prompts"] == 3 and export["prompt_tokens"] > 3
+    # what training changed is far larger than the folder's bf16 rounding
+    assert export["lora_max_abs_logit_diff_adapter_vs_base"] > 10 * export["max_abs_logit_diff_vs_checkpoint_dtype"]
+    assert {"model.safetensors", "config.json", "tokenizer.json", "lora_adapter/adapter_config.json",
+            "lora_adapter/adapter_model.safetensors"} <= set(found["files"])
+    assert found["again_same"]
+
+
+@pytest.mark.parametrize("card", ["fsdp1", "fsdp2"])
+def test_the_export_is_the_policy_training_made(exports, card):
+    """The actor's own log-probs after the update (verl, in training) against the export: PEFT's adapter on the
+    original base model folder equals them within float noise, the merged bf16 folder within bf16 rounding; the
+    base model alone is far off."""
+    policy = exports[card]["policy"]
+    assert policy["tokens"] > 0
+    assert policy["peft_adapter_vs_actor"] < 1e-4, policy
+    assert policy["merged_folder_vs_actor"] < 2e-2, policy
+    assert policy["base_vs_actor"] > 5 * policy["merged_folder_vs_actor"], policy
