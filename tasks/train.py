@@ -13,8 +13,8 @@ e.g. for a build box without a GPU), makes the plan (``tasks.plan.make_plan``) a
 * ``verl_lab_vllm_share.py``: verl_lab_box/vllm_share.py, vLLM's share arithmetic (the plan's own),
   with which the preflight sizes the share again for what other processes hold on the GPUs;
 * ``verl_lab_checkpoints.py``: verl_lab_box/checkpoints.py, the preflight's checkpoint disk check;
-* ``verl_lab_export.py``, ``verl_lab_export_proof.py``, ``verl_lab_score.py``: verl_lab_box/export.py (with
-  its proof, export_proof.py) and gsm8k_score.py, which the
+* ``verl_lab_export.py``, ``verl_lab_export_proof.py``, ``verl_lab_lora_export.py``, ``verl_lab_score.py``:
+  verl_lab_box/export.py (with its proof, export_proof.py, and a LoRA run's merge, lora_export.py) and gsm8k_score.py, which the
   launcher runs when a run finishes (the proven Hugging Face export, the GSM8K scores; plan.json's
   ``launch.evaluation`` from tasks/evaluation.py says how to score);
 * ``train.env``: the unit's EnvironmentFile (0640 root:train_user, no secrets);
@@ -69,6 +69,7 @@ VLLM_SHARE_MODULE = BOX_PACKAGE / "vllm_share.py"
 CHECKPOINTS_MODULE = BOX_PACKAGE / "checkpoints.py"
 AFTER_RUN_PROGRAMS = {"verl_lab_export.py": BOX_PACKAGE / "export.py",
                       "verl_lab_export_proof.py": BOX_PACKAGE / "export_proof.py",
+                      "verl_lab_lora_export.py": BOX_PACKAGE / "lora_export.py",
                       "verl_lab_score.py": BOX_PACKAGE / "gsm8k_score.py"}
 UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
 PREFLIGHT_PASSED = "verl-lab preflight passed on "      # the launcher prints it, then execs verl

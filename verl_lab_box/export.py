@@ -55,6 +55,7 @@ PARTIAL = ".hf.partial"
 PROOF = "hf.proof.json"
 FORMAT = 2      # 2: the logits are compared with the checkpoint's own dtype, under a limit for the pair
 PROOF_MODULES = ("verl_lab_export_proof.py", "export_proof.py")   # its sibling: placed beside it, or in the repo
+LORA_MODULES = ("verl_lab_lora_export.py", "lora_export.py")      # a LoRA run's merge and proof, likewise
 
 
 def _sibling(module_name: str, names: tuple) -> object:
@@ -80,6 +81,20 @@ ExportError = _proof.ExportError      # the proof's failures and this program's 
 full_weights = _proof.full_weights
 prove = _proof.prove
 read_json = _proof.read_json
+
+
+def prove_export(partial: str, actor: str) -> dict:
+    """The proof of the merger's folder. A LoRA checkpoint's (verl saved ``actor/lora_adapter``: the merger
+    writes the base alone) is first made the merged model with the adapter beside it, then proven by
+    verl_lab_box/lora_export.py; any other by ``prove``."""
+    lora = _sibling("verl_lab_lora_export", LORA_MODULES)
+    if not lora.is_lora_checkpoint(actor):
+        return prove(partial, actor)
+    weights, facts = full_weights(actor)
+    try:
+        return {**facts, **lora.export_and_prove(actor, partial, weights, list(_proof.PROMPTS))}
+    except lora.LoraExportError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def log(msg: str) -> None:
@@ -235,7 +250,7 @@ def _export(checkpoint_dir: str, step: int, final: bool, python: str, host_ram_m
     try:
         merge_s = merge(actor, partial, python)
         start = time.monotonic()
-        found = prove(partial, actor)
+        found = prove_export(partial, actor)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)      # never a half-made folder beside the checkpoint
         raise
@@ -250,9 +265,11 @@ def _export(checkpoint_dir: str, step: int, final: bool, python: str, host_ram_m
              "merge_seconds": round(merge_s, 2), "proof_seconds": round(prove_s, 2),
              "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **rss, **found, **versions()}
     write_json(os.path.join(folder, PROOF), proof)
-    log(f"step {step}: {target} proven ({proof['export_bytes']} bytes, {found['export_dtype']}; logits within "
-        f"{found['max_abs_logit_diff']:.3g} of the checkpoint's in its {found['checkpoint_dtype']} (limit "
-        f"{found['logit_tolerance']}); merge {merge_s:.1f} s, proof {prove_s:.1f} s on {found['proof_device']})")
+    lora = (f"the LoRA adapter (rank {found['lora_rank']}) merged into the base, the adapter alone in "
+            f"{EXPORT}/lora_adapter; ") if "lora_rank" in found else ""
+    log(f"step {step}: {target} proven ({proof['export_bytes']} bytes, {found['export_dtype']}; {lora}logits within "
+        f"{found['max_abs_logit_diff']:.3g} (limit {found['logit_tolerance']}); merge {merge_s:.1f} s, proof "
+        f"{prove_s:.1f} s on {found.get('proof_device', 'cpu')})")
     return proof
 
 

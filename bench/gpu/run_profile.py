@@ -133,7 +133,9 @@ def collect_export(checkpoints: Path, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     steps = sorted((p for p in checkpoints.glob("global_step_*") if p.is_dir()), key=lambda p: int(p.name.rsplit("_", 1)[1]))
     record = {"checkpoint_dir": str(checkpoints), "global_steps": [p.name for p in steps],
-              "saves": {p.name: {"bytes": tree_bytes(p) - (tree_bytes(p / "hf") if (p / "hf").is_dir() else 0)
+              # a save's bytes: the step folder less its export, made or cut while being made (.hf.partial)
+              "saves": {p.name: {"bytes": tree_bytes(p) - sum(tree_bytes(p / d) for d in ("hf", ".hf.partial")
+                                                              if (p / d).is_dir())
                                  - sum(f.stat().st_size for f in p.glob("hf.*.json")),
                                  **{role: tree_bytes(p / role) for role in ("actor", "critic") if (p / role).is_dir()},
                                  "actor_files": sorted(f.name for f in (p / "actor").iterdir()) if (p / "actor").is_dir()

@@ -78,7 +78,7 @@ def _checkpoints(tmp_path: Path) -> Path:
     for rel, size in {"global_step_1/data.pt": 100, "global_step_2/actor/model_world_size_1_rank_0.pt": 4000,
                       "global_step_2/actor/optim_world_size_1_rank_0.pt": 8000,
                       "global_step_2/critic/model_world_size_1_rank_0.pt": 3000, "global_step_2/data.pt": 100,
-                      "global_step_2/hf/model.safetensors": 2500}.items():
+                      "global_step_2/hf/model.safetensors": 2500, "global_step_1/.hf.partial/model.safetensors": 700}.items():
         (ck / rel).parent.mkdir(parents=True, exist_ok=True)
         (ck / rel).write_bytes(b"\0" * size)
     (ck / "latest_checkpointed_iteration.txt").write_text("2")
@@ -96,6 +96,7 @@ def test_a_runs_checkpoints_are_collected_and_summed_up(tmp_path):
     run = tmp_path / "runs" / "p40-export"
     record = _module("run_profile").collect_export(_checkpoints(tmp_path), run / "export")
     assert record["global_steps"] == ["global_step_1", "global_step_2"]
+    assert record["saves"]["global_step_1"]["bytes"] == 100                   # an export cut while made is no save
     assert record["saves"]["global_step_2"]["bytes"] == 4000 + 8000 + 3000 + 100     # not the export or its JSONs
     assert (record["saves"]["global_step_2"]["actor"], record["saves"]["global_step_2"]["critic"]) == (12000, 3000)
     assert record["exports"] == {"global_step_2": 2500}

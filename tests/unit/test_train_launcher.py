@@ -173,7 +173,8 @@ def box(tmp_path):
     train = Path(lay.train_dir)
     assert sorted(p.name for p in train.iterdir() if p.is_file()) == [
         "plan.json", "train-launcher", "train.env", "verl_lab_checkpoints.py", "verl_lab_export.py",
-        "verl_lab_export_proof.py", "verl_lab_gpu.py", "verl_lab_score.py", "verl_lab_vllm_share.py"]
+        "verl_lab_export_proof.py", "verl_lab_gpu.py", "verl_lab_lora_export.py", "verl_lab_score.py",
+        "verl_lab_vllm_share.py"]
     launcher = train / "train-launcher"
     bindir = tmp_path / "bin"
     bindir.mkdir()
