@@ -81,6 +81,7 @@ ExportError = _proof.ExportError      # the proof's failures and this program's 
 full_weights = _proof.full_weights
 prove = _proof.prove
 read_json = _proof.read_json
+PROMPTS = _proof.PROMPTS            # the fixed chat prompts both proofs compute logits on
 
 
 def prove_export(partial: str, actor: str) -> dict:
@@ -92,7 +93,7 @@ def prove_export(partial: str, actor: str) -> dict:
         return prove(partial, actor)
     weights, facts = full_weights(actor)
     try:
-        return {**facts, **lora.export_and_prove(actor, partial, weights, list(_proof.PROMPTS))}
+        return {**facts, **lora.export_and_prove(actor, partial, weights, list(PROMPTS))}
     except lora.LoraExportError as exc:
         raise ExportError(str(exc)) from None
 

@@ -90,6 +90,7 @@ def exports(verl_python, tmp_path_factory):
         lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
         assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-3000:]
         out[card] = json.loads(lines[-1][len("RESULT "):])
+        out[card]["_paths"] = {"actor": tmp / card / "global_step_1" / "actor", "tree": tree, "model": model}
     return out
 
 
@@ -132,3 +133,29 @@ def test_the_export_is_the_policy_training_made(exports, card):
     assert policy["peft_adapter_vs_actor"] < 1e-4, policy
     assert policy["merged_folder_vs_actor"] < 2e-2, policy
     assert policy["base_vs_actor"] > 5 * policy["merged_folder_vs_actor"], policy
+
+
+def test_the_export_program_makes_and_proves_a_lora_checkpoint_s_export(verl_python, exports, tmp_path):
+    """verl_lab_box/export.py end to end on the FSDP2 LoRA checkpoint (as the launcher runs it when the run
+    finishes): verl's merger, then lora_export's merge and proof through ``prove_export``; its proof JSON records the
+    adapter and a re-run is already proven."""
+    import os
+    import shutil
+
+    paths = exports["fsdp2"]["_paths"]
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(paths["actor"], ckpt / "global_step_1" / "actor")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1")
+    export = Path(__file__).resolve().parents[2] / "verl_lab_box" / "export.py"
+    env = {**os.environ, "PYTHONPATH": str(paths["tree"]), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    run = lambda: subprocess.run([str(verl_python), str(export), "--checkpoint-dir", str(ckpt), "--final"],  # noqa: E731
+                                 cwd=paths["tree"], capture_output=True, text=True, timeout=600, env=env)
+    res = run()
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    proof = json.loads((ckpt / "global_step_1" / "hf.proof.json").read_text())
+    assert proof["ok"] and proof["lora_rank"] == 4 and proof["max_abs_weight_diff"] == 0.0
+    assert proof["max_abs_logit_diff"] <= proof["logit_tolerance"]
+    assert (ckpt / "global_step_1" / "hf" / "lora_adapter" / "adapter_model.safetensors").is_file()
+    assert "merged into the base" in res.stdout
+    again = run()
+    assert again.returncode == 0 and "already proven" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
