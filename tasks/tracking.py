@@ -125,10 +125,8 @@ class Tracking:
         return env
 
     def keys_on_box(self, keys: Mapping[str, str]) -> dict[str, str]:
-        """The keys the box gets: only an online run needs one; offline runs are synced by the
-        controller with the keys that stay there."""
-        if not self.online:
-            return {}
+        """Of ``keys``, those the chosen trackers read (only an online run gets them: tasks/tracking_train.py;
+        offline runs are synced by the controller with the keys that stay there)."""
         return {name: keys[name] for t in self.remote for name in KEY_VARS[t] if name in keys}
 
 

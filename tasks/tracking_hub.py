@@ -113,6 +113,8 @@ def tunnel_command(hub: str, ssh: dict, port: int, bind: str) -> str:
         opts.append(f"-p {ssh['ssh_port']}")
     if ssh.get("ssh_key"):
         opts.append(f"-i {shlex.quote(str(ssh['ssh_key']))}")
+    if ssh.get("ssh_known_hosts_file"):
+        opts.append(f"-o UserKnownHostsFile={shlex.quote(str(ssh['ssh_known_hosts_file']))}")
     remote = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
     return " ".join(["ssh", "-N", "-L", f"{port}:{remote}:{port}", *opts, target])
 
@@ -126,7 +128,7 @@ def hub_words(settings: LabSettings, inventory) -> str:
     if hub not in names:
         return f"The lab's TensorBoard: tracking.hub = {hub!r} is not a box of this inventory"
     data = inventory.get_host(hub).data
-    ssh = {k: data.get(k) for k in ("ssh_hostname", "ssh_user", "ssh_port", "ssh_key")}
+    ssh = {k: data.get(k) for k in ("ssh_hostname", "ssh_user", "ssh_port", "ssh_key", "ssh_known_hosts_file")}
     port = settings.tracking.port
     return (f"The lab's TensorBoard on {hub} (filled by deploy/tracking.py): {tunnel_command(hub, ssh, port, settings.tracking.bind)}"
             f"  then open http://localhost:{port}/")

@@ -12,7 +12,7 @@ import pytest
 from tasks import train
 from tasks.settings import SettingsError, load_settings
 from tasks.tracking import VERL_BACKENDS, check_tracking, read_keys
-from tasks.tracking_train import KEYS_FILE, keys_for_box
+from tasks.tracking_train import KEYS_FILE, box_gets_keys, keys_for_box
 from tests.unit import test_train_launcher as launcher_test
 
 KEY = "0123456789abcdef0123456789abcdef01234567"     # a made-up wandb key (40 hex)
@@ -122,6 +122,7 @@ def test_auto_mode_is_offline_on_relay_and_online_on_direct(tmp_path):
     assert direct.environment("/opt/verl-lab", "r1")["WANDB_MODE"] == "online"
     assert direct.environment("/opt/verl-lab", "r1")["SWANLAB_MODE"] == "cloud"     # swanlab 0.6.8's word
     # an offline box gets no key at all: the controller keeps them for the sync
+    assert not box_gets_keys(relay) and box_gets_keys(direct)
     assert keys_for_box(relay) == {} and keys_for_box(direct) == {"WANDB_API_KEY": KEY,
                                                                    "SWANLAB_API_KEY": f"sw-{KEY[:20]}"}
 
