@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.standins.wandb_server import WandbServer
-from tests.fixtures.tracking import VERL_TAGS, verl_event_files, verl_wandb_offline_run
+from tests.fixtures.tracking import VERL_TAGS, recorded_run, verl_event_files, verl_wandb_offline_run
 from tests.lab import BoxSpec
 from tests.lab.box import free_port
 
@@ -140,16 +140,20 @@ def verl_wrote(lab, trained, tmp_path_factory):
     python, verl_root = test_env(), verl_tree(work / "src")
     for name in (HUB, OTHER):
         events = verl_event_files(python, verl_root, work / name / RUNS[name], experiment=RUNS[name])
+        if name == HUB and recorded_run():       # the hub shows the real GPU run's files where they are committed
+            shutil.rmtree(events)
+            shutil.copytree(recorded_run(), events)
         place_as_verl_wrote(lab.box(name), events, f"{ROOT}/tracking/tensorboard/{RUNS[name]}")
     run = verl_wandb_offline_run(python, verl_root, work / "wandb", experiment=RUNS[OTHER])
     place_as_verl_wrote(lab.box(OTHER), run, f"{ROOT}/tracking/wandb/wandb/{run.name}")
     # box2's run finished: the launcher's GSM8K scores of the base model and of the proven export of step 5
     ckpt = f"{ROOT}/train/checkpoints"
     other = lab.box(OTHER)
-    other.write_text(f"{ckpt}/gsm8k-base.json", json.dumps({"accuracy": 0.25, "rows": 1319}))
-    other.write_text(f"{ckpt}/global_step_5/hf.proof.json", json.dumps({"ok": True, "final": True}))
-    other.write_text(f"{ckpt}/global_step_5/hf.gsm8k.json",
-                     json.dumps({"accuracy": 0.4, "rows": 1319, "step": 5, "final": True}))
+    # (as verl_lab_box/gsm8k_score.py writes them: indented, a newline at the end)
+    for path, data in (("gsm8k-base.json", {"accuracy": 0.25, "rows": 1319}),
+                       ("global_step_5/hf.proof.json", {"ok": True, "final": True}),
+                       ("global_step_5/hf.gsm8k.json", {"accuracy": 0.4, "rows": 1319, "step": 5, "final": True})):
+        other.write_text(f"{ckpt}/{path}", json.dumps(data, indent=2, sort_keys=True) + "\n")
     return run
 
 
@@ -174,6 +178,19 @@ def test_hub_serves_every_boxs_event_files_from_its_unit(lab, settings, tracked)
     listen = [ln.split()[3] for ln in subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout.splitlines()
               if ln.strip() and ln.split()[3].endswith(f":{port}")]
     assert listen == [f"127.0.0.1:{port}"], listen
+
+
+def test_controller_wrote_the_labs_scalars_from_the_boxes_scores(lab, tracked):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tasks.facts.export import RunExports
+
+    folder = lab.controller_cache / "tracking" / "lab" / OTHER / "verl-lab"
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    seen = lab.box(OTHER).ssh(RunExports().command(f"{ROOT}/train/checkpoints")).stdout
+    assert SCORE_TAG in acc.Tags()["scalars"], f"{sorted(acc.Tags()['scalars'])}; the box has: {seen}"
+    assert [(e.step, round(e.value, 3)) for e in acc.Scalars(SCORE_TAG)] == [(0, 0.25), (5, 0.4)]
 
 
 def test_offline_wandb_run_synced_by_the_controller_with_its_key(tracked, wandb_server):
@@ -226,7 +243,9 @@ def scalars(url: str, run: str, tag: str) -> list:
 
 
 def test_tensorboard_has_verls_scalars_and_the_labs(tunnel):
-    assert sorted(runs(tunnel)) == sorted([f"{HUB}/{RUNS[HUB]}", f"{OTHER}/{RUNS[OTHER]}", f"{OTHER}/verl-lab"])
+    # each box's own run, and its lab summary (box1: the plan's predicted peak; box2: also its GSM8K scores)
+    assert sorted(runs(tunnel)) == sorted([f"{HUB}/{RUNS[HUB]}", f"{OTHER}/{RUNS[OTHER]}", f"{HUB}/verl-lab",
+                                           f"{OTHER}/verl-lab"])
     assert [step for _, step, _ in scalars(tunnel, f"{OTHER}/{RUNS[OTHER]}", "critic/score/mean")] == [1, 2, 3, 4, 5]
     assert [(s, round(v, 3)) for _, s, v in scalars(tunnel, f"{OTHER}/verl-lab", SCORE_TAG)] == [(0, 0.25), (5, 0.4)]
     assert scalars(tunnel, f"{OTHER}/verl-lab", "verl_lab/predicted_peak_mib")[0][2] > 0
@@ -252,8 +271,8 @@ def coloured_pixels(png: bytes) -> int:
     """Pixels of a chart's canvas that are neither white nor grey: the runs' curves (the grid is grey)."""
     from PIL import Image
 
-    img = Image.open(io.BytesIO(png)).convert("RGB")
-    return sum(1 for r, g, b in img.getdata() if max(r, g, b) - min(r, g, b) > 20)
+    raw = Image.open(io.BytesIO(png)).convert("RGB").tobytes()
+    return sum(1 for i in range(0, len(raw), 3) if max(raw[i:i + 3]) - min(raw[i:i + 3]) > 20)
 
 
 def test_browser_scalars_page_lists_verls_metrics_and_draws_the_curves(tunnel, browser):
