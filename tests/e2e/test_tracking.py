@@ -21,12 +21,14 @@ or world-readable files on the boxes; curves kept after a box goes away.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import secrets
 import shlex
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -87,9 +89,34 @@ def settings(lab, wandb_server, tmp_path_factory):
     return {"per_host": per_host, "port": tracking["port"]}
 
 
+ARGV_HITS: list[str] = []      # process argv lines holding the key, sampled during the deploys
+
+
+@contextlib.contextmanager
+def argv_sampled():
+    """Every process's argv on this machine (the controller's, the sync's, and through nspawn the
+    boxes') sampled for the key while the block runs."""
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            out = subprocess.run(["ps", "-eww", "-o", "args="], capture_output=True, text=True).stdout
+            ARGV_HITS.extend(line for line in out.splitlines() if KEY in line)
+            done.wait(0.25)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield
+    finally:
+        done.set()
+        sampler.join()
+
+
 @pytest.fixture(scope="module")
 def trained(lab, settings):
-    res = lab.deploy("deploy/train.py", per_host=settings["per_host"], mode="text", timeout=900)
+    with argv_sampled():
+        res = lab.deploy("deploy/train.py", per_host=settings["per_host"], mode="text", timeout=900)
     assert res.rc == 0 and not res.failed_hosts, res.tail()
     return res
 
@@ -159,7 +186,8 @@ def verl_wrote(lab, trained, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tracked(lab, settings, verl_wrote):
-    res = lab.deploy("deploy/tracking.py", per_host=settings["per_host"], mode="text", timeout=900)
+    with argv_sampled():
+        res = lab.deploy("deploy/tracking.py", per_host=settings["per_host"], mode="text", timeout=900)
     assert res.rc == 0 and not res.failed_hosts, res.tail()
     return res
 
@@ -201,6 +229,7 @@ def test_offline_wandb_run_synced_by_the_controller_with_its_key(tracked, wandb_
     assert all(tag in rows[0] for tag in VERL_TAGS), sorted(rows[0])
     assert wandb_server.completed() and wandb_server.keys_used() == {KEY}
     assert KEY not in tracked.output
+    assert ARGV_HITS == [], "the key was in a process's argv during the train or tracking deploy"
 
 
 @pytest.fixture(scope="module")
