@@ -43,6 +43,6 @@ if "tensorboard" in settings.tracking.trackers:
                 remote_root=box_events_dir(settings), local_root=str(cache_dir(settings) / host.name))
 collect_offline_runs(settings)
 
-if host.name == hub:
+if host.name == hub and "tensorboard" in settings.tracking.trackers:
     install_tracking_hub(settings)
 sync_offline_runs(settings)

@@ -15,7 +15,7 @@ from tasks.settings import load_settings
 from tasks.tracking import check_tracking
 from tasks.tracking_events import MEASURED_TAG, PREDICTED_TAG, SCORE_TAG, TEXT_TAG, crc32c
 from tasks.tracking_sync import sync_commands, sync_env
-from tests.fixtures.tracking import VERL_TAGS, steps_of, verl_event_files
+from tests.fixtures.tracking import VERL_TAGS, recorded_run, steps_of, verl_event_files
 
 SUMMARY = {"gsm8k": {"base": 0.312, "trained": 0.451, "step": 20, "final": True}, "predicted_peak_mib": 19382,
            "peak_mib": 18389, "step": 20}
@@ -125,3 +125,12 @@ def test_verl_tracking_event_files_hold_verls_metric_names(verl_python, patched_
     for tag in VERL_TAGS:
         assert [e.step for e in acc.Scalars(tag)] == [s["step"] for s in steps], tag
     assert acc.Scalars("critic/score/mean")[-1].value == pytest.approx(steps[-1]["metrics"]["critic/score/mean"])
+
+
+@pytest.mark.skipif(recorded_run() is None, reason="no GPU run's event files committed yet (tests/fixtures/tracking/gpu-run)")
+def test_recorded_gpu_run_holds_verls_metric_names():
+    acc = accumulator(recorded_run())
+    for tag in VERL_TAGS:
+        assert acc.Scalars(tag), tag
+    steps = [e.step for e in acc.Scalars("critic/score/mean")]
+    assert steps == sorted(steps) and steps[0] >= 1
