@@ -8,9 +8,10 @@
   run and syncs it with ``wandb sync`` (the real wandb 0.21.0 command) to a stand-in server speaking wandb's
   API (tests/fixtures/standins/wandb_server.py), with the key in the sync's environment.
 
-What verl writes is made on CPU by verl 0.5.0's own ``Tracking`` class (TensorBoard event files, a wandb
-offline run), replaying a real GPU run's logged steps (tests/fixtures/tracking), then placed where the boxes'
-train.env points verl (TENSORBOARD_DIR, WANDB_DIR): no box trains here. The GSM8K scores of box2 are
+What verl writes, placed where the boxes' train.env points verl (TENSORBOARD_DIR, WANDB_DIR; no box trains
+here): on box1 a real GPU run's TensorBoard event files (verl 0.5.0 on the H200, GPU call 14:
+tests/fixtures/tracking/gpu-run); on box2 event files and a wandb offline run made on CPU by verl 0.5.0's own
+``Tracking`` class, replaying a real GPU run's logged steps (tests/fixtures/tracking). The GSM8K scores of box2 are
 JSON files as the launcher writes them (tests/e2e/test_export.py makes real ones). Proven: the train stage's
 tracker folders, environment and keys file on real boxes; deploy/tracking.py's copy through the controller
 onto the hub; the unit, bound to 127.0.0.1, opened through the SSH tunnel deploy/status.py prints; Debian's
@@ -276,6 +277,14 @@ def test_tensorboard_has_verls_scalars_and_the_labs(tunnel):
     assert sorted(runs(tunnel)) == sorted([f"{HUB}/{RUNS[HUB]}", f"{OTHER}/{RUNS[OTHER]}", f"{HUB}/verl-lab",
                                            f"{OTHER}/verl-lab"])
     assert [step for _, step, _ in scalars(tunnel, f"{OTHER}/{RUNS[OTHER]}", "critic/score/mean")] == [1, 2, 3, 4, 5]
+    if recorded_run():      # the hub's own run is the real GPU run's event files: served as they were written
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(recorded_run()))
+        acc.Reload()
+        want = [(e.step, e.value) for e in acc.Scalars("critic/score/mean")]
+        assert [(step, value) for _, step, value in scalars(tunnel, f"{HUB}/{RUNS[HUB]}", "critic/score/mean")] \
+            == want
     assert [(s, round(v, 3)) for _, s, v in scalars(tunnel, f"{OTHER}/verl-lab", SCORE_TAG)] == [(0, 0.25), (5, 0.4)]
     assert scalars(tunnel, f"{OTHER}/verl-lab", "verl_lab/predicted_peak_mib")[0][2] > 0
 
