@@ -18,7 +18,7 @@ Each box's journal of the current run is kept under the controller cache (status
 
 from pathlib import Path
 
-from pyinfra import host
+from pyinfra import host, inventory
 
 from tasks.doctor import diagnose, never_ran, render
 from tasks.driver import held_driver_notes
@@ -28,6 +28,7 @@ from tasks.facts.logs import TrainingRun
 from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
 from tasks.settings import TRAIN_UNIT
 from tasks.status import STAGES, _json_safe, box_status, parse_log, render_rows, unit_summary
+from tasks.tracking_hub import hub_words
 
 check_inventory()
 settings = settings_for()
@@ -55,6 +56,7 @@ if rows is not None:
     # the last box to answer prints the lab (the deploy file runs once per box, side by side)
     ordered = list(rows.values())
     print(render_rows(ordered), flush=True)
+    print(hub_words(settings, inventory), flush=True)       # the SSH tunnel to the lab's TensorBoard
     target = host.data.get("status_json")
     if target:
         write_json(target, _json_safe({"hosts": ordered}))

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from tasks.facts.gpu import parse_compute_capability
 from tasks.catalog import Catalog, CatalogError, MirrorSet, default_catalog
+from tasks.tracking import Tracking, TrackingProblems, check_tracking
 
 ARTIFACT_MODES = ("relay", "direct")
 ENV_BACKENDS = ("conda", "venv")
@@ -67,6 +68,9 @@ DEFAULTS: dict[str, Any] = {
     # checkpoint saves (checked by _checkpoints; tasks/checkpoints.py): {"keep": whole saves kept at
     # any time, also while the next is written, "every": steps between saves}
     "checkpoints": {},
+    # verl's trackers (trainer.logger) and the lab's TensorBoard (tasks/tracking.py, docs/tracking.md):
+    # {"trackers": [...], "keys_file": ..., "mode": "auto"|"online"|"offline", "hub": "box1", ...}
+    "tracking": {},
 }
 
 KNOWN_KEYS = set(DEFAULTS)
@@ -193,6 +197,7 @@ class LabSettings:
     driver_reboot: bool = False
     driver_update: bool = False
     checkpoints: Mapping[str, int] = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
+    tracking: Tracking = field(default_factory=Tracking)
 
     @property
     def marker_dir(self) -> str:
@@ -573,6 +578,14 @@ def _driver_flag(host: str, key: str, value: Any, driver: str) -> bool:
     return value
 
 
+def _tracking(host: str, value: Any, artifact_mode: str) -> Tracking:
+    try:
+        return check_tracking(value, artifact_mode)
+    except TrackingProblems as exc:
+        raise SettingsErrors([SettingsError(host, f"tracking.{k}" if k else "tracking", p, f)
+                              for k, p, f in exc.found]) from None
+
+
 def _flag(host: str, key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise SettingsError(host, key, f"{value!r} is not True/False", f"set {key} = True or False")
@@ -623,6 +636,7 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         driver_reboot=p.check(_driver_flag, "driver_reboot", merged["driver_reboot"], merged["driver"], default=False),
         driver_update=p.check(_driver_flag, "driver_update", merged["driver_update"], merged["driver"], default=False),
         checkpoints=p.check(_checkpoints, merged["checkpoints"], default=dict(CHECKPOINT_DEFAULTS)),
+        tracking=p.check(_tracking, merged["tracking"], merged["artifact_mode"], default=Tracking()),
     )
     p.check(_ssh_key, data.get("ssh_key"))
     p.raise_any()

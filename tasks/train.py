@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gevent
@@ -56,6 +56,7 @@ from tasks.plan import PlanError, TrainingPlan, Workload, workload_for
 from tasks.target import HostTarget
 from tasks.settings import TRAIN_UNIT, LabSettings
 from tasks.status import unit_summary
+from tasks.tracking_train import KEYS_FILE, keys_for_box, run_name_of, tracking_paths, tracking_values, tracking_wanted
 from tasks.validation import training_plan
 from verl_lab_box.checkpoints import disk_need, need_words
 
@@ -88,6 +89,7 @@ class TrainingLayout:
     settings: LabSettings
     plan: TrainingPlan
     plan_source: str
+    tracker_keys: dict = field(default_factory=dict, repr=False, compare=False)   # an online run's keys
 
     @property
     def train_dir(self) -> str:
@@ -165,6 +167,8 @@ class TrainingLayout:
 
     def values(self) -> dict:
         s = self.settings
+        tracked = tracking_values(s.tracking, s.lab_root, self.train_dir, run_name_of(self.plan.overrides),
+                                  self.tracker_keys)
         return {
             "host": s.host,
             "plan": self.plan.to_dict(),
@@ -189,7 +193,9 @@ class TrainingLayout:
             "hf_home": f"{self.cache_dir}/huggingface",
             "unit_name": TRAIN_UNIT,
             "unit_state": s.train_unit_state,
-            "read_write_paths": [self.work_dir, self.checkpoint_dir, self.cache_dir, f"-{self.home}"],
+            "read_write_paths": [self.work_dir, self.checkpoint_dir, self.cache_dir, f"-{self.home}",
+                                 *tracked["tracking_paths"]],
+            **tracked,
         }
 
     def plan_workload_file(self, key: str) -> str:
@@ -224,6 +230,8 @@ def training_wanted(layout: TrainingLayout) -> list:
         wanted_file(layout.env_file, "Training environment file", rendered(ENV_TEMPLATE, **values),
                     mode="640", group=user),
         wanted_file(UNIT_PATH, f"Unit {TRAIN_UNIT}", rendered(UNIT_TEMPLATE, **values)),
+        *tracking_wanted(layout.settings.tracking, layout.settings.lab_root, layout.train_dir, user,
+                         layout.tracker_keys),
     ]
 
 
@@ -233,7 +241,8 @@ def training_paths(settings: LabSettings) -> list[str]:
     t = settings.train_dir
     return [t, f"{t}/work", f"{t}/checkpoints", f"{t}/cache", f"{t}/plan.json", f"{t}/verl_lab_gpu.py",
             f"{t}/verl_lab_vllm_share.py", f"{t}/verl_lab_checkpoints.py", f"{t}/train-launcher",
-            *(f"{t}/{name}" for name in AFTER_RUN_PROGRAMS), f"{t}/train.env", UNIT_PATH]
+            *(f"{t}/{name}" for name in AFTER_RUN_PROGRAMS), f"{t}/train.env", UNIT_PATH,
+            *tracking_paths(settings.lab_root, t, settings.tracking)]
 
 
 def checkpoint_disk_short(layout: TrainingLayout, found: dict | None) -> str | None:
@@ -274,7 +283,8 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
     except PlanError as exc:
         fail_host(name=f"Training plan for {target.count} x {target.name}", message=str(exc), stage="train")
         return
-    layout = TrainingLayout(settings=settings, plan=plan, plan_source=source)
+    layout = TrainingLayout(settings=settings, plan=plan, plan_source=source,
+                            tracker_keys=keys_for_box(settings.tracking))
     short = checkpoint_disk_short(layout, disk)
     if short:
         fail_host(name="Free disk for the checkpoints", message=short, stage="train")
@@ -319,6 +329,8 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
         server.shell(
             name="Prove the unit and the launcher",
             commands=[
+                # no online tracker now: an earlier run's keys go (tasks/tracking_train.py)
+                *([] if layout.tracker_keys else [f"rm -f {q(settings.train_dir + '/' + KEYS_FILE)}"]),
                 f"systemd-analyze verify {q(UNIT_PATH)}",
                 f"runuser -u {q(user)} -- {q(settings.launcher_python)} {q(layout.launcher)} "
                 "--print-overrides --against-plan >/dev/null",

@@ -168,9 +168,11 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
         + ("; the step cap below ends the run first" if w.total_training_steps else ""))
     if w.total_training_steps is not None:
         add("trainer.total_training_steps", w.total_training_steps, "settings.train_steps caps the run")
-    add("trainer.logger", ["console"], "the journal keeps the console log; no wandb account needed")
-    add("trainer.project_name", "verl-lab", "names the checkpoint folder")
-    add("trainer.experiment_name", w.experiment_name, "names the checkpoint folder")
+    add("trainer.logger", list(w.trackers), "the journal keeps the console log"
+        + (f"; {', '.join(w.trackers[1:])}: settings tracking (docs/tracking.md)" if len(w.trackers) > 1 else ""))
+    add("trainer.project_name", w.project_name, "the trackers' project")
+    add("trainer.experiment_name", f"{w.run_name}-{'ppo' if w.uses_critic else 'grpo'}" if w.run_name
+        else w.experiment_name, "the trackers' run: the box, the model and the plan's algorithm")
     add("trainer.default_local_dir", w.checkpoint_dir, "checkpoints under the train dir")
     add("trainer.resume_mode", "auto", "a restarted unit resumes from the last checkpoint")
     for key, value, why in retention_overrides(checkpoints or checkpoint_plan(w, gpu.count, precision.train_dtype)):

@@ -151,6 +151,9 @@ class Workload:
     val_rows: int = VAL_ROWS             # rows of val_small.parquet (HF chunks must divide them)
     train_rows: int | None = None        # prompts of the train split (verl's dataloader needs a whole batch)
     actor_offload_policy: bool = False   # the actor (and ref) on FSDP2 with CPUOffloadPolicy (RUNGS)
+    trackers: tuple[str, ...] = ("console",)   # trainer.logger (settings tracking: tasks/tracking.py)
+    project_name: str = "verl-lab"             # trainer.project_name
+    run_name: str | None = None                # the trackers' run: <run_name>-<ppo|grpo>; None: experiment_name
 
     @property
     def uses_reference(self) -> bool:

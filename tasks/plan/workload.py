@@ -88,7 +88,9 @@ def catalog_model_config(artifact) -> dict:
 def workload_for(settings, flash_attn_installed: bool = False) -> Workload:
     """The GSM8K workload of a host, from its ``LabSettings`` (paths, ``workload``, step cap)."""
     w = settings.workload
-    return with_model(Workload(
+    tracking = getattr(settings, "tracking", None)
+    tracked = {} if tracking is None else {"trackers": tuple(tracking.logger), "project_name": tracking.project}
+    workload = with_model(Workload(
         algorithm=w["algorithm"], train_batch_size=w["train_batch_size"], ppo_mini_batch_size=w["ppo_mini_batch_size"],
         max_prompt_length=w["max_prompt_length"], max_response_length=w["max_response_length"],
         total_epochs=w["epochs"],
@@ -106,7 +108,11 @@ def workload_for(settings, flash_attn_installed: bool = False) -> Workload:
         target_modules=w["target_modules"] if isinstance(w["target_modules"], str) else tuple(w["target_modules"]),
         train_rows=((settings.catalog.artifact(settings.dataset_artifact).get("splits") or {}).get("train") or {})
         .get("rows"),
+        **tracked,
     ), settings.catalog.artifact(settings.model_artifact))
+    if tracking is None:
+        return workload
+    return replace(workload, run_name=tracking.run_name or f"{settings.host}-{workload.experiment_name}")
 
 
 def plan_overrides_for_host(gpu: GpuTarget, settings=None, flash_attn_installed: bool = False) -> list[str]:

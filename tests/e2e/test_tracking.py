@@ -1,0 +1,358 @@
+"""verl's trackers on two lab boxes, and the lab's TensorBoard seen in a real browser.
+
+- ``box1`` (the hub, ``artifact_mode = "direct"``: it has internet, so wandb logs online): the training
+  stage gives it the wandb key in ``tracking-keys.env`` (0400, the train user's); TensorBoard from a venv
+  at the env's prefix (the real tensorboard 2.20.0 wheel and its dependencies from the env's wheelhouse)
+  serves the lab's curves from ``verl-lab-tensorboard.service``;
+- ``box2`` (relay: no internet): wandb logs offline, the box gets no key; the controller copies its offline
+  run and syncs it with ``wandb sync`` (the real wandb 0.21.0 command) to a stand-in server speaking wandb's
+  API (tests/fixtures/standins/wandb_server.py), with the key in the sync's environment.
+
+What verl writes, placed where the boxes' train.env points verl (TENSORBOARD_DIR, WANDB_DIR; no box trains
+here): on box1 a real GPU run's TensorBoard event files (verl 0.5.0 on the H200, GPU call 14:
+tests/fixtures/tracking/gpu-run); on box2 event files and a wandb offline run made on CPU by verl 0.5.0's own
+``Tracking`` class, replaying a real GPU run's logged steps (tests/fixtures/tracking). The GSM8K scores of box2 are
+JSON files as the launcher writes them (tests/e2e/test_export.py makes real ones). Proven: the train stage's
+tracker folders, environment and keys file on real boxes; deploy/tracking.py's copy through the controller
+onto the hub; the unit, bound to 127.0.0.1, opened through the SSH tunnel deploy/status.py prints; Debian's
+chromium (driven by selenium) showing verl's metric names and their curves (coloured pixels in each chart's
+canvas); the sync reaching the server with the run's history and the key; no key in argv-visible places, logs
+or world-readable files on the boxes; curves kept after a box goes away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import secrets
+import shlex
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.standins.wandb_server import WandbServer
+from tests.fixtures.tracking import VERL_TAGS, recorded_run, verl_event_files, verl_wandb_offline_run
+from tests.lab import BoxSpec
+from tests.lab.box import free_port
+
+HUB, OTHER = "box1", "box2"
+ROOT = "/opt/verl-lab"
+ENV = f"{ROOT}/envs/verl"
+RUNS = {HUB: "box1-qwen2.5-0.5b-gsm8k-ppo", OTHER: "box2-qwen2.5-0.5b-gsm8k-grpo"}
+TB_WHEELS = {"tensorboard", "tensorboard_data_server", "absl_py", "grpcio", "markdown", "numpy", "packaging",
+             "pillow", "protobuf", "setuptools", "werkzeug", "markupsafe", "typing_extensions"}
+KEY = secrets.token_hex(20)           # a made-up 40-character wandb key, new each run
+SCORE_TAG = "verl_lab/gsm8k_accuracy"
+
+
+def install_tensorboard(box) -> None:
+    from tests.fixtures.standins.env import wheelhouse
+
+    dest = box.root / "var/tmp/tb-wheels"
+    dest.mkdir(parents=True, exist_ok=True)
+    for whl in wheelhouse().glob("*.whl"):
+        if whl.name.split("-")[0].lower() in TB_WHEELS:
+            shutil.copy(whl, dest / whl.name)
+    box.ssh(f"python3 -m venv {ENV} && {ENV}/bin/pip install -q --no-index --find-links /var/tmp/tb-wheels "
+            "tensorboard==2.20.0", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def lab(lab_factory):
+    lab = lab_factory([BoxSpec(HUB, gpu="t4"), BoxSpec(OTHER, gpu="p40")])
+    install_tensorboard(lab.box(HUB))
+    return lab
+
+
+@pytest.fixture(scope="module")
+def wandb_server():
+    with WandbServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def settings(lab, wandb_server, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "trackers.env"
+    keys.write_text(f"WANDB_API_KEY={KEY}\n")
+    keys.chmod(0o600)
+    tracking = {"trackers": ["tensorboard", "wandb"], "keys_file": str(keys), "hub": HUB, "port": free_port(),
+                "wandb_base_url": wandb_server.url}
+    per_host = {HUB: {"artifact_mode": "direct", "tracking": {**tracking, "mode": "online"}},
+                OTHER: {"tracking": tracking, "workload": {"algorithm": "grpo"}}}
+    return {"per_host": per_host, "port": tracking["port"]}
+
+
+ARGV_HITS: list[str] = []      # process argv lines holding the key, sampled during the deploys
+
+
+@contextlib.contextmanager
+def argv_sampled():
+    """Every process's argv on this machine (the controller's, the sync's, and through nspawn the
+    boxes') sampled for the key while the block runs."""
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            out = subprocess.run(["ps", "-eww", "-o", "args="], capture_output=True, text=True).stdout
+            ARGV_HITS.extend(line for line in out.splitlines() if KEY in line)
+            done.wait(0.25)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield
+    finally:
+        done.set()
+        sampler.join()
+
+
+@pytest.fixture(scope="module")
+def trained(lab, settings):
+    with argv_sampled():
+        res = lab.deploy("deploy/train.py", per_host=settings["per_host"], mode="text", timeout=900)
+    assert res.rc == 0 and not res.failed_hosts, res.tail()
+    return res
+
+
+def test_train_stage_points_verl_at_the_trackers(lab, trained):
+    hub, other = lab.box(HUB), lab.box(OTHER)
+    env = hub.read_text(f"{ROOT}/train/train.env")
+    assert f"TENSORBOARD_DIR={ROOT}/tracking/tensorboard/{RUNS[HUB]}\n" in env
+    assert "WANDB_MODE=online\n" in env and KEY not in env
+    plan = json.loads(other.read_text(f"{ROOT}/train/plan.json"))
+    lines = [o["override"] for o in plan["launch"]["overrides"]]
+    assert "trainer.logger=['console','tensorboard','wandb']" in lines
+    assert f"trainer.experiment_name={RUNS[OTHER]}" in lines
+    assert "WANDB_MODE=offline\n" in other.read_text(f"{ROOT}/train/train.env")
+    for box in (hub, other):
+        assert box.stat(f"{ROOT}/tracking/tensorboard") == ("750", "verl", "verl")
+        assert f"ReadWritePaths={ROOT}/train/work" in box.read_text("/etc/systemd/system/verl-lab-train.service")
+
+
+def test_online_key_is_the_train_users_alone_and_nowhere_else(lab, trained):
+    hub, other = lab.box(HUB), lab.box(OTHER)
+    keys = f"{ROOT}/train/tracking-keys.env"
+    assert hub.stat(keys) == ("400", "verl", "verl") and hub.read_text(keys) == f"WANDB_API_KEY={KEY}\n"
+    unit = hub.read_text("/etc/systemd/system/verl-lab-train.service")
+    assert f"EnvironmentFile={keys}\n" in unit and KEY not in unit
+    assert not other.exists(keys), "an offline box got a key"
+    for box, allowed in ((hub, keys), (other, None)):
+        found = box.ssh(f"grep -rlsF {shlex.quote(KEY)} /opt /etc /var/log /tmp /var/tmp /root /home || true").stdout
+        assert found.split() == ([allowed] if allowed else []), found
+        journal = box.ssh(f"journalctl --no-pager | grep -cF {shlex.quote(KEY)} || true").stdout.strip()
+        assert journal == "0", f"{box.name}: the key is in the journal"
+    assert KEY not in trained.output
+
+
+def place_as_verl_wrote(box, local: Path, dest: str) -> None:
+    """``local``'s files where verl (the train user) would have written them on ``box``."""
+    target = box.root / dest.lstrip("/")
+    shutil.copytree(local, target, dirs_exist_ok=True)
+    box.ssh(f"chown -R verl:verl {shlex.quote(dest)}")
+
+
+@pytest.fixture(scope="module")
+def verl_wrote(lab, trained, tmp_path_factory):
+    """What verl's trackers write during a run, made by verl's own Tracking on CPU."""
+    from tests.fixtures.standins.env import test_env, verl_tree
+
+    work = tmp_path_factory.mktemp("verl-out")
+    python, verl_root = test_env(), verl_tree(work / "src")
+    for name in (HUB, OTHER):
+        events = verl_event_files(python, verl_root, work / name / RUNS[name], experiment=RUNS[name])
+        if name == HUB and recorded_run():       # the hub shows the real GPU run's files where they are committed
+            shutil.rmtree(events)
+            shutil.copytree(recorded_run(), events)
+        place_as_verl_wrote(lab.box(name), events, f"{ROOT}/tracking/tensorboard/{RUNS[name]}")
+    run = verl_wandb_offline_run(python, verl_root, work / "wandb", experiment=RUNS[OTHER])
+    place_as_verl_wrote(lab.box(OTHER), run, f"{ROOT}/tracking/wandb/wandb/{run.name}")
+    # box2's run finished: the launcher's GSM8K scores of the base model and of the proven export of step 5
+    ckpt = f"{ROOT}/train/checkpoints"
+    other = lab.box(OTHER)
+    # (as verl_lab_box/gsm8k_score.py writes them: indented, a newline at the end)
+    for path, data in (("gsm8k-base.json", {"accuracy": 0.25, "rows": 1319}),
+                       ("global_step_5/hf.proof.json", {"ok": True, "final": True}),
+                       ("global_step_5/hf.gsm8k.json", {"accuracy": 0.4, "rows": 1319, "step": 5, "final": True})):
+        other.write_text(f"{ckpt}/{path}", json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return run
+
+
+@pytest.fixture(scope="module")
+def tracked(lab, settings, verl_wrote):
+    with argv_sampled():
+        res = lab.deploy("deploy/tracking.py", per_host=settings["per_host"], mode="text", timeout=900)
+    assert res.rc == 0 and not res.failed_hosts, res.tail()
+    return res
+
+
+def test_hub_serves_every_boxs_event_files_from_its_unit(lab, settings, tracked):
+    hub = lab.box(HUB)
+    assert hub.ssh("systemctl is-active verl-lab-tensorboard.service").stdout.strip() == "active"
+    files = hub.ssh(f"cd {ROOT}/tracking/lab && find . -type f | sort").stdout.split()
+    for name in (HUB, OTHER):
+        assert any(f.startswith(f"./{name}/{RUNS[name]}/events.out.tfevents.") for f in files), files
+    assert any(f.startswith(f"./{OTHER}/verl-lab/events.out.tfevents.") for f in files), files
+    # TensorBoard runs as the train user and listens on 127.0.0.1 only
+    assert hub.ssh("systemctl show -p User --value verl-lab-tensorboard.service").stdout.strip() == "verl"
+    # (the boxes share this machine's network: its listening sockets are the hub's)
+    port = settings["port"]
+    listen = [ln.split()[3] for ln in subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout.splitlines()
+              if ln.strip() and ln.split()[3].endswith(f":{port}")]
+    assert listen == [f"127.0.0.1:{port}"], listen
+
+
+def test_controller_wrote_the_labs_scalars_from_the_boxes_scores(lab, tracked):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tasks.facts.export import RunExports
+
+    folder = lab.controller_cache / "tracking" / "lab" / OTHER / "verl-lab"
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    seen = lab.box(OTHER).ssh(RunExports().command(f"{ROOT}/train/checkpoints")).stdout
+    assert SCORE_TAG in acc.Tags()["scalars"], f"{sorted(acc.Tags()['scalars'])}; the box has: {seen}"
+    assert [(e.step, round(e.value, 3)) for e in acc.Scalars(SCORE_TAG)] == [(0, 0.25), (5, 0.4)]
+
+
+def test_offline_wandb_run_synced_by_the_controller_with_its_key(tracked, wandb_server):
+    buckets = wandb_server.buckets()
+    assert any(b.get("project") == "verl-lab" and b.get("displayName") == RUNS[OTHER] for b in buckets), buckets
+    rows = wandb_server.history_rows()
+    assert [r["_step"] for r in rows if "critic/score/mean" in r] == [1, 2, 3, 4, 5], rows[:2]
+    assert all(tag in rows[0] for tag in VERL_TAGS), sorted(rows[0])
+    assert wandb_server.completed() and wandb_server.keys_used() == {KEY}
+    assert KEY not in tracked.output
+    assert ARGV_HITS == [], "the key was in a process's argv during the train or tracking deploy"
+
+
+@pytest.fixture(scope="module")
+def tunnel(lab, settings, tracked):
+    """deploy/status.py's SSH tunnel, as printed (its local port moved: the boxes share this machine's
+    network, where the hub's TensorBoard already holds the port)."""
+    res = lab.deploy("deploy/status.py", per_host=settings["per_host"], mode="text", timeout=600)
+    line = next((ln for ln in res.output.splitlines() if ln.startswith("The lab's TensorBoard on ")), None)
+    assert line, res.tail()
+    port = settings["port"]
+    command = line.split("): ", 1)[1].split("  then open ", 1)[0]
+    assert command.startswith(f"ssh -N -L {port}:127.0.0.1:{port} ") and line.endswith(f"http://localhost:{port}/")
+    local = free_port()
+    argv = shlex.split(command.replace(f"-L {port}:", f"-L {local}:", 1))
+    argv[1:1] = ["-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{local}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/data/logdir", timeout=5).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"tunnel {argv}: {proc.stderr.read().decode()[-800:]}")
+            time.sleep(1)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def runs(url: str) -> list[str]:
+    return json.loads(urllib.request.urlopen(f"{url}/data/runs", timeout=10).read())
+
+
+def scalars(url: str, run: str, tag: str) -> list:
+    q = urllib.parse.urlencode({"run": run, "tag": tag})
+    return json.loads(urllib.request.urlopen(f"{url}/data/plugin/scalars/scalars?{q}", timeout=10).read())
+
+
+def test_tensorboard_has_verls_scalars_and_the_labs(tunnel):
+    # each box's own run, and its lab summary (box1: the plan's predicted peak; box2: also its GSM8K scores)
+    assert sorted(runs(tunnel)) == sorted([f"{HUB}/{RUNS[HUB]}", f"{OTHER}/{RUNS[OTHER]}", f"{HUB}/verl-lab",
+                                           f"{OTHER}/verl-lab"])
+    assert [step for _, step, _ in scalars(tunnel, f"{OTHER}/{RUNS[OTHER]}", "critic/score/mean")] == [1, 2, 3, 4, 5]
+    if recorded_run():      # the hub's own run is the real GPU run's event files: served as they were written
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(recorded_run()))
+        acc.Reload()
+        want = [(e.step, e.value) for e in acc.Scalars("critic/score/mean")]
+        assert [(step, value) for _, step, value in scalars(tunnel, f"{HUB}/{RUNS[HUB]}", "critic/score/mean")] \
+            == want
+    assert [(s, round(v, 3)) for _, s, v in scalars(tunnel, f"{OTHER}/verl-lab", SCORE_TAG)] == [(0, 0.25), (5, 0.4)]
+    assert scalars(tunnel, f"{OTHER}/verl-lab", "verl_lab/predicted_peak_mib")[0][2] > 0
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and driver, "Debian's chromium and chromium-driver are missing (.ci/run installs them)"
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,2000"):
+        options.add_argument(arg)
+    d = webdriver.Chrome(service=Service(driver), options=options)
+    yield d
+    d.quit()
+
+
+def coloured_pixels(png: bytes) -> int:
+    """Pixels of a chart's canvas that are neither white nor grey: the runs' curves (the grid is grey)."""
+    from PIL import Image
+
+    raw = Image.open(io.BytesIO(png)).convert("RGB").tobytes()
+    return sum(1 for i in range(0, len(raw), 3) if max(raw[i:i + 3]) - min(raw[i:i + 3]) > 20)
+
+
+def test_browser_scalars_page_lists_verls_metrics_and_draws_the_curves(tunnel, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{tunnel}/#timeseries")
+    wait = WebDriverWait(browser, 60)
+    box = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "input[placeholder='Filter tags (regex)']")))
+    wanted = [*VERL_TAGS, SCORE_TAG]
+    box.send_keys("|".join(f"^{t}$" for t in wanted))
+
+    def cards(driver):
+        found = {c.find_element(By.CSS_SELECTOR, "[class*=title], .heading").text.replace("\n", ""): c
+                 for c in driver.find_elements(By.CSS_SELECTOR, "scalar-card")}
+        return found if set(wanted) <= set(found) else False
+
+    found = wait.until(cards)
+    for tag in wanted:
+        canvas = found[tag].find_element(By.CSS_SELECTOR, "line-chart canvas")
+        deadline = time.monotonic() + 30
+        while (drawn := coloured_pixels(canvas.screenshot_as_png)) < 100 and time.monotonic() < deadline:
+            time.sleep(1)
+        assert drawn >= 100, f"{tag}: no curve drawn ({drawn} coloured pixels)"
+    legend = browser.find_element(By.TAG_NAME, "body").text
+    assert f"{OTHER}/{RUNS[OTHER]}" in legend and f"{HUB}/{RUNS[HUB]}" in legend
+
+
+def test_a_box_that_goes_away_keeps_its_curves(lab, settings, tunnel):
+    other = lab.box(OTHER)
+    other.ssh("systemctl stop ssh.socket ssh.service >/dev/null 2>&1 &", check=False)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", other.port)) != 0:
+                break
+        time.sleep(1)
+    res = lab.deploy("deploy/tracking.py", per_host=settings["per_host"], mode="text", timeout=600)
+    assert "box2" in res.output and "lab's TensorBoard" in res.output, res.tail()
+    assert lab.box(HUB).ssh("systemctl is-active verl-lab-tensorboard.service").stdout.strip() == "active"
+    assert f"{OTHER}/{RUNS[OTHER]}" in runs(tunnel)
+    kept = lab.box(HUB).ssh(f"ls {ROOT}/tracking/lab/{OTHER}/{RUNS[OTHER]}").stdout
+    assert "events.out.tfevents." in kept, "the hub dropped the files of the box that went away"
+    assert len(scalars(tunnel, f"{OTHER}/{RUNS[OTHER]}", "critic/score/mean")) == 5
