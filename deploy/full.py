@@ -5,16 +5,18 @@ Stages run in this order; each is idempotent alone and has its own deploy file
 whose env is broken gets it rebuilt beside the old one (the env stage swaps only after the new env passes its proofs).
 """
 
-from tasks.base import base_layout
+from tasks.base import base_layout, check_run
 from tasks.cluster import install_cluster, training_in
 from tasks.cuda import install_cuda
 from tasks.data import install_data
 from tasks.driver import install_driver
-from tasks.hostdata import check_inventory, cluster_for, settings_for
+from tasks.hostdata import cluster_for, settings_for
 from tasks.env import install_env
 from tasks.train import install_train
 
-check_inventory()
+# every host of the run, all at once, before any host changes: the inventory's values and what each
+# box tells (GPU, driver, disk, the plan, verl's own checks); any problem stops the whole run
+check_run()
 settings = settings_for()
 
 gpu = base_layout(settings)        # the host's GPU target, decided once for every stage
