@@ -144,7 +144,8 @@ def run_report() -> str | None:
     problems = check_inventory(stop=False)
     hosts = [h for h in state.inventory.get_active_hosts() if h.name in _CACHE and _data_planned(_CACHE[h.name])]
     answers = ask_every_host(hosts)
-    problems += box_problems({h.name: _CACHE[h.name] for h in hosts}, answers)
+    in_run = {h.name: _CACHE[h.name] for h in hosts}
+    problems += box_problems(in_run, answers) + relay_problems(in_run, answers)
     if not problems:
         return None
     order = {name: i for i, name in enumerate(_IN_RUN)}
@@ -177,9 +178,14 @@ def box_facts(settings: LabSettings) -> list[tuple[type, dict]]:
     from tasks.data_plan import data_plan
     from tasks.facts.data import SnapshotStamp
     from tasks.facts.disk import CheckpointDisk, FreeDisk
+    from tasks.facts.endpoint import EndpointServes, api_url
     plan = data_plan(settings)
-    return [(NvidiaGpus, {}), (SnapshotStamp, {"dest": plan.model_dir}), (SnapshotStamp, {"dest": plan.source_dir}),
-            (FreeDisk, {"path": plan.model_dir}), (CheckpointDisk, {"path": f"{settings.train_dir}/checkpoints"})]
+    facts = [(NvidiaGpus, {}), (SnapshotStamp, {"dest": plan.model_dir}), (SnapshotStamp, {"dest": plan.source_dir}),
+             (FreeDisk, {"path": plan.model_dir}), (CheckpointDisk, {"path": f"{settings.train_dir}/checkpoints"})]
+    if plan.mode == "direct":     # the box downloads: whether the endpoint serves it, asked from the box
+        facts += [(EndpointServes, {"url": api_url(plan.endpoint, spec.repo_type, spec.repo, spec.revision),
+                                    "python": settings.launcher_python}) for spec in (plan.model, plan.dataset)]
+    return facts
 
 
 def ask_every_host(hosts) -> dict[str, list]:
@@ -214,8 +220,9 @@ def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> 
             continue
         targets[name] = decide_gpu(settings[name], got[0])
     for name, target in targets.items():
-        s, (gpus, model_stamp, data_stamp, free, ckpt_disk) = settings[name], answers[name]
+        s, (gpus, model_stamp, data_stamp, free, ckpt_disk, *probes) = settings[name], answers[name]
         found += driver_problems(s, target)
+        found += served_problems(s, (model_stamp, data_stamp), probes)
         rollout = s.workload["rollout"]
         refusal = target.target and rollout_refusal(rollout, target.target)
         if refusal:
@@ -242,6 +249,56 @@ def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> 
 class _Named:
     def __init__(self, name: str):
         self.name = name
+
+
+def served_problems(settings: LabSettings, stamps, probes) -> list[SettingsError]:
+    """A model or dataset the endpoint does not serve, where the box still needs it: in direct mode
+    from the box's own probes (tasks/facts/endpoint.py); relay mode is asked on the controller
+    (``relay_problems``)."""
+    from tasks.data_plan import data_plan
+    from tasks.facts.endpoint import served_problem
+    if not probes:
+        return []
+    plan = data_plan(settings)
+    found = []
+    for spec, stamp, probe in zip((plan.model, plan.dataset), stamps, probes):
+        if stamp and stamp.get("digest") == spec.digest:
+            continue        # already on the box: the endpoint is not asked for it again
+        text = served_problem(probe, spec.label, f"catalog_overrides.{spec.artifact}", plan.endpoint_shown)
+        if text:
+            found.append(BoxProblem(settings.host, f"{spec.repo_type} ({spec.artifact}, direct)", text))
+    return found
+
+
+_LISTED: dict = {}      # (endpoint, spec digest) -> the relay check's answer, once per run
+
+
+def relay_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> list[SettingsError]:
+    """Relay mode: the controller downloads the model and data, so it asks the endpoint (the pinned
+    revision's file list, sizes and sha256 against the catalog: ``hf_snapshot.list_remote``) for
+    what a box still needs and the controller's cache does not hold, once per repo and revision."""
+    from tasks.data import controller_dir, hf_token
+    from tasks.data_plan import data_plan
+    from verl_lab_box.hf_snapshot import SnapshotError, list_remote, stamp_matches
+    found = []
+    for name, got in answers.items():
+        s = settings[name]
+        if isinstance(got, Exception) or s.artifact_mode != "relay":
+            continue
+        plan = data_plan(s)
+        for spec, stamp in zip((plan.model, plan.dataset), got[1:3]):
+            if (stamp and stamp.get("digest") == spec.digest) or stamp_matches(controller_dir(s, spec), spec):
+                continue
+            key = (plan.endpoint, spec.digest)
+            if key not in _LISTED:
+                try:
+                    list_remote(spec, plan.endpoint, hf_token(s))
+                    _LISTED[key] = None
+                except (SnapshotError, OSError) as exc:
+                    _LISTED[key] = str(exc)
+            if _LISTED[key]:
+                found.append(BoxProblem(name, f"{spec.repo_type} ({spec.artifact}, relay)", _LISTED[key]))
+    return found
 
 
 def driver_problems(settings: LabSettings, target: HostTarget) -> list[SettingsError]:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.standins.hf_endpoint import catalog_overrides, standard_endpoint
 from tests.lab import BoxSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,8 +75,15 @@ ROWS: list[dict] = []
 
 @pytest.fixture(scope="module")
 def lab(lab_factory):
-    return lab_factory([BoxSpec("t4", gpu="t4"), BoxSpec("p40", gpu="p40"),
-                        BoxSpec("k80", gpu="k80", gpu_count=2, driver=K80_DRIVER)])
+    """The three boxes, and the lab's HF endpoint stand-in with the 0.5B model and GSM8K only (no other
+    catalog model): every deploy here points at it (``lab.hf_data``)."""
+    lab = lab_factory([BoxSpec("t4", gpu="t4"), BoxSpec("p40", gpu="p40"),
+                       BoxSpec("k80", gpu="k80", gpu_count=2, driver=K80_DRIVER)])
+    endpoint = standard_endpoint(models=()).start()
+    lab.hf_data = {"mirror_urls": {**lab.mirror_urls, "huggingface": endpoint.url},
+                   "catalog_overrides": catalog_overrides(endpoint)}
+    yield lab
+    endpoint.stop()
 
 
 def state(lab, names) -> dict:
@@ -97,7 +105,7 @@ def test_each_bad_input_stops_before_any_box_changes(lab, case):
     row, what, hosts, per_host, where = case
     before = state(lab, hosts)
     started = time.monotonic()
-    res = lab.deploy("deploy/full.py", hosts=hosts, per_host=per_host, timeout=600)
+    res = lab.deploy("deploy/full.py", hosts=hosts, data=lab.hf_data, per_host=per_host, timeout=600)
     took = time.monotonic() - started
     printed = refusal_lines(res.output)
     assert res.rc != 0 and printed, res.tail()
@@ -148,7 +156,7 @@ def test_one_report_of_every_host_inventory_and_boxes_at_once(lab):
     typo hiding nothing, each printed once, and no host changed."""
     hosts = ["t4", "p40", "k80"]
     before = state(lab, hosts)
-    res = lab.deploy("deploy/full.py", hosts=hosts, per_host=EVERY_HOST, timeout=600)
+    res = lab.deploy("deploy/full.py", hosts=hosts, data=lab.hf_data, per_host=EVERY_HOST, timeout=600)
     printed = refusal_lines(res.output)
     assert res.rc != 0 and not res.ran_operations, res.tail()
     assert state(lab, hosts) == before, res.tail()
@@ -168,11 +176,41 @@ def test_one_report_of_every_host_inventory_and_boxes_at_once(lab):
 def test_limit_reports_only_the_hosts_it_names(lab):
     hosts = ["t4", "p40", "k80"]
     before = state(lab, hosts)
-    res = lab.deploy("deploy/full.py", hosts=hosts, per_host=EVERY_HOST, extra_args=["--limit", "p40"], timeout=600)
+    res = lab.deploy("deploy/full.py", hosts=hosts, data=lab.hf_data, per_host=EVERY_HOST,
+                     extra_args=["--limit", "p40"], timeout=600)
     printed = refusal_lines(res.output)
     assert res.rc != 0 and not res.ran_operations, res.tail()
     assert printed[0].startswith("verl-lab: 2 problems on 1 host of 1 in this run"), printed
     assert {line.split(": ")[0] for line in printed[1:]} == {"host p40"}, printed
+    assert state(lab, hosts) == before
+
+
+def test_a_model_or_revision_the_endpoint_lacks_is_refused_before_any_change(lab):
+    """The endpoint serves the 0.5B model only: the 1.5B is refused in the run's checks, from the
+    controller in relay mode (t4: the Hub API's file list, with the token) and from the box in direct
+    mode (p40: the box's own request), and so is a pinned revision the endpoint does not have; before
+    any change (no CUDA, no env built first)."""
+    hosts = ["t4", "p40"]
+    before = state(lab, hosts)
+    wrong_rev = {**lab.hf_data["catalog_overrides"]["qwen_model"], "revision": "0" * 40}
+    res = lab.deploy("deploy/full.py", hosts=hosts, data=lab.hf_data, per_host={
+        "t4": {"workload": {"model": "Qwen/Qwen2.5-1.5B-Instruct"}},
+        "p40": {"artifact_mode": "direct", "workload": {"model": "Qwen/Qwen2.5-1.5B-Instruct"}}}, timeout=600)
+    printed = refusal_lines(res.output)
+    assert res.rc != 0 and not res.ran_operations, res.tail()
+    assert state(lab, hosts) == before
+    text = "\n".join(printed)
+    assert re.search(r"host t4: model \(qwen_1_5b_model, relay\): model repo 'Qwen/Qwen2.5-1.5B-Instruct' at "
+                     r"revision 989aa79\w+ from HF endpoint http://127.0.0.1:\d+: the endpoint has no such repo", text), text
+    assert re.search(r"host p40: model \(qwen_1_5b_model, direct\): .*the HF endpoint http://127.0.0.1:\d+ has no "
+                     r"such repo \(HTTP 404, RepoNotFound\)", text), text
+    res = lab.deploy("deploy/full.py", hosts=hosts, per_host={"t4": {}, "p40": {"artifact_mode": "direct"}},
+                     data={**lab.hf_data, "catalog_overrides": {**lab.hf_data["catalog_overrides"],
+                                                                "qwen_model": wrong_rev}}, timeout=600)
+    text = "\n".join(refusal_lines(res.output))
+    assert res.rc != 0 and not res.ran_operations, res.tail()
+    assert "host t4: model (qwen_model, relay):" in text and "the endpoint has no such revision" in text, text
+    assert "host p40: model (qwen_model, direct):" in text and "has no such revision" in text, text
     assert state(lab, hosts) == before
 
 
