@@ -26,7 +26,7 @@ with stage("base"):
     gpu = base_layout(settings)    # the host's GPU target, decided once for every stage
 target = gpu.target
 note(gpu=f"{target.count} x {target.name}, from {gpu.source}" if target else "no GPU",
-     unit=settings.train_unit_state)
+     unit=settings.train_unit_state, cache=str(settings.controller_cache))
 if not gpu.refused:                # driver = "install" only; the CUDA stage then trusts its proof
     if settings.driver == "install":
         with stage("driver"):

@@ -148,6 +148,12 @@ def run_report() -> str | None:
     problems += box_problems(in_run, answers) + relay_problems(in_run, answers)
     if not problems:
         return None
+    from tasks.run_summary import record_run
+    for name, s in _CACHE.items():      # deploy/status.py tells from these why a box is not installed
+        mine = [str(p) for p in problems if p.host == name]
+        if mine and name in _IN_RUN:
+            record_run(str(s.controller_cache), name, ok=False, stage="checks", message=" | ".join(mine),
+                       line=f"verl-lab: {name}: refused by the checks before any change")
     order = {name: i for i, name in enumerate(_IN_RUN)}
     problems = sorted(problems, key=lambda p: order.get(p.host, len(order)))   # stable: each host's together
     bad = list(dict.fromkeys(p.host for p in problems))

@@ -75,17 +75,48 @@ def lines(state) -> list[str]:
     hosts = {h.name: h for h in state.inventory}
     for name, rec in sorted(_RECORD.items()):
         h = hosts.get(name)
-        words, total = [], 0
+        words, total, failed_stage, message = [], 0, None, None
         for stage_name, hashes in rec["stages"]:
             ops = []
             for op_hash in hashes:
                 meta = state.get_op_data_for_host(h, op_hash).operation_meta
                 ops.append((meta.did_change(), meta.did_succeed()) if meta.is_complete() else (None, None))
+                if meta.is_complete() and not meta.did_succeed() and failed_stage is None:
+                    failed_stage = stage_name
+                    message = " ".join(line.strip() for line in meta.stderr_lines[-3:] if line.strip())
             total += sum(1 for c, _ in ops if c)
             words.append(stage_words(stage_name, ops))
-        out.append(host_line(name, rec.get("gpu", "?"), words, total, rec.get("plan"), rec.get("unit", "?"),
-                             h in state.failed_hosts))
+        line = host_line(name, rec.get("gpu", "?"), words, total, rec.get("plan"), rec.get("unit", "?"),
+                         h in state.failed_hosts)
+        out.append(line)
+        if rec.get("cache"):
+            record_run(rec["cache"], name, ok=h not in state.failed_hosts, stage=failed_stage, message=message,
+                       line=line)
     return out
+
+
+def record_run(cache: str, host_name: str, ok: bool, stage: str | None, message: str | None, line: str) -> None:
+    """The controller's record of this host's last deploy/full.py (<controller_cache>/runs/<host>.json):
+    deploy/status.py tells from it why a stage is not installed."""
+    import json
+    import time
+    from pathlib import Path
+    path = Path(cache) / "runs" / f"{host_name}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "ok": ok,
+                                    "stage": stage, "message": message, "line": line}, indent=1))
+    except OSError:
+        pass
+
+
+def last_run(cache, host_name: str) -> dict | None:
+    import json
+    from pathlib import Path
+    try:
+        return json.loads((Path(cache) / "runs" / f"{host_name}.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def print_summary() -> None:
