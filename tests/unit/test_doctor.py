@@ -298,6 +298,7 @@ def test_cli_inputs_it_cannot_judge_exit_2_without_a_traceback(tmp_path, make, w
 @pytest.mark.parametrize("plan,words", [
     ("{not json", "is not JSON (Expecting property name enclosed in double quotes, line 1)"),
     ("[1, 2]", "is JSON but not a plan"),
+    ("{}", "is a JSON object but not a plan.json: it has no rung, gpu, predicted_peak_mib"),
     (None, "cannot read --plan"),
 ])
 def test_cli_plan_that_is_not_a_plan_json(tmp_path, plan, words):
