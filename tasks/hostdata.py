@@ -102,8 +102,8 @@ def hosts_in_run(hosts=None) -> list:
     """The hosts this run acts on: pyinfra's --limit/--exclude (State.limit_hosts), else all."""
     if hosts is not None:
         return list(hosts)
-    from pyinfra import state
-    limit = getattr(state, "limit_hosts", None) if state.isset() else None
+    from pyinfra.context import ctx_state
+    limit = getattr(ctx_state.get(), "limit_hosts", None) if ctx_state.isset() else None
     return list(limit) if limit is not None else list(inventory)
 
 

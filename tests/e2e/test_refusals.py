@@ -75,11 +75,11 @@ ROWS: list[dict] = []
 
 @pytest.fixture(scope="module")
 def lab(lab_factory):
-    """The three boxes, and the lab's HF endpoint stand-in with the 0.5B model and GSM8K only (no other
-    catalog model): every deploy here points at it (``lab.hf_data``)."""
+    """The three boxes, and the lab's HF endpoint stand-in (every catalog model, GSM8K): every deploy here
+    points at it (``lab.hf_data``)."""
     lab = lab_factory([BoxSpec("t4", gpu="t4"), BoxSpec("p40", gpu="p40"),
                        BoxSpec("k80", gpu="k80", gpu_count=2, driver=K80_DRIVER)])
-    endpoint = standard_endpoint(models=()).start()
+    endpoint = standard_endpoint().start()
     lab.hf_data = {"mirror_urls": {**lab.mirror_urls, "huggingface": endpoint.url},
                    "catalog_overrides": catalog_overrides(endpoint)}
     yield lab
@@ -113,7 +113,7 @@ def test_each_bad_input_stops_before_any_box_changes(lab, case):
     # the run's checks (tasks/base.py check_run): the inventory's values and what each box told, one
     # report; nothing ran on any host
     assert printed[0].startswith("verl-lab: ") and "nothing was changed on any host" in printed[0], printed
-    assert printed.count(printed[0]) == 1 and len(printed) == len(set(printed)), printed
+    assert_each_line_once(res.output, printed)
     assert not res.ran_operations, res.tail()
     ROWS.append({"row": row, "input": what, "where": where, "rc": res.rc, "seconds": round(took, 1),
                  "printed": printed})
@@ -145,6 +145,15 @@ def test_the_messages_name_host_key_value_reason_and_fix():
     assert all(". Fix: " in line for line in many[1:]), many
 
 
+def assert_each_line_once(output: str, printed: list[str]) -> None:
+    """The report once, each of its lines once (refusal_lines drops repeats: count in the raw output),
+    and its header's count is the number of problem lines."""
+    raw = [line.strip() for line in output.splitlines()]
+    assert all(raw.count(line) == 1 for line in printed), [line for line in printed if raw.count(line) != 1]
+    count = int(re.match(r"verl-lab: (\d+) problems? on", printed[0]).group(1))
+    assert count == len(printed) - 1, printed
+
+
 EVERY_HOST = {"t4": {"mirror_profle": "cn", "workload": {"train_batch_size": 10000}},
               "p40": {"workload": {"rollout": "vllm", "train_batch_size": 10000}},
               "k80": {}}
@@ -170,7 +179,7 @@ def test_one_report_of_every_host_inventory_and_boxes_at_once(lab):
     assert "host p40: workload.rollout: 'vllm' (GPU from nvidia-smi)" in text
     assert text.count("Train dataloader is empty!") == 2, text
     assert "host k80: GPU (nvidia-smi): 2 x Tesla K80" in text and "NVIDIA driver 470.256.02 is too old" in text
-    assert len(printed) == len(set(printed)), "each problem once"
+    assert_each_line_once(res.output, printed)
 
 
 def test_limit_reports_only_the_hosts_it_names(lab):
@@ -192,8 +201,17 @@ def test_a_model_or_revision_the_endpoint_lacks_is_refused_before_any_change(lab
     any change (no CUDA, no env built first)."""
     hosts = ["t4", "p40"]
     before = state(lab, hosts)
-    wrong_rev = {**lab.hf_data["catalog_overrides"]["qwen_model"], "revision": "0" * 40}
-    res = lab.deploy("deploy/full.py", hosts=hosts, data=lab.hf_data, per_host={
+    small = standard_endpoint(models=()).start()       # the 0.5B model and GSM8K only
+    hf_data = {"mirror_urls": {**lab.mirror_urls, "huggingface": small.url}, "catalog_overrides": catalog_overrides(small)}
+    wrong_rev = {**hf_data["catalog_overrides"]["qwen_model"], "revision": "0" * 40}
+    try:
+        _endpoint_refusals(lab, hosts, before, hf_data, wrong_rev)
+    finally:
+        small.stop()
+
+
+def _endpoint_refusals(lab, hosts, before, hf_data, wrong_rev):
+    res = lab.deploy("deploy/full.py", hosts=hosts, data=hf_data, per_host={
         "t4": {"workload": {"model": "Qwen/Qwen2.5-1.5B-Instruct"}},
         "p40": {"artifact_mode": "direct", "workload": {"model": "Qwen/Qwen2.5-1.5B-Instruct"}}}, timeout=600)
     printed = refusal_lines(res.output)
@@ -205,8 +223,8 @@ def test_a_model_or_revision_the_endpoint_lacks_is_refused_before_any_change(lab
     assert re.search(r"host p40: model \(qwen_1_5b_model, direct\): .*the HF endpoint http://127.0.0.1:\d+ has no "
                      r"such repo \(HTTP 404, RepoNotFound\)", text), text
     res = lab.deploy("deploy/full.py", hosts=hosts, per_host={"t4": {}, "p40": {"artifact_mode": "direct"}},
-                     data={**lab.hf_data, "catalog_overrides": {**lab.hf_data["catalog_overrides"],
-                                                                "qwen_model": wrong_rev}}, timeout=600)
+                     data={**hf_data, "catalog_overrides": {**hf_data["catalog_overrides"], "qwen_model": wrong_rev}},
+                     timeout=600)
     text = "\n".join(refusal_lines(res.output))
     assert res.rc != 0 and not res.ran_operations, res.tail()
     assert "host t4: model (qwen_model, relay):" in text and "the endpoint has no such revision" in text, text

@@ -376,10 +376,12 @@ def test_docs_refusals_doctor_table_is_what_the_cli_printed(tmp_path):
         paths[name] = path if content is not None or name != "run.log (missing)" else tmp_path / "run.log"
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "empty.json").write_text("{}")
     runs = [("a missing file", [paths["run.log (missing)"]]), ("a directory", [tmp_path]),
             ("an empty file", [paths["empty.log"]]), ("a file of random bytes", [paths["junk.log"]]),
             ("`--plan` that is not JSON", ["--plan", tmp_path / "bad.json", REAL_RUN]),
             ("`--plan` that is a JSON list", ["--plan", tmp_path / "list.json", REAL_RUN]),
+            ("`--plan` that is `{}`", ["--plan", tmp_path / "empty.json", REAL_RUN]),
             ("a run cut before its end", [paths["cut.log"]]), ("a run that ran out of memory", [paths["oom.log"]]),
             ("a real run to its last step (GPU call 1's log)", [REAL_RUN])]
     rows = ["| input | exit | headline (stdout) | stderr |", "|---|---|---|---|"]
