@@ -72,5 +72,5 @@ if rows is not None:
             made = plot_all(runs, Path(plots), scores)
             print(f"plots: {', '.join(str(p) for p in made)}", flush=True)
         else:
-            print(f"plots: none, and no folder made at {plots}: no box has finished a step or has a GSM8K score",
+            print(f"plots: none (no box has finished a step); no GSM8K score either, so no folder made at {plots}",
                   flush=True)
