@@ -54,8 +54,7 @@ def pyinfra_kept(text: str) -> tuple[list[str], int]:
     for line in text.splitlines():
         if line.startswith("    Operation ") or line.startswith("    Operation\t"):
             in_table = True
-        told = ("verl-lab" in line or "rror" in line) and not line.startswith("    [") or \
-            (line.startswith("    [") and ("verl-lab" in line or "rror" in line))
+        told = ("verl-lab" in line or "rror" in line) and not line.startswith("--> Starting operation")
         if in_table or (line.startswith("--> ") and not told) or (line.startswith("    [") and not told) \
                 or line.startswith("    Loading:") \
                 or not line.strip() or line.strip().startswith("Detected changes may not include") \
