@@ -191,7 +191,8 @@ def box_facts(settings: LabSettings) -> list[tuple[type, dict]]:
              (FreeDisk, {"path": plan.model_dir}), (CheckpointDisk, {"path": f"{settings.train_dir}/checkpoints"})]
     if plan.mode == "direct":     # the box downloads: whether the endpoint serves it, asked from the box
         facts += [(EndpointServes, {"url": api_url(plan.endpoint, spec.repo_type, spec.repo, spec.revision),
-                                    "python": settings.launcher_python}) for spec in (plan.model, plan.dataset)]
+                                    "python": settings.launcher_python, "dest": dest, "digest": spec.digest})
+                  for spec, dest in ((plan.model, plan.model_dir), (plan.dataset, plan.source_dir))]
     return facts
 
 

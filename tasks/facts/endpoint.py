@@ -44,15 +44,23 @@ def api_url(endpoint: str, repo_type: str, repo: str, revision: str) -> str:
 
 class EndpointServes(FactBase[dict | None]):
     """``{"url", "status", "code" (X-Error-Code), "json" (a JSON object came back), "error"}`` for
-    one Hub API URL, asked from the box; the default, None, where the box printed nothing (no python3)."""
+    one Hub API URL, asked from the box; ``{"skipped": true}`` where ``dest`` already holds the snapshot
+    of ``digest`` (its verified stamp: the endpoint is not asked); the default, None, where the box printed
+    nothing (no python3)."""
 
     @staticmethod
     def default() -> None:
         return None
 
-    def command(self, url: str, python: str = "python3") -> str:
-        return (f"command -v {shlex.quote(python)} >/dev/null 2>&1 && "
-                f"{shlex.quote(python)} -c {shlex.quote(PROBE)} {shlex.quote(url)} {TIMEOUT_S} || true")
+    def command(self, url: str, python: str = "python3", dest: str | None = None, digest: str | None = None) -> str:
+        probe = (f"command -v {shlex.quote(python)} >/dev/null 2>&1 && "
+                 f"{shlex.quote(python)} -c {shlex.quote(PROBE)} {shlex.quote(url)} {TIMEOUT_S} || true")
+        if not (dest and digest):
+            return probe
+        # a snapshot already verified on the box (its stamp holds the spec's digest): the endpoint is not asked
+        stamp = shlex.quote(dest + ".verified.json")
+        return (f"if [ -d {shlex.quote(dest)} ] && grep -qF {shlex.quote(digest)} {stamp} 2>/dev/null; "
+                f"then echo '{{\"skipped\": true}}'; else {probe}; fi")
 
     def process(self, output) -> dict | None:
         for line in output:
@@ -68,7 +76,7 @@ class EndpointServes(FactBase[dict | None]):
 def served_problem(answer: dict | None, what: str, fix_key: str, endpoint: str) -> str | None:
     """Why the endpoint does not serve ``what`` to this box (None: it does, or the box cannot tell)."""
     fix_mirror = "set mirror_urls.huggingface to an endpoint that carries it (or artifact_mode = 'relay')"
-    if answer is None:
+    if answer is None or answer.get("skipped"):
         return None
     if answer.get("error"):
         return (f"{what}: the box cannot reach the HF endpoint {endpoint} ({answer['error']}), and in direct "

@@ -172,3 +172,17 @@ def test_the_inventory_pass_reports_only_the_hosts_of_the_run(monkeypatch):
     inv = Inventory(([("a", {"driver": "instal"}), ("b", {"train_steps": 0})], {}))
     found = hostdata.check_inventory([inv.get_host("b")], stop=False, everyone=list(inv))
     assert [(p.host, p.key) for p in found] == [("b", "train_steps")]
+
+
+def test_what_a_box_told_of_the_endpoint_in_direct_mode():
+    from tasks.facts.endpoint import served_problem
+    args = ("model repo 'Q/M' at revision abc", "catalog_overrides.qwen_model", "http://hf.example")
+    assert served_problem({"status": 200, "json": True}, *args) is None
+    assert served_problem({"skipped": True}, *args) is None, "already on the box: the endpoint was not asked"
+    assert served_problem({"status": 401, "code": "RepoNotFound"}, *args) is None, "no token on the box: not judged"
+    assert "has no such revision. Fix: pin an existing commit in catalog_overrides.qwen_model.revision" in \
+        served_problem({"status": 404, "code": "RevisionNotFound"}, *args)
+    assert "has no such repo (HTTP 404, RepoNotFound)" in served_problem({"status": 404, "code": "RepoNotFound"}, *args)
+    assert "the box cannot reach the HF endpoint http://hf.example (URLError" in \
+        served_problem({"error": "URLError: refused"}, *args)
+    assert "did not answer the Hub API" in served_problem({"status": 200, "json": False}, *args)
