@@ -16,18 +16,25 @@ from pathlib import Path
 from pyinfra import host
 
 from tasks.cluster import RAY_UNIT
-from tasks.doctor import diagnose, never_ran, render, verdict
+from tasks.doctor import FINE, RUNNING, STOPPED, diagnose, never_ran, render, verdict
 from tasks.facts.bundle import ask
 from tasks.facts.logs import BoxLogs, TrainingRun
 from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
 from tasks.settings import TRAIN_UNIT
-from tasks.status import unit_summary
+from tasks.run_summary import last_run
+from tasks.status import STAGES, not_installed_reason, unit_summary
+
+
+
+def hosts_words(n: int) -> str:
+    return f"{n} host" if n == 1 else f"{n} hosts"
+
 
 check_inventory()
 settings = settings_for()
 logs, run = ask(
     (BoxLogs, {"log_glob": f"{settings.lab_root}/logs/*.log", "units": [RAY_UNIT]}),
-    (TrainingRun, {"unit": TRAIN_UNIT, "markers": {}, "plan_path": f"{settings.train_dir}/plan.json",
+    (TrainingRun, {"unit": TRAIN_UNIT, "markers": {st: settings.marker(st) for st in STAGES}, "plan_path": f"{settings.train_dir}/plan.json",
                    "launcher": f"{settings.train_dir}/train-launcher", "user": settings.train_user,
                    "python": settings.launcher_python, "steps": False}),
 )
@@ -47,15 +54,27 @@ else:
     diag.verdict = verdict(diag, unit_state)
     report = diag.to_json() | {"unit": unit_state, "unit_state": unit_words}
     text = render(diag) + (f"\n  unit: {unit_state}: {unit_words}" if run["unit"] else "")
+    if unit_state == "not-installed":
+        # why there is no unit: the controller's record of the box's last deploy/full.py
+        why = not_installed_reason([st for st in STAGES if (run.get("markers") or {}).get(st)],
+                                   last_run(settings.controller_cache, host.name))
+        if why:
+            report["reason"] = why
+            text += f"\n  why: {why}"
 out_dir = settings.controller_cache / "doctor"
 out_dir.mkdir(parents=True, exist_ok=True)
 (out_dir / f"{host.name}.json").write_text(json.dumps(report, indent=2))
 print(text, flush=True)
 
 reports = every_host_once_all_answered("doctor_reports", report)
+if reports is not None:
+    quiet = [r for r in reports.values() if r.get("verdict") in (FINE, RUNNING, STOPPED) and not r.get("findings")]
+    if len(quiet) == len(reports):
+        print(f"doctor: nothing to diagnose on {hosts_words(len(reports))}: no unit failed or is failing, and no "
+              "stage log or journal holds a known failure", flush=True)
 target = host.data.get("doctor_json")
 if target and reports is not None:
     # the last host to answer writes the lab's JSON (the deploy file runs once per host)
     path = out_dir / "lab.json" if target in (True, "True", "true", "1") else Path(target)
     write_json(path, {"hosts": list(reports.values())})
-    print(f"doctor's reports of {len(reports)} hosts: {path}", flush=True)
+    print(f"doctor's reports of {hosts_words(len(reports))}: {path}", flush=True)

@@ -3,29 +3,53 @@
 Stages run in this order; each is idempotent alone and has its own deploy file
 (deploy/driver.py, cuda.py, env.py, data.py, train.py; cluster.py only for boxes in a Ray cluster). A box
 whose env is broken gets it rebuilt beside the old one (the env stage swaps only after the new env passes its proofs).
+The run ends with one line per host (tasks/run_summary.py): each stage proven, checked or changed, the
+plan in one line, the unit's state.
 """
 
-from tasks.base import base_layout
+from tasks.base import base_layout, check_run
 from tasks.cluster import install_cluster, training_in
 from tasks.cuda import install_cuda
 from tasks.data import install_data
 from tasks.driver import install_driver
-from tasks.hostdata import check_inventory, cluster_for, settings_for
+from tasks.hostdata import cluster_for, settings_for
 from tasks.env import install_env
+from tasks.run_summary import note, plan_line, stage
 from tasks.train import install_train
 
-check_inventory()
+# every host of the run, all at once, before any host changes: the inventory's values and what each
+# box tells (GPU, driver, disk, the plan, verl's own checks); any problem stops the whole run
+check_run()
 settings = settings_for()
 
-gpu = base_layout(settings)        # the host's GPU target, decided once for every stage
+with stage("base"):
+    gpu = base_layout(settings)    # the host's GPU target, decided once for every stage
+target = gpu.target
+note(gpu=f"{target.count} x {target.name}, from {gpu.source}" if target else "no GPU",
+     unit=settings.train_unit_state, cache=str(settings.controller_cache))
 if not gpu.refused:                # driver = "install" only; the CUDA stage then trusts its proof
-    gpu = install_driver(settings, gpu)
+    if settings.driver == "install":
+        with stage("driver"):
+            gpu = install_driver(settings, gpu)
+    else:                          # driver = "check": nothing to install; the CUDA stage judges it
+        gpu = install_driver(settings, gpu)
 if not gpu.refused:                # a box that cannot train: its failure only, nothing else queued
-    install_cuda(settings, gpu)
-    install_env(settings, gpu)
-    install_data(settings)
+    with stage("cuda"):
+        install_cuda(settings, gpu)
+    with stage("env"):
+        install_env(settings, gpu)
+    with stage("data"):
+        install_data(settings)
     cluster = cluster_for()        # None: the box trains alone (and nothing below asks more)
     train_settings, targets = training_in(cluster, settings, gpu)
-    install_train(train_settings, gpu, targets)
+    note(unit=train_settings.train_unit_state)
+    with stage("train"):
+        install_train(train_settings, gpu, targets)
     if cluster:
-        install_cluster(settings, gpu, cluster, targets)
+        with stage("cluster"):
+            install_cluster(settings, gpu, cluster, targets)
+    try:
+        from tasks.validation import training_plan
+        note(plan=plan_line(training_plan(train_settings, gpu.target, targets).to_dict()))
+    except Exception:              # noqa: BLE001 - the train stage already failed this box with why
+        pass

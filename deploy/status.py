@@ -26,8 +26,9 @@ from tasks.facts.bundle import ask
 from tasks.facts.export import RunExports
 from tasks.facts.logs import TrainingRun
 from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
+from tasks.run_summary import last_run
 from tasks.settings import TRAIN_UNIT
-from tasks.status import STAGES, _json_safe, box_status, parse_log, render_rows, unit_summary
+from tasks.status import STAGES, _json_safe, box_status, boxes, nothing_to_report, parse_log, render_rows, unit_summary
 from tasks.tracking_hub import hub_words
 
 check_inventory()
@@ -44,7 +45,8 @@ if unit_state in ("failed", "crash-looping"):
     verdict = "\n".join(render(diag).splitlines()[1:]) or "the unit failed; the doctor found no cause"
 elif unit_state == "never-ran":
     verdict = never_ran(host.name, run["preflight"], run["plan"])[1]
-row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict, run["history"], exports)
+row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict, run["history"], exports,
+                 last=last_run(settings.controller_cache, host.name))
 if settings.driver == "install":      # the held driver: a newer build of its branch, its end of life
     row["driver_notes"] = held_driver_notes(settings)
 
@@ -56,15 +58,24 @@ if rows is not None:
     # the last box to answer prints the lab (the deploy file runs once per box, side by side)
     ordered = list(rows.values())
     print(render_rows(ordered), flush=True)
+    idle = nothing_to_report(ordered)
+    if idle:
+        print(idle, flush=True)
     print(hub_words(settings, inventory), flush=True)       # the SSH tunnel to the lab's TensorBoard
     target = host.data.get("status_json")
     if target:
         write_json(target, _json_safe({"hosts": ordered}))
-        print(f"status of {len(ordered)} boxes: {target}", flush=True)
+        print(f"status of {boxes(len(ordered))}: {target}", flush=True)
     plots = host.data.get("status_plots")
     if plots:
-        from tasks.plots import plot_all
+        runs = {name: parse_log((out_dir / f"{name}.log").read_text()) for name in rows}
+        scores = {name: row["gsm8k"] for name, row in rows.items()}
+        if any(r.steps for r in runs.values()) or any(g and (g.get("base") is not None or g.get("trained") is not None)
+                                                       for g in scores.values()):
+            from tasks.plots import plot_all
 
-        made = plot_all({name: parse_log((out_dir / f"{name}.log").read_text()) for name in rows}, Path(plots),
-                        {name: row["gsm8k"] for name, row in rows.items()})
-        print(f"plots: {', '.join(str(p) for p in made) or 'none (no box has finished a step)'}", flush=True)
+            made = plot_all(runs, Path(plots), scores)
+            print(f"plots: {', '.join(str(p) for p in made)}", flush=True)
+        else:
+            print(f"plots: none (no box has finished a step); no GSM8K score either, so no folder made at {plots}",
+                  flush=True)

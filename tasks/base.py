@@ -4,10 +4,12 @@ read in the same command, returned to the stages; gcc-11 installed here where th
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 from pyinfra import host
 from pyinfra.api import deploy
+from pyinfra.api.exceptions import PyinfraError
 from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import apt, server
 
@@ -18,7 +20,7 @@ from tasks.facts.gpu import NvidiaGpus
 from tasks.facts.nvidia import CudaHostCompiler
 from tasks.placed import place, wanted_dir
 from tasks.plan import rollout_refusal
-from tasks.settings import LabSettings
+from tasks.settings import LabSettings, SettingsError
 from tasks.target import HOST_COMPILER_PACKAGES, HostTarget, decide_compiler, decide_gpu
 
 SHELL = "/usr/sbin/nologin"
@@ -91,3 +93,251 @@ def cannot_train(settings: LabSettings, target: HostTarget):
     cluster = cluster_for()
     members = member_targets(cluster, settings.host, target.target) if cluster and target.target else None
     return plan_problem(settings, target.target, target.source, target.problem, members)
+
+
+# ------------------------------------------------------------------ the run's checks, every host at once
+
+class BoxProblem(SettingsError):
+    """A problem only a box shows (its GPU, driver, disk): host, what, and the text with its fix."""
+
+    def __init__(self, host_name: str, key: str, text: str):
+        self.host, self.key, self.problem, self.fix = host_name, key, text, ""
+        ValueError.__init__(self, f"host {host_name}: {key}: {text}")
+
+
+_RUN = {"done": False, "report": None, "lock": None}
+
+
+def check_run() -> None:
+    """deploy/full.py's first line, on every host: one report of every problem of every host of the
+    run (the inventory's values, then what each box tells: its GPU, its driver, its free disk, the
+    training plan on that GPU and verl 0.5.0's own checks), before any host changes.
+
+    pyinfra prepares each host in a greenlet of its own (pyinfra_cli.util._parallel_load_hosts) after
+    it connected to every host (connect_all): the first host here asks every host's facts, side by
+    side, in one bundle each; the others wait for it. Any problem stops the run (every host raises
+    the same report), so no operation is queued on any host."""
+    import gevent.lock
+    if _RUN["lock"] is None:
+        _RUN["lock"] = gevent.lock.Semaphore()
+    with _RUN["lock"]:
+        if not _RUN["done"]:
+            _RUN["report"] = run_report()
+            _RUN["done"] = True
+            if _RUN["report"]:     # printed once, by the host that made it; every host then stops
+                print(_RUN["report"], file=sys.stderr, flush=True)
+    if _RUN["report"]:
+        # a PyinfraError: pyinfra's loader returns it from the host's greenlet and the CLI prints it
+        # once, as one line (a SystemExit would escape the greenlet into gevent's hub, with a traceback)
+        raise RunRefused("verl-lab: the checks before any change found the problems above; nothing was "
+                         "changed on any host")
+
+
+class RunRefused(PyinfraError):
+    """The run's checks found problems: no host of the run is changed."""
+
+
+def run_report() -> str | None:
+    from pyinfra import state
+    from tasks.hostdata import _CACHE, _IN_RUN, check_inventory
+
+    problems = check_inventory(stop=False)
+    hosts = [h for h in state.inventory.get_active_hosts() if h.name in _CACHE and _data_planned(_CACHE[h.name])]
+    answers = ask_every_host(hosts)
+    in_run = {h.name: _CACHE[h.name] for h in hosts}
+    problems += box_problems(in_run, answers) + relay_problems(in_run, answers)
+    problems = list({str(p): p for p in problems}.values())   # a gpu_override's plan: checked in both passes
+    if not problems:
+        return None
+    from tasks.run_summary import record_run
+    for name, s in _CACHE.items():      # deploy/status.py tells from these why a box is not installed
+        mine = [str(p) for p in problems if p.host == name]
+        if mine and name in _IN_RUN:
+            record_run(str(s.controller_cache), name, ok=False, stage="checks", message=" | ".join(mine),
+                       line=f"verl-lab: {name}: refused by the checks before any change")
+    order = {name: i for i, name in enumerate(_IN_RUN)}
+    problems = sorted(problems, key=lambda p: order.get(p.host, len(order)))   # stable: each host's together
+    bad = list(dict.fromkeys(p.host for p in problems))
+    from tasks.hostdata import report
+    return report(problems, header=(
+        f"verl-lab: {plural(len(problems), 'problem')} on {plural(len(bad), 'host')} of {len(_IN_RUN)} in this run "
+        "(inventory values, then what each box told: GPU, driver, disk, the plan, verl's own checks); "
+        "nothing was changed on any host:"))
+
+
+def _data_planned(settings: LabSettings) -> bool:
+    """Whether the data stage's plan exists (else the inventory pass reported why: no box check)."""
+    from tasks.data_plan import data_plan
+    try:
+        data_plan(settings)
+    except SettingsError:
+        return False
+    return True
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def box_facts(settings: LabSettings) -> list[tuple[type, dict]]:
+    """What the run's checks read on one box, in one bundle: its GPUs and driver, the model and
+    data already there and the free disk for the rest, the disk under the checkpoint folder."""
+    from tasks.data_plan import data_plan
+    from tasks.facts.data import SnapshotStamp
+    from tasks.facts.disk import CheckpointDisk, FreeDisk
+    from tasks.facts.endpoint import EndpointServes, api_url
+    plan = data_plan(settings)
+    facts = [(NvidiaGpus, {}), (SnapshotStamp, {"dest": plan.model_dir}), (SnapshotStamp, {"dest": plan.source_dir}),
+             (FreeDisk, {"path": plan.model_dir}), (CheckpointDisk, {"path": f"{settings.train_dir}/checkpoints"})]
+    if plan.mode == "direct":     # the box downloads: whether the endpoint serves it, asked from the box
+        facts += [(EndpointServes, {"url": api_url(plan.endpoint, spec.repo_type, spec.repo, spec.revision),
+                                    "python": settings.launcher_python, "dest": dest, "digest": spec.digest})
+                  for spec, dest in ((plan.model, plan.model_dir), (plan.dataset, plan.source_dir))]
+    return facts
+
+
+def ask_every_host(hosts) -> dict[str, list]:
+    """Every host's box facts, asked side by side (one greenlet, one command a host)."""
+    import gevent
+    from pyinfra import state
+    from pyinfra.context import ctx_config, ctx_host
+    from tasks.facts.bundle import Bundle
+    from tasks.hostdata import _CACHE
+
+    def one(h):
+        facts = box_facts(_CACHE[h.name])
+        with ctx_config.use(state.config.copy()), ctx_host.use(h):
+            try:
+                got = h.get_fact(Bundle, facts=facts)
+            except Exception as exc:     # noqa: BLE001 - a box that cannot answer is a problem of that box
+                return exc
+        return got if isinstance(got, list) and len(got) == len(facts) else [cls().default() for cls, _ in facts]
+
+    jobs = {h.name: gevent.spawn(one, h) for h in hosts}
+    gevent.joinall(list(jobs.values()))
+    return {name: job.value for name, job in jobs.items()}
+
+
+def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> list[SettingsError]:
+    """Every problem the boxes' answers show (pure: settings and answers in, problems out)."""
+    from tasks.hostdata import cluster_for
+    targets, found = {}, []
+    for name, got in answers.items():
+        if isinstance(got, Exception):
+            found.append(BoxProblem(name, "facts", f"the box did not answer the checks' facts: {got}"))
+            continue
+        targets[name] = decide_gpu(settings[name], got[0])
+    for name, target in targets.items():
+        s, (gpus, model_stamp, data_stamp, free, ckpt_disk, *probes) = settings[name], answers[name]
+        found += driver_problems(s, target)
+        found += served_problems(s, (model_stamp, data_stamp), probes)
+        rollout = s.workload["rollout"]
+        refusal = target.target and rollout_refusal(rollout, target.target)
+        if refusal:
+            found.append(SettingsError(name, "workload.rollout", f"{rollout!r} (GPU from {target.source}): "
+                                       f"{refusal[0].rstrip('.')}", refusal[1].rstrip(".")))
+            # the rest of the plan is still checked, with the rollout this GPU runs
+            s = replace(s, workload={**s.workload, "rollout": "auto"})
+        found += disk_problems(s, model_stamp, data_stamp, free)
+        if s.driver == "install" and target.target is None:
+            continue     # the driver stage reads the GPUs from the PCI bus and installs the driver first
+        cluster = cluster_for(_Named(name))
+        members = None
+        if cluster and target.target:
+            members = {m: (targets[m].target if m in targets else None) for m in cluster.members}
+        from tasks.validation import plan_problem
+        problem = plan_problem(s, target.target, target.source, target.problem, members)
+        if problem:
+            found.append(problem)
+            continue
+        found += checkpoint_problems(s, target, members, ckpt_disk)
+    return found
+
+
+class _Named:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def served_problems(settings: LabSettings, stamps, probes) -> list[SettingsError]:
+    """A model or dataset the endpoint does not serve, where the box still needs it: in direct mode
+    from the box's own probes (tasks/facts/endpoint.py); relay mode is asked on the controller
+    (``relay_problems``)."""
+    from tasks.data_plan import data_plan
+    from tasks.facts.endpoint import served_problem
+    if not probes:
+        return []
+    plan = data_plan(settings)
+    found = []
+    for spec, stamp, probe in zip((plan.model, plan.dataset), stamps, probes):
+        if stamp and stamp.get("digest") == spec.digest:
+            continue        # already on the box: the endpoint is not asked for it again
+        text = served_problem(probe, spec.label, f"catalog_overrides.{spec.artifact}", plan.endpoint_shown)
+        if text:
+            found.append(BoxProblem(settings.host, f"{spec.repo_type} ({spec.artifact}, direct)", text))
+    return found
+
+
+_LISTED: dict = {}      # (endpoint, spec digest) -> the relay check's answer, once per run
+
+
+def relay_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> list[SettingsError]:
+    """Relay mode: the controller downloads the model and data, so it asks the endpoint (the pinned
+    revision's file list, sizes and sha256 against the catalog: ``hf_snapshot.list_remote``) for
+    what a box still needs and the controller's cache does not hold, once per repo and revision."""
+    from tasks.data import controller_dir, hf_token
+    from tasks.data_plan import data_plan
+    from verl_lab_box.hf_snapshot import SnapshotError, list_remote, stamp_matches
+    found = []
+    for name, got in answers.items():
+        s = settings[name]
+        if isinstance(got, Exception) or s.artifact_mode != "relay":
+            continue
+        plan = data_plan(s)
+        for spec, stamp in zip((plan.model, plan.dataset), got[1:3]):
+            if (stamp and stamp.get("digest") == spec.digest) or stamp_matches(controller_dir(s, spec), spec):
+                continue
+            key = (plan.endpoint, spec.digest)
+            if key not in _LISTED:
+                try:
+                    list_remote(spec, plan.endpoint, hf_token(s))
+                    _LISTED[key] = None
+                except (SnapshotError, OSError) as exc:
+                    _LISTED[key] = str(exc)
+            if _LISTED[key]:
+                found.append(BoxProblem(name, f"{spec.repo_type} ({spec.artifact}, relay)", _LISTED[key]))
+    return found
+
+
+def driver_problems(settings: LabSettings, target: HostTarget) -> list[SettingsError]:
+    """The CUDA stage's driver check (driver = "check": the driver the box has must run CUDA 11.8)."""
+    if settings.driver != "check":
+        return []
+    from tasks.cuda import check_driver, cuda_want
+    want = cuda_want(settings)
+    text = check_driver(target.driver, want.min_driver, want.allow_no_driver, want.cuda_release)
+    return [BoxProblem(settings.host, "driver (nvidia-smi)", text)] if text else []
+
+
+def disk_problems(settings: LabSettings, model_stamp, data_stamp, free) -> list[SettingsError]:
+    """The data stage's disk check: room for the model and data not yet on the box."""
+    from tasks.data import disk_shortfall
+    from tasks.data_plan import data_plan
+    plan = data_plan(settings)
+    todo = [spec for spec, stamp in ((plan.model, model_stamp), (plan.dataset, data_stamp))
+            if not (stamp and stamp.get("digest") == spec.digest)]
+    short = disk_shortfall(todo, free if todo else None, plan.model_dir)
+    return [BoxProblem(settings.host, "disk (model and data)", short)] if short else []
+
+
+def checkpoint_problems(settings: LabSettings, target: HostTarget, members, disk) -> list[SettingsError]:
+    """The training stage's disk check: the kept checkpoint saves, the one being written, the export."""
+    from tasks.plan import PlanError
+    from tasks.train import TrainingLayout, checkpoint_disk_short
+    from tasks.validation import training_plan
+    try:
+        plan = training_plan(settings, target.target, members)
+    except PlanError:
+        return []
+    short = checkpoint_disk_short(TrainingLayout(settings=settings, plan=plan, plan_source=target.source), disk)
+    return [BoxProblem(settings.host, "disk (checkpoints)", short)] if short else []

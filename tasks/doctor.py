@@ -339,6 +339,9 @@ def _read(path: Path, what: str) -> str:
         raise ValueError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
 
+PLAN_KEYS = ("rung", "gpu", "predicted_peak_mib")     # what every plan.json has (TrainingPlan.to_dict)
+
+
 def read_plan(path: Path) -> dict:
     """A plan.json for the doctor (ValueError saying what is wrong with it)."""
     try:
@@ -348,6 +351,10 @@ def read_plan(path: Path) -> dict:
                          "plan.json (<lab_root>/train/plan.json)") from None
     if not isinstance(plan, dict):
         raise ValueError(f"--plan {path} is JSON but not a plan (an object with predicted_peak_mib, breakdown ...)")
+    missing = [key for key in PLAN_KEYS if key not in plan]
+    if missing:
+        raise ValueError(f"--plan {path} is a JSON object but not a plan.json: it has no {', '.join(missing)}; give "
+                         "the box's plan.json (<lab_root>/train/plan.json)")
     return plan
 
 

@@ -258,10 +258,17 @@ def _abs_path(host: str, key: str, value: Any) -> str:
     return value.rstrip("/") or "/"
 
 
+def did_you_mean(value: Any, allowed) -> str:
+    """'did you mean X? ' where ``value`` is a near miss of one of ``allowed`` (values, as keys get)."""
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 def _choice(host: str, key: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise SettingsError(host, key, f"{value!r} is not one of {', '.join(allowed)}",
-                            f"set {key} to one of {', '.join(allowed)} in the inventory or group_data")
+                            f"{did_you_mean(value, allowed)}set {key} to one of {', '.join(allowed)} in the "
+                            "inventory or group_data")
     return value
 
 
@@ -345,10 +352,10 @@ def _workload(host: str, value: Any) -> dict[str, Any]:
     w = {**WORKLOAD_DEFAULTS, **{k: v for k, v in value.items() if k in WORKLOAD_DEFAULTS}}
     if w["algorithm"] not in WORKLOAD_ALGORITHMS:
         found.append(SettingsError(host, "workload.algorithm", f"{w['algorithm']!r} is not one of auto, ppo, grpo",
-                                   "set it to auto (PPO, else GRPO, else shorter responses: what fits), ppo or grpo"))
+                                   f"{did_you_mean(w['algorithm'], WORKLOAD_ALGORITHMS)}set it to auto (PPO, else GRPO, else shorter responses: what fits), ppo or grpo"))
     if w["rollout"] not in WORKLOAD_ROLLOUTS:
         found.append(SettingsError(host, "workload.rollout", f"{w['rollout']!r} is not one of auto, vllm, hf",
-                                   "set it to auto (vLLM where the GPU runs it, else the HF rollout), vllm (vLLM, "
+                                   f"{did_you_mean(w['rollout'], WORKLOAD_ROLLOUTS)}set it to auto (vLLM where the GPU runs it, else the HF rollout), vllm (vLLM, "
                                    "on compute capability >= 7.0 only) or hf (the HF-transformers rollout, on any GPU)"))
     found += _finetune(host, w)
     bad = set()

@@ -212,8 +212,26 @@ def gsm8k_summary(exports: dict | None) -> dict:
             "engine": score.get("engine") or base.get("engine")}
 
 
+def not_installed_reason(proven: list[str], last: dict | None) -> str | None:
+    """Why stages are not installed on a box (None: every stage is): the controller's record of the
+    box's last deploy/full.py (tasks/run_summary.py: the stage that failed and its message)."""
+    missing = [st for st in STAGES if st not in proven]
+    if not missing:
+        return None
+    what = f"{', '.join(missing)} not installed"
+    if last is None:
+        return (f"{what}: no deploy/full.py of this box is recorded on this controller; run "
+                "pyinfra -y <inventory> deploy/full.py")
+    if not last.get("ok"):
+        return f"{what}: the last deploy ({last.get('when')}) failed at {last.get('stage') or '?'}: " \
+               f"{last.get('message') or 'see its output'}"
+    return (f"{what}, although the last deploy ({last.get('when')}) passed: the box changed since (a marker "
+            "removed?); run deploy/full.py again")
+
+
 def box_status(host: str, markers: dict[str, dict | None], unit: dict[str, str], journal: str,
-               plan: dict | None, verdict: str | None = None, history: str = "", exports: dict | None = None) -> dict:
+               plan: dict | None, verdict: str | None = None, history: str = "", exports: dict | None = None,
+               last: dict | None | bool = False) -> dict:
     """One row of the lab's status: stages proven, env generation, unit, progress (from the journal
     of the unit's current run), peak GPU memory against the plan's prediction, the GSM8K scores of
     the base model and the run's export (``exports``: tasks.facts.export.RunExports), the doctor's verdict."""
@@ -221,7 +239,9 @@ def box_status(host: str, markers: dict[str, dict | None], unit: dict[str, str],
     s = run.summary()
     state, words = unit_summary(unit, history)
     peak_gb = s.pop("peak_allocated_gb")
-    return {"host": host, "stages": [st for st in STAGES if (markers or {}).get(st)],
+    proven = [st for st in STAGES if (markers or {}).get(st)]
+    # ``last``: the controller's record of the box's last deploy/full.py (None: none); False: not asked
+    return {"host": host, "stages": proven, "reason": None if last is False else not_installed_reason(proven, last),
             "env_generation": ((markers or {}).get("env") or {}).get("generation"),
             "unit": state, "unit_detail": words, **s,
             "peak_mib": round(peak_gb * 1024) if peak_gb is not None else None,
@@ -257,9 +277,27 @@ def render_rows(rows: list[dict]) -> str:
         out.append(f"{r['host']:<14} {','.join(r['stages']) or '-':<19} {fmt(r['env_generation']):<9} "
                    f"{r['unit']:<14} {step:>9} {fmt(r['score'], '.3f'):>7} {fmt(val, '.3f'):>7} "
                    f"{fmt(r['seconds_per_step'], '.1f'):>7} {eta:>8} {peak:>14} {gsm8k_words(r.get('gsm8k')):>20}")
+        if r.get("reason"):
+            out.append(f"    why: {r['reason']}")
         out += [f"    {line}" for line in (r["verdict"] or "").splitlines()]
         out += [f"    {line}" for line in r.get("driver_notes") or ()]
     return "\n".join(out)
+
+
+def boxes(n: int) -> str:
+    return f"{n} box" if n == 1 else f"{n} boxes"
+
+
+def nothing_to_report(rows: list[dict]) -> str | None:
+    """The line status ends with when no box has a training run to report, and why (None: one has)."""
+    if any(r.get("step") or r.get("unit") in ("running", "crash-looping", "failed", "finished") for r in rows):
+        return None
+    states: dict[str, list[str]] = {}
+    for r in rows:
+        states.setdefault(r.get("unit") or "?", []).append(r["host"])
+    words = "; ".join(f"{state}: {', '.join(hosts)}" for state, hosts in sorted(states.items()))
+    return (f"status: no training run to report on {boxes(len(rows))} ({words}). Start one with "
+            "--data train_unit_state=started on a box with a GPU; `why:` and the preflight above say what stops a box")
 
 
 def render(run: RunLog, name: str) -> str:

@@ -88,6 +88,14 @@ def test_readme_lab_path_as_written(tmp_path):
                        f"--- stderr\n{res.stderr}\n")
         inv = repo / ".lab" / "inventory.py"
         inventory_head = inv.read_text().splitlines()[0] if inv.is_file() else ""
+        if res.returncode == 0:
+            # what a newcomer does next: a typo in `bin/lab up` on the provisioned lab (refused before
+            # anything stops), then a re-run (nothing to change: one line per host of what it proved)
+            after = subprocess.run(["bash", "-c", ". .venv/bin/activate && bin/lab up --gpus gtx1090; echo \"rc=$?\"; "
+                                    "bin/lab plans && pyinfra -y .lab/inventory.py deploy/full.py"],
+                                   cwd=repo, env=newcomer_env(), stdin=subprocess.DEVNULL, capture_output=True,
+                                   text=True, timeout=900)
+            log.write_text(log.read_text() + f"--- after\n{after.stdout}\n{after.stderr}\n")
     finally:
         python = repo / ".venv" / "bin" / "python"
         down = subprocess.run([str(python if python.exists() else "python3"), "bin/lab", "down"], cwd=repo,
@@ -100,3 +108,11 @@ def test_readme_lab_path_as_written(tmp_path):
     assert "train fp32, rollout hf (float32)" in res.stdout
     assert re.search(r"predicted peak \d+ MiB of a \d+ MiB budget", res.stdout)
     assert "`bin/lab up` rewrites it" in inventory_head
+    text = after.stdout + after.stderr
+    assert "bin/lab: unknown GPU 'gtx1090' (did you mean gtx1080?)" in after.stderr and "rc=1" in after.stdout, text
+    assert "stopping the lab" not in text, "the typo stopped the provisioned lab"
+    assert after.returncode == 0, f"the lab did not survive the typo, or the re-run failed:\n{text[-3000:]}"
+    summary = [line for line in after.stderr.splitlines() if line.startswith("verl-lab: p40 (")]
+    assert len(summary) == 1, text[-3000:]
+    assert ("base proven, cuda proven, env proven, data proven, train proven; changed nothing; plan "
+            "ppo, train fp32, rollout hf float32") in summary[0] and summary[0].endswith("; unit enabled"), summary

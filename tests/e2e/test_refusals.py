@@ -5,9 +5,11 @@ on driver 470).
 Each bad input is one run of ``deploy/full.py``, as a user would run it; the boxes' state (every
 file under /opt, /usr/local, /etc/systemd/system and /var/tmp/verl-lab with its size, mode, owner
 and time; users and groups; installed packages; the verl-lab units and the env generation) is the
-same after it as before. A GPU known from host data (gpu_override) is refused by the check of the
-inventory, before pyinfra connects; a box's own GPU at its first fact pass, where only that box
-fails. One run with many bad settings on two hosts lists every problem. A workload verl 0.5.0 runs
+same after it as before. deploy/full.py's checks (tasks/base.py check_run) report every problem of
+every host of the run at once, the inventory's values and what each box told (its GPU, driver, disk,
+the plan, verl's own checks), before any host changes: nothing runs on any host. One run with many
+bad settings on two hosts lists every problem; one run with a typo, vLLM on a P40, a batch too large
+and a K80 lists all of them; --limit reports only its hosts. A workload verl 0.5.0 runs
 (train_batch_size 3, mini-batch 2) is deployed. ``train_unit_state = "stopped"`` stops a unit that
 crash-loops and a re-run changes nothing; status and the doctor then say it failed, not "never ran".
 
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.standins.hf_endpoint import catalog_overrides, standard_endpoint
 from tests.lab import BoxSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,8 +75,15 @@ ROWS: list[dict] = []
 
 @pytest.fixture(scope="module")
 def lab(lab_factory):
-    return lab_factory([BoxSpec("t4", gpu="t4"), BoxSpec("p40", gpu="p40"),
-                        BoxSpec("k80", gpu="k80", gpu_count=2, driver=K80_DRIVER)])
+    """The three boxes, and the lab's HF endpoint stand-in (every catalog model, GSM8K): every deploy here
+    points at it (``lab.hf_data``)."""
+    lab = lab_factory([BoxSpec("t4", gpu="t4"), BoxSpec("p40", gpu="p40"),
+                       BoxSpec("k80", gpu="k80", gpu_count=2, driver=K80_DRIVER)])
+    endpoint = standard_endpoint().start()
+    lab.hf_data = {"mirror_urls": {**lab.mirror_urls, "huggingface": endpoint.url},
+                   "catalog_overrides": catalog_overrides(endpoint)}
+    yield lab
+    endpoint.stop()
 
 
 def state(lab, names) -> dict:
@@ -83,7 +93,8 @@ def state(lab, names) -> dict:
 def refusal_lines(output: str) -> list[str]:
     """What verl-lab printed about the refusal: the inventory check's lines, or a box's failure."""
     lines = [line.strip() for line in output.splitlines()]
-    found = [line for line in lines if line.startswith(("verl-lab: the inventory has errors", "host "))]
+    found = [line for line in lines if line.startswith("host ")
+             or (line.startswith("verl-lab: ") and line.endswith("nothing was changed on any host:"))]
     found += [re.sub(r"^.*?(verl-lab (checks|base): )", r"\1", line) for line in lines
               if re.search(r"verl-lab (checks|base): host ", line)]
     return list(dict.fromkeys(found))
@@ -94,18 +105,16 @@ def test_each_bad_input_stops_before_any_box_changes(lab, case):
     row, what, hosts, per_host, where = case
     before = state(lab, hosts)
     started = time.monotonic()
-    res = lab.deploy("deploy/full.py", hosts=hosts, per_host=per_host, timeout=600)
+    res = lab.deploy("deploy/full.py", hosts=hosts, data=lab.hf_data, per_host=per_host, timeout=600)
     took = time.monotonic() - started
     printed = refusal_lines(res.output)
     assert res.rc != 0 and printed, res.tail()
     assert state(lab, hosts) == before, f"{row}: a box changed\n{res.tail()}"
-    if where == "inventory":
-        # nothing ran: pyinfra stopped before it connected to a box
-        assert printed[0] == "verl-lab: the inventory has errors; nothing was changed on any host:", printed
-        assert not res.ran_operations, res.tail()
-    else:
-        # the box's own GPU, known at its first fact pass: only its failure was queued
-        assert res.failed_hosts == [where] and res.changed_by_host.get(where, 0) == 0, res
+    # the run's checks (tasks/base.py check_run): the inventory's values and what each box told, one
+    # report; nothing ran on any host
+    assert printed[0].startswith("verl-lab: ") and "nothing was changed on any host" in printed[0], printed
+    assert_each_line_once(res.output, printed)
+    assert not res.ran_operations, res.tail()
     ROWS.append({"row": row, "input": what, "where": where, "rc": res.rc, "seconds": round(took, 1),
                  "printed": printed})
 
@@ -121,7 +130,8 @@ def test_the_messages_name_host_key_value_reason_and_fix():
            "R470" in text["a Tesla K80 as gpu_override"]
     assert "sm_100" in text["a Blackwell GPU as gpu_override"]
     k80 = text["a box with a Tesla K80 (driver 470)"]
-    assert "verl-lab checks: host k80: GPU (nvidia-smi): 2 x Tesla K80 (compute capability 3.7" in k80 and "R470" in k80
+    assert "host k80: GPU (nvidia-smi): 2 x Tesla K80 (compute capability 3.7" in k80 and "R470" in k80
+    assert "host k80: driver (nvidia-smi): NVIDIA driver 470.256.02 is too old for CUDA 11.8" in k80
     assert "Train dataloader is empty!" in text["a batch larger than GSM8K's train split"]
     assert "host t4: workload.train_batch_size:" in text["a batch larger than GSM8K's train split"]
     assert "model context length should be greater than total sequence length" in \
@@ -130,9 +140,96 @@ def test_the_messages_name_host_key_value_reason_and_fix():
     many = by["many bad settings on two hosts in one run"]
     keys = [line.split(":")[1].strip() for line in many[1:]]
     assert sorted(keys) == sorted(["mirror_profle", "workload.max_response_length", "workload.epochs",
-                                   "train_unit_state", "hf_token_file"]), many
-    # p40's K80 override is checked too, once its settings are right: its settings' problem comes first
+                                   "train_unit_state", "hf_token_file", "gpu_override"]), many
+    # p40's bad hf_token_file does not hide its K80 override (the plan does not read the token file)
     assert all(". Fix: " in line for line in many[1:]), many
+
+
+def assert_each_line_once(output: str, printed: list[str]) -> None:
+    """The report once, each of its lines once (refusal_lines drops repeats: count in the raw output),
+    and its header's count is the number of problem lines."""
+    raw = [line.strip() for line in output.splitlines()]
+    assert all(raw.count(line) == 1 for line in printed), [line for line in printed if raw.count(line) != 1]
+    count = int(re.match(r"verl-lab: (\d+) problems? on", printed[0]).group(1))
+    assert count == len(printed) - 1, printed
+
+
+EVERY_HOST = {"t4": {"mirror_profle": "cn", "workload": {"train_batch_size": 10000}},
+              "p40": {"workload": {"rollout": "vllm", "train_batch_size": 10000}},
+              "k80": {}}
+
+
+def test_one_report_of_every_host_inventory_and_boxes_at_once(lab):
+    """An inventory typo (t4), vLLM asked on a P40 and a batch no GPU can take (t4, p40), a K80 on
+    driver 470 (k80, known from its nvidia-smi only): every problem of every host in one run, the
+    typo hiding nothing, each printed once, and no host changed."""
+    hosts = ["t4", "p40", "k80"]
+    before = state(lab, hosts)
+    res = lab.deploy("deploy/full.py", hosts=hosts, data=lab.hf_data, per_host=EVERY_HOST, timeout=600)
+    printed = refusal_lines(res.output)
+    assert res.rc != 0 and not res.ran_operations, res.tail()
+    assert state(lab, hosts) == before, res.tail()
+    assert printed[0].startswith("verl-lab: 6 problems on 3 hosts of 3 in this run"), printed
+    keys = [tuple(line.split(": ")[0:2]) for line in printed[1:]]
+    assert keys == [("host t4", "mirror_profle"), ("host t4", "workload.train_batch_size"),
+                    ("host p40", "workload.rollout"), ("host p40", "workload.train_batch_size"),
+                    ("host k80", "driver (nvidia-smi)"), ("host k80", "GPU (nvidia-smi)")], printed
+    text = "\n".join(printed)
+    assert "did you mean mirror_profile?" in text
+    assert "host p40: workload.rollout: 'vllm' (GPU from nvidia-smi)" in text
+    assert text.count("Train dataloader is empty!") == 2, text
+    assert "host k80: GPU (nvidia-smi): 2 x Tesla K80" in text and "NVIDIA driver 470.256.02 is too old" in text
+    assert_each_line_once(res.output, printed)
+
+
+def test_limit_reports_only_the_hosts_it_names(lab):
+    hosts = ["t4", "p40", "k80"]
+    before = state(lab, hosts)
+    res = lab.deploy("deploy/full.py", hosts=hosts, data=lab.hf_data, per_host=EVERY_HOST,
+                     extra_args=["--limit", "p40"], timeout=600)
+    printed = refusal_lines(res.output)
+    assert res.rc != 0 and not res.ran_operations, res.tail()
+    assert printed[0].startswith("verl-lab: 2 problems on 1 host of 1 in this run"), printed
+    assert {line.split(": ")[0] for line in printed[1:]} == {"host p40"}, printed
+    assert state(lab, hosts) == before
+
+
+def test_a_model_or_revision_the_endpoint_lacks_is_refused_before_any_change(lab):
+    """The endpoint serves the 0.5B model only: the 1.5B is refused in the run's checks, from the
+    controller in relay mode (t4: the Hub API's file list, with the token) and from the box in direct
+    mode (p40: the box's own request), and so is a pinned revision the endpoint does not have; before
+    any change (no CUDA, no env built first)."""
+    hosts = ["t4", "p40"]
+    before = state(lab, hosts)
+    small = standard_endpoint(models=()).start()       # the 0.5B model and GSM8K only
+    hf_data = {"mirror_urls": {**lab.mirror_urls, "huggingface": small.url}, "catalog_overrides": catalog_overrides(small)}
+    wrong_rev = {**hf_data["catalog_overrides"]["qwen_model"], "revision": "0" * 40}
+    try:
+        _endpoint_refusals(lab, hosts, before, hf_data, wrong_rev)
+    finally:
+        small.stop()
+
+
+def _endpoint_refusals(lab, hosts, before, hf_data, wrong_rev):
+    res = lab.deploy("deploy/full.py", hosts=hosts, data=hf_data, per_host={
+        "t4": {"workload": {"model": "Qwen/Qwen2.5-1.5B-Instruct"}},
+        "p40": {"artifact_mode": "direct", "workload": {"model": "Qwen/Qwen2.5-1.5B-Instruct"}}}, timeout=600)
+    printed = refusal_lines(res.output)
+    assert res.rc != 0 and not res.ran_operations, res.tail()
+    assert state(lab, hosts) == before
+    text = "\n".join(printed)
+    assert re.search(r"host t4: model \(qwen_1_5b_model, relay\): model repo 'Qwen/Qwen2.5-1.5B-Instruct' at "
+                     r"revision 989aa79\w+ from HF endpoint http://127.0.0.1:\d+: the endpoint has no such repo", text), text
+    assert re.search(r"host p40: model \(qwen_1_5b_model, direct\): .*the HF endpoint http://127.0.0.1:\d+ has no "
+                     r"such repo \(HTTP 404, RepoNotFound\)", text), text
+    res = lab.deploy("deploy/full.py", hosts=hosts, per_host={"t4": {}, "p40": {"artifact_mode": "direct"}},
+                     data={**hf_data, "catalog_overrides": {**hf_data["catalog_overrides"], "qwen_model": wrong_rev}},
+                     timeout=600)
+    text = "\n".join(refusal_lines(res.output))
+    assert res.rc != 0 and not res.ran_operations, res.tail()
+    assert "host t4: model (qwen_model, relay):" in text and "the endpoint has no such revision" in text, text
+    assert "host p40: model (qwen_model, direct):" in text and "has no such revision" in text, text
+    assert state(lab, hosts) == before
 
 
 def test_a_workload_verl_runs_is_deployed(lab):
@@ -187,8 +284,8 @@ def render_table(rows: list[dict]) -> str:
     out = ["| bad input | what the user set | refused where | exit | s | what verl-lab printed |",
            "|---|---|---|---|---|---|"]
     for r in rows:
-        where = {"inventory": "the inventory check, before any connection", "accepted": "accepted"}.get(
-            r["where"], f"{r['where']}'s first fact pass (only that box fails)")
+        where = {"inventory": "the run's checks: the inventory's values", "accepted": "accepted"}.get(
+            r["where"], f"the run's checks: what {r['where']}'s box told")
         printed = "<br>".join(line.replace("|", "\\|") for line in r["printed"])
         took = r["seconds"] if r["seconds"] is not None else "-"
         out.append(f"| {r['row']} | `{r['input']}` | {where} | {r['rc']} | {took} | {printed} |")

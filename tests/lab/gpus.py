@@ -42,6 +42,11 @@ GPUS: dict[str, GpuModel] = {g.key: g for g in (
     GpuModel("p100", "Tesla P100-PCIE-16GB", "6.0", 16384, 250, 104),
     GpuModel("v100", "Tesla V100-SXM2-32GB", "7.0", 32768, 300, 268),
     GpuModel("t4", "Tesla T4", "7.5", 15360, 70, 258),
+    # 8 GB cards, the smallest the plan trains on (GRPO on CPU offload, docs/plan.md): names and
+    # memory.total as nvidia-smi prints them; reserved_mib not from a capture
+    GpuModel("gtx1080", "NVIDIA GeForce GTX 1080", "6.1", 8192, 180, 120, datacenter=False),
+    GpuModel("rtx2070", "NVIDIA GeForce RTX 2070", "7.5", 8192, 175, 230, datacenter=False),
+    GpuModel("rtx4060", "NVIDIA GeForce RTX 4060", "8.9", 8188, 115, 260, datacenter=False),
     GpuModel("rtx2080ti", "NVIDIA GeForce RTX 2080 Ti", "7.5", 11264, 250, 286, datacenter=False),
     GpuModel("rtx3090", "NVIDIA GeForce RTX 3090", "8.6", 24576, 350, 326, datacenter=False),
     GpuModel("rtx4090", "NVIDIA GeForce RTX 4090", "8.9", 24564, 450, 390, datacenter=False),

@@ -68,3 +68,45 @@ def test_inventory_says_what_rewrites_it(kwargs, says):
 
 def test_bin_lab_up_writes_its_inventory_as_its_own():
     assert 'rewritten_by="`bin/lab up`"' in BIN_LAB.read_text()
+
+
+def test_up_with_a_bad_gpu_name_leaves_the_recorded_lab_running(tmp_path):
+    """A typo in `bin/lab up` on a provisioned lab: refused before anything recorded is stopped.
+    The recorded box is a real process here (a `sleep`, standing in for the box's systemd-nspawn):
+    it must still run, and state.json still name it, after the refused command."""
+    import json
+    import time
+    from tests.lab.box import alive, proc_start_time
+    work = tmp_path / "lab"
+    work.mkdir()
+    box = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while proc_start_time(box.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = {"boxes": {"p40": {"pid": box.pid, "pid_start": proc_start_time(box.pid), "port": 1, "gpu": "p40"}},
+                 "mirror": {}, "detached": True}
+        (work / "state.json").write_text(json.dumps(state))
+        env = {**os.environ, "VERL_LAB_DIR": str(work)}
+        for gpus, says in (("p40,gtx1090", "unknown GPU 'gtx1090' (did you mean gtx1080?)"),
+                           ("", "--gpus names no GPU")):
+            res = subprocess.run([sys.executable, str(BIN_LAB), "up", "--gpus", gpus], cwd=REPO,
+                                 capture_output=True, text=True, timeout=120, env=env)
+            assert res.returncode == 1, res.stdout + res.stderr
+            assert says in res.stderr and res.stderr.endswith("\n"), res.stderr
+            assert "stopping" not in res.stdout + res.stderr, res.stdout
+            assert alive(box.pid, state["boxes"]["p40"]["pid_start"]), "the recorded box was stopped"
+            assert json.loads((work / "state.json").read_text()) == state
+        res = subprocess.run([sys.executable, str(BIN_LAB), "up", "--gpus", "p40", "--driver", "535"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert res.returncode == 1 and "--driver '535' is not a driver version" in res.stderr, res.stderr
+        assert alive(box.pid, state["boxes"]["p40"]["pid_start"])
+    finally:
+        box.kill()
+        box.wait()
+
+
+def test_the_lab_has_8_gb_cards():
+    from tests.lab.gpus import GPUS
+    small = {k for k, g in GPUS.items() if g.memory_mib <= 8192}
+    assert {"gtx1080", "rtx2070", "rtx4060"} <= small

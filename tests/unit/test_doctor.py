@@ -298,6 +298,7 @@ def test_cli_inputs_it_cannot_judge_exit_2_without_a_traceback(tmp_path, make, w
 @pytest.mark.parametrize("plan,words", [
     ("{not json", "is not JSON (Expecting property name enclosed in double quotes, line 1)"),
     ("[1, 2]", "is JSON but not a plan"),
+    ("{}", "is a JSON object but not a plan.json: it has no rung, gpu, predicted_peak_mib"),
     (None, "cannot read --plan"),
 ])
 def test_cli_plan_that_is_not_a_plan_json(tmp_path, plan, words):
@@ -375,10 +376,12 @@ def test_docs_refusals_doctor_table_is_what_the_cli_printed(tmp_path):
         paths[name] = path if content is not None or name != "run.log (missing)" else tmp_path / "run.log"
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "empty.json").write_text("{}")
     runs = [("a missing file", [paths["run.log (missing)"]]), ("a directory", [tmp_path]),
             ("an empty file", [paths["empty.log"]]), ("a file of random bytes", [paths["junk.log"]]),
             ("`--plan` that is not JSON", ["--plan", tmp_path / "bad.json", REAL_RUN]),
             ("`--plan` that is a JSON list", ["--plan", tmp_path / "list.json", REAL_RUN]),
+            ("`--plan` that is `{}`", ["--plan", tmp_path / "empty.json", REAL_RUN]),
             ("a run cut before its end", [paths["cut.log"]]), ("a run that ran out of memory", [paths["oom.log"]]),
             ("a real run to its last step (GPU call 1's log)", [REAL_RUN])]
     rows = ["| input | exit | headline (stdout) | stderr |", "|---|---|---|---|"]

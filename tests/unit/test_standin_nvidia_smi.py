@@ -89,6 +89,8 @@ def test_table_and_expected_names():
         "k80": ("Tesla K80", 11441, "3.7"), "p40": ("Tesla P40", 24576, "6.1"), "p100": ("Tesla P100-PCIE-16GB", 16384, "6.0"),
         "v100": ("Tesla V100-SXM2-32GB", 32768, "7.0"), "t4": ("Tesla T4", 15360, "7.5"),
         "rtx2080ti": ("NVIDIA GeForce RTX 2080 Ti", 11264, "7.5"),
+        "gtx1080": ("NVIDIA GeForce GTX 1080", 8192, "6.1"), "rtx2070": ("NVIDIA GeForce RTX 2070", 8192, "7.5"),
+        "rtx4060": ("NVIDIA GeForce RTX 4060", 8188, "8.9"),
         "rtx3090": ("NVIDIA GeForce RTX 3090", 24576, "8.6"), "rtx4090": ("NVIDIA GeForce RTX 4090", 24564, "8.9"),
         "a100": ("NVIDIA A100-SXM4-80GB", 81920, "8.0"), "h100": ("NVIDIA H100 80GB HBM3", 81559, "9.0"),
         "h200": ("NVIDIA H200", 143771, "9.0"),

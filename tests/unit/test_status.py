@@ -206,3 +206,19 @@ def test_a_rows_gsm8k_scores_come_from_the_run_exports_fact():
     on_demand = {**done["gsm8k"], "base": 0.312, "trained": 0.355, "step": 20, "final": False}
     assert status.gsm8k_words(on_demand) == "0.312->0.355 @20?"
     assert status.gsm8k_words({**on_demand, "trained": None, "step": None}) == "0.312->-"
+
+
+def test_status_says_why_stages_are_not_installed_and_when_nothing_runs():
+    from tasks.status import box_status, nothing_to_report, not_installed_reason, render_rows
+    failed = {"when": "2026-12-05 04:00:00 UTC", "ok": False, "stage": "data",
+              "message": "verl-lab data: the endpoint has no such repo"}
+    why = not_installed_reason(["cuda", "env"], failed)
+    assert why.startswith("data, train not installed: the last deploy (2026-12-05 04:00:00 UTC) failed at data: ")
+    assert "no such repo" in why
+    assert "no deploy/full.py of this box is recorded" in not_installed_reason([], None)
+    assert not_installed_reason(["cuda", "env", "data", "train"], failed) is None
+    row = box_status("b", {"cuda": {"k": "v"}}, {}, "", None, last=failed)
+    assert "    why: env, data, train not installed: the last deploy" in render_rows([row])
+    idle = nothing_to_report([row])
+    assert idle.startswith("status: no training run to report on 1 box (not-installed: b)"), idle
+    assert nothing_to_report([{**row, "unit": "running", "step": 3}]) is None

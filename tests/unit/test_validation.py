@@ -103,3 +103,86 @@ def test_the_inventory_check_lists_settings_and_plan_problems_of_every_host_at_o
     assert [line.split(":")[0].strip() for line in lines[1:]] == ["host typos", "host typos", "host box3b",
                                                                   "host kepler"], lines
     assert not any("fine" in line for line in lines)
+
+
+# ------------------------------------------------------------------ the run's checks (tasks/base.py check_run)
+
+def _gpu(name, cc, mib, driver="535.104.05", count=1):
+    from tasks.facts.gpu import Gpu, GpuInventory
+    return GpuInventory(gpus=tuple(Gpu(index=i, name=name, compute_capability=cc, memory_total_mib=mib,
+                                       memory_free_mib=mib - 300, driver_version=driver) for i in range(count)))
+
+
+def _answers(inventory, free_mib=100_000):
+    disk = {"mount": "/", "free_mib": free_mib}
+    return [inventory, None, None, disk, {"free": {"path": "/opt/verl-lab", "free_bytes": free_mib * 2**20}, "tracker": None, "saves": []}]
+
+
+def test_box_problems_every_problem_of_every_box_at_once():
+    from tasks.base import box_problems
+    settings = {"p40": load_settings("p40", {"workload": {"rollout": "vllm", "train_batch_size": 10000}}),
+                "k80": load_settings("k80", {}), "t4": load_settings("t4", {})}
+    answers = {"p40": _answers(_gpu("Tesla P40", "6.1", 24576)),
+               "k80": _answers(_gpu("Tesla K80", "3.7", 11441, driver="470.256.02", count=2)),
+               "t4": _answers(_gpu("Tesla T4", "7.5", 15360), free_mib=100)}
+    found = [(p.host, p.key) for p in box_problems(settings, answers)]
+    assert found == [("p40", "workload.rollout"), ("p40", "workload.train_batch_size"),
+                     ("k80", "driver (nvidia-smi)"), ("k80", "GPU (nvidia-smi)"), ("t4", "disk (model and data)"),
+                     ("t4", "disk (checkpoints)")], found
+    texts = {(p.host, p.key): str(p) for p in box_problems(settings, answers)}
+    assert "NVIDIA driver 470.256.02 is too old for CUDA 11.8" in texts[("k80", "driver (nvidia-smi)")]
+    assert "not enough free disk" in texts[("t4", "disk (model and data)")]
+
+
+def test_box_problems_none_for_boxes_that_can_train_and_a_box_that_did_not_answer():
+    from tasks.base import box_problems
+    settings = {"t4": load_settings("t4", {}), "gone": load_settings("gone", {})}
+    found = box_problems(settings, {"t4": _answers(_gpu("Tesla T4", "7.5", 15360)), "gone": OSError("no route")})
+    assert [(p.host, p.key) for p in found] == [("gone", "facts")]
+
+
+def test_a_misspelt_key_does_not_hide_the_plan():
+    s, problems = hostdata.checked_settings("b", {"mirror_profle": "cn", "gpu_override": K80,
+                                                  "workload": {"epoks": 2}})
+    assert [p.key for p in problems] == ["mirror_profle", "workload.epoks"]
+    assert s is not None and s.gpu_override["name"] == "Tesla K80"
+    s, problems = hostdata.checked_settings("b", {"hf_token_file": "/nonexistent", "gpu_override": K80})
+    assert s is not None and [p.key for p in problems] == ["hf_token_file"]
+    s, problems = hostdata.checked_settings("b", {"workload": {"epochs": 0}, "gpu_override": K80})
+    assert s is None, "a bad value the plan reads: the plan is checked once it is fixed"
+
+
+def test_values_get_did_you_mean_like_keys():
+    from tasks.settings import SettingsError
+    for data, says in (({"driver": "instal"}, "did you mean 'install'?"),
+                       ({"workload": {"rollout": "vlm"}}, "did you mean 'vllm'?"),
+                       ({"train_unit_state": "stoped"}, "did you mean 'stopped'?")):
+        with pytest.raises(SettingsError) as exc:
+            load_settings("b", data)
+        assert says in str(exc.value), exc.value
+    with pytest.raises(SettingsError) as exc:
+        load_settings("b", {"driver": "xyz"})
+    assert "did you mean" not in str(exc.value)
+
+
+def test_the_inventory_pass_reports_only_the_hosts_of_the_run(monkeypatch):
+    from pyinfra.api import Inventory
+    for name, value in (("_CHECKED", False), ("_CACHE", {}), ("_CLUSTERS", {}), ("_PROBLEMS", []), ("_IN_RUN", [])):
+        monkeypatch.setattr(hostdata, name, value)
+    inv = Inventory(([("a", {"driver": "instal"}), ("b", {"train_steps": 0})], {}))
+    found = hostdata.check_inventory([inv.get_host("b")], stop=False, everyone=list(inv))
+    assert [(p.host, p.key) for p in found] == [("b", "train_steps")]
+
+
+def test_what_a_box_told_of_the_endpoint_in_direct_mode():
+    from tasks.facts.endpoint import served_problem
+    args = ("model repo 'Q/M' at revision abc", "catalog_overrides.qwen_model", "http://hf.example")
+    assert served_problem({"status": 200, "json": True}, *args) is None
+    assert served_problem({"skipped": True}, *args) is None, "already on the box: the endpoint was not asked"
+    assert served_problem({"status": 401, "code": "RepoNotFound"}, *args) is None, "no token on the box: not judged"
+    assert "has no such revision. Fix: pin an existing commit in catalog_overrides.qwen_model.revision" in \
+        served_problem({"status": 404, "code": "RevisionNotFound"}, *args)
+    assert "has no such repo (HTTP 404, RepoNotFound)" in served_problem({"status": 404, "code": "RepoNotFound"}, *args)
+    assert "the box cannot reach the HF endpoint http://hf.example (URLError" in \
+        served_problem({"error": "URLError: refused"}, *args)
+    assert "did not answer the Hub API" in served_problem({"status": 200, "json": False}, *args)
