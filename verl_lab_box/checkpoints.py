@@ -123,7 +123,7 @@ def step_bytes(checkpoint_dir: str, step: int) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
 
 
-EXPORT_FORMAT = 1            # hf.proof.json's format (verl_lab_box/export.py FORMAT)
+EXPORT_FORMAT = 2            # hf.proof.json's format (verl_lab_box/export.py FORMAT)
 
 
 def shard_identity(actor_dir: str) -> list[dict]:

@@ -166,3 +166,11 @@ def test_the_status_fact_reads_an_export_from_its_files(tmp_path, change):
         assert "hf/ is missing or empty" in entry["proof"]["problem"]
     elif change == "grow":
         assert "other bytes ['model.safetensors']" in entry["proof"]["problem"]
+
+
+def test_the_box_s_proof_reader_and_the_export_write_one_format():
+    """verl_lab_box/checkpoints.py judges the proofs verl_lab_box/export.py writes: the export refuses to run when
+    the two disagree (a box with one placed and not the other), so the repository's pair must agree."""
+    from verl_lab_box import export
+
+    assert ck.EXPORT_FORMAT == export.FORMAT

@@ -55,7 +55,8 @@ def plan_overrides(card: str, model_dir: Path, extra: list[str] = ()) -> list[st
     puts some back), LoRA's keys added."""
     gpu, rung = CARDS[card]
     workload = Workload(model_path=str(model_dir), train_files="/unused/train.parquet", val_files="/unused/val.parquet",
-                        checkpoint_dir="/unused/ckpt", model_config=load_model_config(), total_training_steps=1)
+                        checkpoint_dir="/unused/ckpt", model_config=load_model_config(), total_training_steps=1,
+                        finetune="full")   # the full plan's layout (FSDP1; FSDP2 with CPUOffloadPolicy), LoRA added here
     plan = make_plan(gpu, workload)
     assert plan.rung == rung, plan.rung
     shrink = {**SHRINK, "actor_rollout_ref.actor.optim.lr": LR}
