@@ -125,8 +125,10 @@ def test_a_finished_cluster_run_is_gathered_on_the_head_then_exported_and_scored
     gather = next(c for c in calls() if "gather" in c)
     assert gather["gather"] == ["--plan", layout.plan_file, "--step", str(STEP)]
     assert gather["ray_address"] == "10.0.0.5:6379"               # ray.env's, for a run by hand too
+    ram = json.loads(Path(layout.plan_file).read_text())["launch"]["checkpoints"]["export_host_ram"]
     assert next(c["export"] for c in calls() if "export" in c) == [
-        "--checkpoint-dir", layout.checkpoint_dir, "--step", str(STEP), "--final"]
+        "--checkpoint-dir", layout.checkpoint_dir, "--step", str(STEP), "--host-ram-mib", str(ram["gpu_free_mib"]),
+        "--final"]
     assert "not exported" not in out.stdout + out.stderr
     on_demand = launch("--export", "--no-score")                  # deploy/export.py's way: the same gather first
     assert on_demand.returncode == 0 and [k for c in calls()[-2:] for k in c if k in ("gather", "export")] == [

@@ -104,7 +104,8 @@ def test_an_oom_outside_cuda_graph_capture_is_not_called_one():
     assert "vllm-cuda-graph-oom" not in [f.rule for f in diagnose("b", {"j": "\n".join(far)}).findings]
 
 
-RTX3090_PLAN = {"gpu": {"name": "NVIDIA GeForce RTX 3090", "memory_mib": 24576}, "env": {"VLLM_USE_V1": "1"},
+RTX3090_PLAN = {"rung": "ppo", "predicted_peak_mib": 19414,           # what every plan.json has (doctor --plan)
+                "gpu": {"name": "NVIDIA GeForce RTX 3090", "memory_mib": 24576}, "env": {"VLLM_USE_V1": "1"},
                 "vllm_gpu_memory_utilization": 0.42, "breakdown": {"vllm_kv_wanted": 1690}}
 
 

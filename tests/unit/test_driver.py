@@ -55,6 +55,7 @@ EXPECTED = {
     ('NVIDIA B200', '10.0'): (None, None, None, None),
     ('NVIDIA GeForce GTX 1080', '6.1'): (535, 580, 580, 580),
     ('NVIDIA GeForce GTX 1080 Ti', '6.1'): (535, 580, 580, 580),
+    ('NVIDIA GeForce RTX 2070', '7.5'): (535, 580, 580, 590),
     ('NVIDIA GeForce RTX 2080 Ti', '7.5'): (535, 580, 580, 590),
     ('NVIDIA GeForce RTX 3060', '8.6'): (535, 580, 580, 590),
     ('NVIDIA GeForce RTX 3080', '8.6'): (535, 580, 580, 590),
