@@ -45,7 +45,7 @@ class RunExports(FactBase[dict]):
                  f"[ -f \"$f\" ] || continue; echo \"{SECTION}$f\"; cat \"$f\"; echo; done",
                  f"for s in {d}/global_step_*; do [ -f \"$s/hf.proof.json\" ] || continue; "
                  f"echo \"{SECTION}$s/hf/\"; (cd \"$s/hf\" 2>/dev/null && find . -type f -printf '%P %s\\n' "
-                 "| LC_ALL=C sort); done"]
+                 "| LC_ALL=C sort) || true; done"]     # no hf/ (deleted): an empty listing, never a failed command
         return "; ".join(parts)
 
     def process(self, output) -> dict:

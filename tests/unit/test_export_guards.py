@@ -174,3 +174,19 @@ def test_the_box_s_proof_reader_and_the_export_write_one_format():
     from verl_lab_box import export
 
     assert ck.EXPORT_FORMAT == export.FORMAT
+
+
+def test_the_facts_command_succeeds_on_a_proof_whose_hf_folder_is_gone(tmp_path):
+    """RunExports' real command in bash: a step with its proof but no hf/ (deleted by hand) lists nothing and the
+    command still ends 0 (a failing fact command fails the whole host's bundle: status, export, tracking)."""
+    import subprocess
+
+    from tasks.facts.export import RunExports
+
+    step = tmp_path / "global_step_5"
+    step.mkdir()
+    (step / "hf.proof.json").write_text(json.dumps({"ok": True, "files": [{"name": "model.safetensors", "bytes": 1}]}))
+    res = subprocess.run(["bash", "-c", RunExports().command(str(tmp_path))], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    (export,) = RunExports().process(res.stdout.splitlines())["exports"]
+    assert export["proof"]["ok"] is False and "hf/ is missing" in export["proof"]["problem"]
