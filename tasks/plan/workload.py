@@ -6,6 +6,8 @@ do (``plan_naming_models_that_fit``); a host's override lines for checks inside 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -112,7 +114,10 @@ def workload_for(settings, flash_attn_installed: bool = False) -> Workload:
     ), settings.catalog.artifact(settings.model_artifact))
     if tracking is None:
         return workload
-    return replace(workload, run_name=tracking.run_name or f"{settings.host}-{workload.experiment_name}")
+    # a Ray cluster's members train one run (one plan on every node): named by the cluster, not the box
+    cluster = getattr(settings, "cluster", None)
+    named = cluster["name"] if isinstance(cluster, Mapping) and cluster.get("name") else settings.host
+    return replace(workload, run_name=tracking.run_name or f"{named}-{workload.experiment_name}")
 
 
 def plan_overrides_for_host(gpu: GpuTarget, settings=None, flash_attn_installed: bool = False) -> list[str]:

@@ -38,7 +38,8 @@ def commands(paragraph: str) -> list[str]:
 
 
 def test_readme_first_screen_gives_the_demo_beside_ones_own_lab_and_the_tests():
-    demo, own, tests = readme_paragraphs()
+    demo, own, *more, tests = readme_paragraphs()       # more: the lab's TensorBoard (docs/tracking.md)
+    assert all("deploy/" in "\n".join(commands(p)) for p in more)
     demo_text = "\n".join(commands(demo))
     assert "python3 -m venv" in demo_text and "pip install -e '.[test]'" in demo_text
     for step in ("bin/lab up", "pyinfra -y .lab/inventory.py deploy/full.py", "bin/lab plans"):
