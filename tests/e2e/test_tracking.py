@@ -178,8 +178,11 @@ def verl_wrote(lab, trained, tmp_path_factory):
     ckpt = f"{ROOT}/train/checkpoints"
     other = lab.box(OTHER)
     # (as verl_lab_box/gsm8k_score.py writes them: indented, a newline at the end)
+    # the export's folder as its proof lists it (the files decide whether an export exists: tasks/facts/export.py)
+    other.write_text(f"{ckpt}/global_step_5/hf/config.json", "{}\n")
     for path, data in (("gsm8k-base.json", {"accuracy": 0.25, "rows": 1319}),
-                       ("global_step_5/hf.proof.json", {"ok": True, "final": True}),
+                       ("global_step_5/hf.proof.json", {"ok": True, "final": True,
+                                                        "files": [{"name": "config.json", "bytes": 3}]}),
                        ("global_step_5/hf.gsm8k.json", {"accuracy": 0.4, "rows": 1319, "step": 5, "final": True})):
         other.write_text(f"{ckpt}/{path}", json.dumps(data, indent=2, sort_keys=True) + "\n")
     return run
