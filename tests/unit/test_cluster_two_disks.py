@@ -1,6 +1,6 @@
 """A cluster run's end on two Ray nodes whose disks are their own (issue 34), on CPU.
 
-Two real Ray 2.46 nodes on 127.0.0.2 (head) and 127.0.0.3 (worker) of this machine, each started as the
+Two real Ray 2.46 nodes on 127.0.0.8 (head) and 127.0.0.9 (worker) of this machine, each started as the
 cluster stage's units start them (``ray start --head --block ...`` / ``ray start --block --address=...``) inside
 a mount namespace of its own, where the lab's checkpoint folder and Ray's temp folder are that node's own
 folders bind-mounted at the same paths: as on two boxes, a node's raylet, its workers and what they write
@@ -42,7 +42,9 @@ from tests.fixtures.standins.hf_endpoint import tiny_gsm8k_files, write_tiny_mod
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "verl_lab_box" / "train_launcher.py"
-HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
+# addresses of their own: the e2e cluster (127.0.0.2-4) and the GPU harness test (127.0.0.2-3) start Ray heads too,
+# and CI runs modules side by side
+HEAD_IP, WORKER_IP = "127.0.0.8", "127.0.0.9"
 STEPS, KEEP = 3, 2
 # Ray's logical CPUs per node (the units give none: Ray counts the box's); 4 on this 2-core machine, so the head holds
 # the idle actor's 2 (half: "busy", Ray's default placement then prefers the other node), the TaskRunner's 1 and its
@@ -199,7 +201,9 @@ def finished(cluster):
     res = cluster.launcher("--no-preflight", extra_env={"VERL_LAB_TEST_HEAD_LOAD": str(HEAD_LOAD)})
     print(f"launcher: {time.monotonic() - started:.1f} s")
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-6000:]
-    result = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, res.stdout[-6000:] + res.stderr[-3000:]          # the stand-in's own line: verl ran to its end
+    result = json.loads(lines[-1][len("RESULT "):])
     return res, result
 
 
