@@ -335,7 +335,8 @@ def seed_overrides(profile: Profile) -> list[str]:
     return keys
 
 
-def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = None, ray_port: int = RAY_PORT) -> dict:
+def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = None, ray_port: int = RAY_PORT,
+               node_addresses: tuple[str, ...] = NODE_ADDRESSES) -> dict:
     """Render one profile with the planning code under ``code_root`` (imported here): the plan for its
     ``gpus`` as deploy/train.py makes it for a box of that many (``make_plan``), or for a Ray cluster of
     ``nodes`` such boxes as the training stage makes it for a cluster member (``tasks.plan.cluster_plan``),
@@ -380,13 +381,15 @@ def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = 
             "rung": d.get("rung"), "lora": d.get("lora"),
             "train_batch_size": next(int(o.split("=", 1)[1]) for o in d["overrides"]
                                      if o.startswith("data.train_batch_size=")),
-            **({"cluster": render_ray_nodes(profile, data, plan, out, ray_port)} if profile.nodes > 1 else {})}
+            **({"cluster": render_ray_nodes(profile, data, plan, out, ray_port,
+                                                                     node_addresses)} if profile.nodes > 1 else {})}
 
 
-def render_ray_nodes(profile: Profile, data: dict, plan, out: Path, port: int) -> dict:
+def render_ray_nodes(profile: Profile, data: dict, plan, out: Path, port: int,
+                     node_addresses: tuple[str, ...] = NODE_ADDRESSES) -> dict:
     """What the cluster stage places on each node (``tasks.cluster.cluster_wanted``: the Ray unit, ray.env, the
-    training unit's drop-in, cluster-check), each node a loopback address of this one host (NODE_ADDRESSES: the head
-    first), into ``out/cluster/<host>/``; the cluster from the product's own check of the members' settings
+    training unit's drop-in, cluster-check), each node a loopback address of this one host (``node_addresses``: the
+    head first), into ``out/cluster/<host>/``; the cluster from the product's own check of the members' settings
     (``check_clusters``) and NCCL's and Gloo's interface from the route to the head as the RouteToHead fact reads it
     (its command run here: every Linux host routes 127/8 over lo). Returns what bench/gpu/ray_nodes.py needs to start
     them: each node's role, address and GPUs (node i: GPUs i*gpus .. (i+1)*gpus - 1)."""
@@ -396,7 +399,7 @@ def render_ray_nodes(profile: Profile, data: dict, plan, out: Path, port: int) -
 
     hosts = node_hosts(profile)
     spec = {"name": "bench", "head": hosts[0], "port": port}
-    members = {host: load_settings(host, {**data, "cluster": spec, "cluster_address": NODE_ADDRESSES[i]})
+    members = {host: load_settings(host, {**data, "cluster": spec, "cluster_address": node_addresses[i]})
                for i, host in enumerate(hosts)}
     clusters, problems = check_clusters(members)
     if problems:
@@ -433,10 +436,11 @@ def _code_tree(ref: str) -> Path:
 
 
 def render(names: list[str], out_root: Path, today_ref: str, steps: int | None = None, probe: bool = True,
-           lab_base: str = LAB_BASE, ray_port: int = RAY_PORT) -> None:
+           lab_base: str = LAB_BASE, ray_port: int = RAY_PORT, node_addresses: tuple[str, ...] = NODE_ADDRESSES) -> None:
     """Render ``names``; ``steps`` replaces each profile's step count (a device call too short for two steps
     each), ``probe=False`` drops their VERL_LAB_PROFILE windows (the wall-clock splits stay); ``lab_base`` and
-    ``ray_port``: where the lab_roots are and the Ray-node profiles' port (a test on a shared machine)."""
+    ``ray_port``, ``node_addresses``: where the lab_roots are, the Ray-node profiles' port and their nodes' loopback
+    addresses (a test on a machine that other tests' Ray nodes share)."""
     for name in names:
         profile = BY_NAME[name]
         if steps:
@@ -458,7 +462,8 @@ def render(names: list[str], out_root: Path, today_ref: str, steps: int | None =
             code_root = REPO if code_ref == "HEAD" else _code_tree(code_ref)
             res = subprocess.run([sys.executable, __file__, "render-one", name, str(out), "--code-root", str(code_root),
                                   "--steps", str(profile.steps), "--lab-root", record["lab_root"],
-                                  "--ray-port", str(ray_port)], capture_output=True, text=True, cwd=code_root)
+                                  "--ray-port", str(ray_port), "--node-addresses", ",".join(node_addresses)],
+                                 capture_output=True, text=True, cwd=code_root)
             if res.returncode:
                 raise SystemExit(f"render {name} failed:\n{res.stdout}\n{res.stderr}")
             plan = json.loads(res.stdout.strip().splitlines()[-1])
@@ -499,6 +504,7 @@ def main(argv=None) -> int:
     one.add_argument("--steps", type=int)
     one.add_argument("--lab-root")
     one.add_argument("--ray-port", type=int, default=RAY_PORT)
+    one.add_argument("--node-addresses", default=",".join(NODE_ADDRESSES))
     sub.add_parser("list")
     args = ap.parse_args(argv)
     if args.cmd == "list":
@@ -508,7 +514,8 @@ def main(argv=None) -> int:
     if args.cmd == "render-one":
         profile = BY_NAME[args.name]
         print(json.dumps(render_one(replace(profile, steps=args.steps) if args.steps else profile, args.out,
-                                    args.code_root, args.lab_root, args.ray_port)))
+                                    args.code_root, args.lab_root, args.ray_port,
+                                    tuple(args.node_addresses.split(",")))))
         return 0
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in BY_NAME]

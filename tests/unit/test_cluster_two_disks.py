@@ -42,7 +42,7 @@ from tests.fixtures.standins.hf_endpoint import tiny_gsm8k_files, write_tiny_mod
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "verl_lab_box" / "train_launcher.py"
-# addresses of their own: the e2e cluster (127.0.0.2-4) and the GPU harness test (127.0.0.2-3) start Ray heads too,
+# addresses of their own: the e2e cluster (127.0.0.2-4) and the GPU harness test (127.0.0.6-7) start Ray heads too,
 # and CI runs modules side by side
 HEAD_IP, WORKER_IP = "127.0.0.8", "127.0.0.9"
 STEPS, KEEP = 3, 2

@@ -8,7 +8,7 @@ machine has too few GPUs for, stops a cluster whose preflight fails or whose nod
 of the preflight and of `ray start`), resumes an export profile without exporting its first run, and sums up
 each rank's peak against the per-GPU prediction and the scaling ratios from run records.
 
-Behaviour, with real Ray 2.46 and verl 0.5.0's own classes on CPU: two Ray nodes on 127.0.0.2 and 127.0.0.3 of
+Behaviour, with real Ray 2.46 and verl 0.5.0's own classes on CPU: two Ray nodes on 127.0.0.6 and 127.0.0.7 of
 this machine, formed by the rendered units' commands (each node with its own CUDA_VISIBLE_DEVICES and one
 stand-in GPU resource), pass the launcher's cluster preflight (the real cluster-check), and the real launcher
 runs a stand-in of verl's main_ppo (tests/fixtures/standin_main_ppo.py) that places verl's worker group on the
@@ -257,7 +257,7 @@ def ray_payload(verl_python, patched_verl_root, tmp_path):
     base = Path(tempfile.mkdtemp(prefix="vl", dir="/tmp"))
     payload = tmp_path / "payload"
     _module("ppo_profiles").render(["p40-2nodes"], payload / "profiles", "HEAD", lab_base=str(base),
-                                   ray_port=_free_port())
+                                   ray_port=_free_port(), node_addresses=(HEAD_IP, WORKER_IP))
     (payload / "data").mkdir()
     for name in ("train.parquet", "test.parquet", "val_small.parquet"):
         (payload / "data" / name).write_text(name)
@@ -271,6 +271,9 @@ def ray_payload(verl_python, patched_verl_root, tmp_path):
     shutil.rmtree(base, ignore_errors=True)
 
 
+# loopback addresses of this test's own: CI runs modules side by side, and the e2e cluster's boxes (127.0.0.2-4, the
+# profiles' own addresses on the device) and test_cluster_two_disks (127.0.0.8-9) start Ray nodes on this machine too
+HEAD_IP, WORKER_IP = "127.0.0.6", "127.0.0.7"
 RAY_STARTUP_TIMEOUTS = ("The current node timed out during startup", "Deadline Exceeded",
                         "The node registration may not be complete yet")
 
@@ -293,6 +296,17 @@ def _run_cluster_profile(verl_python, tmp_path, payload) -> tuple[subprocess.Com
     raise AssertionError("unreachable")
 
 
+def _ray_session_logs(base: Path, lines: int = 15) -> str:
+    """The last lines of each node's Ray session logs under ``base`` (raylet, GCS, agents): why a node did not start."""
+    out = []
+    for log in sorted(base.glob("**/session_latest/logs/*")):
+        if log.is_file() and log.name.startswith(("raylet.", "gcs_server.", "dashboard_agent.", "runtime_env_agent.")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            if tail:
+                out.append(f"\n--- {log.relative_to(base)}\n" + "\n".join(tail))
+    return "".join(out)
+
+
 def _no_process_left(base: Path) -> bool:
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     return str(base) not in ps
@@ -301,13 +315,13 @@ def _no_process_left(base: Path) -> bool:
 def test_two_ray_nodes_form_pass_the_preflight_and_place_one_rank_on_each(verl_python, ray_payload, tmp_path):
     payload, base = ray_payload
     res, out = _run_cluster_profile(verl_python, tmp_path, payload)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + _ray_session_logs(base)
     cluster = json.loads((out / "cluster.json").read_text())
-    assert sorted(n["ip"] for n in cluster["nodes_alive"]) == ["127.0.0.2", "127.0.0.3"]
+    assert sorted(n["ip"] for n in cluster["nodes_alive"]) == [HEAD_IP, WORKER_IP]
     assert all(n["gpus"] == 1 for n in cluster["nodes_alive"])
     assert 0 < cluster["head_up_s"] <= cluster["formed_s"] < 180
     started = {n["role"]: n for n in cluster["nodes_started"]}
-    assert started["worker"]["exec_start"].endswith("--node-ip-address=127.0.0.3 --num-gpus=1 --disable-usage-stats")
+    assert started["worker"]["exec_start"].endswith(f"--node-ip-address={WORKER_IP} --num-gpus=1 --disable-usage-stats")
     assert (started["head"]["cuda_visible_devices"], started["worker"]["cuda_visible_devices"]) == ("0", "1")
     assert cluster["preflight"]["rc"] == 0
     [(status, check, detail)] = cluster["preflight"]["results"]
@@ -315,9 +329,9 @@ def test_two_ray_nodes_form_pass_the_preflight_and_place_one_rank_on_each(verl_p
     console = (out / "console.log").read_text()
     result = json.loads(next(line for line in console.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     ranks = {r["rank"]: r for r in result["ranks"]}
-    assert (ranks[0]["node_ip"], ranks[1]["node_ip"]) == ("127.0.0.2", "127.0.0.3")       # one rank per node
+    assert (ranks[0]["node_ip"], ranks[1]["node_ip"]) == (HEAD_IP, WORKER_IP)       # one rank per node
     assert (ranks[0]["cuda_visible_devices"], ranks[1]["cuda_visible_devices"]) == ("0", "1")  # each node's own GPU
-    assert all(r["master_addr"] == "127.0.0.2" and r["gloo_ifname"] == "lo" and r["sum"] == 3.0 for r in ranks.values())
+    assert all(r["master_addr"] == HEAD_IP and r["gloo_ifname"] == "lo" and r["sum"] == 3.0 for r in ranks.values())
     # the cap, NCCL's INFO level and the probe reach the workers of both nodes (through the nodes' `ray start`
     # environment: verl's runtime env leaves NCCL_DEBUG to the driver's when the driver sets it)
     cap = str(json.loads((payload / "profiles" / "p40-2nodes" / "profile.json").read_text())["cap_mib"])
