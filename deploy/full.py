@@ -17,39 +17,45 @@ from tasks.env import install_env
 from tasks.run_summary import note, plan_line, stage
 from tasks.train import install_train
 
-# every host of the run, all at once, before any host changes: the inventory's values and what each
-# box tells (GPU, driver, disk, the plan, verl's own checks); any problem stops the whole run
-check_run()
-settings = settings_for()
 
-with stage("base"):
-    gpu = base_layout(settings)    # the host's GPU target, decided once for every stage
-target = gpu.target
-note(gpu=f"{target.count} x {target.name}, from {gpu.source}" if target else "no GPU",
-     unit=settings.train_unit_state, cache=str(settings.controller_cache))
-if not gpu.refused:                # driver = "install" only; the CUDA stage then trusts its proof
-    if settings.driver == "install":
-        with stage("driver"):
+def provision() -> None:
+    """This host's stages, in order."""
+    settings = settings_for()
+    with stage("base"):
+        gpu = base_layout(settings)    # the host's GPU target, decided once for every stage
+    target = gpu.target
+    note(gpu=f"{target.count} x {target.name}, from {gpu.source}" if target else "no GPU",
+         unit=settings.train_unit_state, cache=str(settings.controller_cache))
+    if not gpu.refused:                # driver = "install" only; the CUDA stage then trusts its proof
+        if settings.driver == "install":
+            with stage("driver"):
+                gpu = install_driver(settings, gpu)
+        else:                          # driver = "check": nothing to install; the CUDA stage judges it
             gpu = install_driver(settings, gpu)
-    else:                          # driver = "check": nothing to install; the CUDA stage judges it
-        gpu = install_driver(settings, gpu)
-if not gpu.refused:                # a box that cannot train: its failure only, nothing else queued
-    with stage("cuda"):
-        install_cuda(settings, gpu)
-    with stage("env"):
-        install_env(settings, gpu)
-    with stage("data"):
-        install_data(settings)
-    cluster = cluster_for()        # None: the box trains alone (and nothing below asks more)
-    train_settings, targets = training_in(cluster, settings, gpu)
-    note(unit=train_settings.train_unit_state)
-    with stage("train"):
-        install_train(train_settings, gpu, targets)
-    if cluster:
-        with stage("cluster"):
-            install_cluster(settings, gpu, cluster, targets)
-    try:
-        from tasks.validation import training_plan
-        note(plan=plan_line(training_plan(train_settings, gpu.target, targets).to_dict()))
-    except Exception:              # noqa: BLE001 - the train stage already failed this box with why
-        pass
+    if not gpu.refused:                # a box that cannot train: its failure only, nothing else queued
+        with stage("cuda"):
+            install_cuda(settings, gpu)
+        with stage("env"):
+            install_env(settings, gpu)
+        with stage("data"):
+            install_data(settings)
+        cluster = cluster_for()        # None: the box trains alone (and nothing below asks more)
+        train_settings, targets = training_in(cluster, settings, gpu)
+        note(unit=train_settings.train_unit_state)
+        with stage("train"):
+            install_train(train_settings, gpu, targets)
+        if cluster:
+            with stage("cluster"):
+                install_cluster(settings, gpu, cluster, targets)
+        try:
+            from tasks.validation import training_plan
+            note(plan=plan_line(training_plan(train_settings, gpu.target, targets).to_dict()))
+        except Exception:              # noqa: BLE001 - the train stage already failed this box with why
+            pass
+
+
+# every host of the run, all at once, before any host changes: the inventory's values and what each
+# box tells (GPU, driver, disk, the plan, verl's own checks); an inventory problem stops the whole run,
+# a box's problem refuses that box (and its Ray cluster's other members) while the other hosts go on
+if check_run():
+    provision()

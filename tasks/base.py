@@ -105,50 +105,91 @@ class BoxProblem(SettingsError):
         ValueError.__init__(self, f"host {host_name}: {key}: {text}")
 
 
-_RUN = {"done": False, "report": None, "lock": None}
+_RUN = {"done": False, "report": None, "refused": {}, "lock": None}
 
 
-def check_run() -> None:
+def check_run() -> bool:
     """deploy/full.py's first line, on every host: one report of every problem of every host of the
     run (the inventory's values, then what each box tells: its GPU, its driver, its free disk, the
-    training plan on that GPU and verl 0.5.0's own checks), before any host changes.
+    training plan on that GPU and verl 0.5.0's own checks), before any host changes. Whether this
+    host goes on.
 
     pyinfra prepares each host in a greenlet of its own (pyinfra_cli.util._parallel_load_hosts) after
     it connected to every host (connect_all): the first host here asks every host's facts, side by
-    side, in one bundle each; the others wait for it. Any problem stops the run (every host raises
-    the same report), so no operation is queued on any host."""
+    side, in one bundle each; the others wait for it. Who is refused (``refused_hosts``): every host
+    when the inventory's values have a problem (the file is wrong: no operation is queued on any host,
+    RunRefused) or when every host of the run has one; else only the boxes with a problem, and the
+    other members of their Ray cluster: each queues its failure alone (``fail_host``, which changes
+    nothing) and the other hosts of the run go on."""
     import gevent.lock
     if _RUN["lock"] is None:
         _RUN["lock"] = gevent.lock.Semaphore()
     with _RUN["lock"]:
         if not _RUN["done"]:
-            _RUN["report"] = run_report()
+            _RUN["report"], _RUN["refused"] = run_report()
             _RUN["done"] = True
-            if _RUN["report"]:     # printed once, by the host that made it; every host then stops
+            if _RUN["report"]:     # printed once, by the host that made it
                 print(_RUN["report"], file=sys.stderr, flush=True)
-    if _RUN["report"]:
+    from tasks.hostdata import _IN_RUN
+    refused = _RUN["refused"]
+    if refused and set(_IN_RUN) <= set(refused):
         # a PyinfraError: pyinfra's loader returns it from the host's greenlet and the CLI prints it
         # once, as one line (a SystemExit would escape the greenlet into gevent's hub, with a traceback)
         raise RunRefused("verl-lab: the checks before any change found the problems above; nothing was "
                          "changed on any host")
+    why = refused.get(host.name)
+    if why:
+        from tasks.hostdata import _CACHE
+        from tasks.run_summary import note, stage
+        settings = _CACHE.get(host.name)
+        note(gpu="?", unit="not deployed", **({"cache": str(settings.controller_cache)} if settings else {}))
+        with stage("checks"):
+            fail_host(name="verl-lab checks: refused (nothing on this box was changed)", message=why, stage="checks")
+    return not why
 
 
 class RunRefused(PyinfraError):
     """The run's checks found problems: no host of the run is changed."""
 
 
-def run_report() -> str | None:
+def refused_hosts(problems: list[SettingsError], in_run: list[str], clusters: dict[str, str | None],
+                  inventory: bool) -> dict[str, str]:
+    """Who the run's checks refuse, and why in one line (pure). ``clusters``: host -> its Ray cluster's
+    name (None: it trains alone); ``inventory``: whether the inventory's values had a problem, which
+    refuses every host of the run."""
+    if not problems:
+        return {}
+    if inventory:
+        return {name: "the inventory has problems (above): nothing on any host was changed" for name in in_run}
+    keys: dict[str, list[str]] = {}
+    for p in problems:
+        keys.setdefault(p.host, []).append(p.key)
+    out = {name: f"its {plural(len(keys[name]), 'problem')} above ({', '.join(dict.fromkeys(keys[name]))}); "
+                 "nothing on this box was changed" for name in in_run if name in keys}
+    for name in in_run:
+        cluster = clusters.get(name)
+        bad = sorted(m for m, c in clusters.items() if c and c == cluster and m in keys and m != name)
+        if cluster and bad and name not in out:
+            out[name] = (f"its Ray cluster {cluster!r} trains only when every member can, and "
+                         f"{', '.join(bad)} cannot (above); nothing on this box was changed")
+    return out
+
+
+def run_report() -> tuple[str | None, dict[str, str]]:
+    """The report of the run's checks (None: no problem) and the hosts it refuses, with why."""
     from pyinfra import state
     from tasks.hostdata import _CACHE, _IN_RUN, check_inventory
 
-    problems = check_inventory(stop=False)
+    inventory = check_inventory(stop=False)
     hosts = [h for h in state.inventory.get_active_hosts() if h.name in _CACHE and _data_planned(_CACHE[h.name])]
     answers = ask_every_host(hosts)
     in_run = {h.name: _CACHE[h.name] for h in hosts}
-    problems += box_problems(in_run, answers) + relay_problems(in_run, answers)
+    problems = inventory + box_problems(in_run, answers) + relay_problems(in_run, answers)
     problems = list({str(p): p for p in problems}.values())   # a gpu_override's plan: checked in both passes
     if not problems:
-        return None
+        return None, {}
+    clusters = {name: (s.cluster or {}).get("name") if s else None for name, s in _CACHE.items()}
+    refused = refused_hosts(problems, list(_IN_RUN), clusters, inventory=bool(inventory))
     from tasks.run_summary import record_run
     for name, s in _CACHE.items():      # deploy/status.py tells from these why a box is not installed
         mine = [str(p) for p in problems if p.host == name]
@@ -159,10 +200,16 @@ def run_report() -> str | None:
     problems = sorted(problems, key=lambda p: order.get(p.host, len(order)))   # stable: each host's together
     bad = list(dict.fromkeys(p.host for p in problems))
     from tasks.hostdata import report
+    if set(_IN_RUN) <= set(refused):
+        outcome = "nothing was changed on any host:"
+    else:
+        going = [name for name in _IN_RUN if name not in refused]
+        outcome = (f"{plural(len(refused), 'host')} refused and left unchanged ({', '.join(sorted(refused))}), "
+                   f"the other {len(going)} go on ({', '.join(going)}):")
     return report(problems, header=(
         f"verl-lab: {plural(len(problems), 'problem')} on {plural(len(bad), 'host')} of {len(_IN_RUN)} in this run "
-        "(inventory values, then what each box told: GPU, driver, disk, the plan, verl's own checks); "
-        "nothing was changed on any host:"))
+        f"(inventory values, then what each box told: GPU, driver, disk, the plan, verl's own checks); {outcome}")), \
+        refused
 
 
 def _data_planned(settings: LabSettings) -> bool:

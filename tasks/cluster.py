@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import shlex
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -37,6 +37,7 @@ from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.hostdata import member_targets
 from tasks.plan import GpuTarget, PlanError, cluster_plan, workload_for
 from tasks.settings import TRAIN_UNIT, Cluster, LabSettings, ipv4
+from tasks.tracking_train import run_name_of
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-ray.service.j2"
@@ -157,6 +158,8 @@ class RayNode:
     interface: Interface
     num_gpus: int
     plan_env: Mapping[str, str]
+    # the head's only (``head_tracking``): verl's trackers run in its TaskRunner, a Ray worker of the head
+    tracking: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def role(self) -> str:
@@ -175,7 +178,21 @@ class RayNode:
                 "train_user": s.train_user, "home": f"{s.lab_root}/home", "env_prefix": s.env_prefix,
                 "cuda_prefix": s.cuda_prefix, "interface": self.interface, "hf_endpoint": s.mirrors.base("huggingface"),
                 "plan_env": dict(self.plan_env), "unit_name": RAY_UNIT, "wait_tries": HEAD_WAIT_TRIES,
-                "gcs_reconnect_s": GCS_RECONNECT_S}
+                "gcs_reconnect_s": GCS_RECONNECT_S, "tracking_env": {}, "tracking_keys_file": None,
+                "tracking_keys_digest": "", **self.tracking}
+
+
+def head_tracking(settings: LabSettings, run_name: str) -> dict:
+    """What the head's Ray unit needs for verl's trackers: their environment (``ray.env``) and the keys file
+    of an online run (a second, optional EnvironmentFile of the unit; its digest in ``ray.env``, so a new key
+    restarts the unit). verl 0.5.0 makes its ``Tracking`` in ``RayPPOTrainer.fit``, inside the TaskRunner
+    actor (on the head: patch 0010), and a Ray worker has the environment its node's ``ray start`` had plus
+    the job's runtime env, which forwards only verl's own few variables (``get_ppo_ray_runtime_env``): the
+    training unit's environment does not reach it on a cluster."""
+    from tasks.tracking_train import keys_for_box, tracking_values
+    tracked = tracking_values(settings.tracking, settings.lab_root, settings.train_dir, run_name,
+                              keys_for_box(settings.tracking))
+    return {k: tracked[k] for k in ("tracking_env", "tracking_keys_file", "tracking_keys_digest")}
 
 
 def ray_dir(settings: LabSettings) -> str:
@@ -232,8 +249,10 @@ def install_cluster(settings: LabSettings, gpu, cluster: Cluster, targets: Mappi
         if missing:
             raise ClusterError(f"no GPU target on {', '.join(missing)} (see its training stage)")
         interface = choose_interface(route["route"], route["addrs"], cluster.head_address)
-        node = RayNode(settings, cluster, interface, gpu.target.count,
-                       cluster_plan(targets, workload_for(settings)).env)
+        plan = cluster_plan(targets, workload_for(settings))
+        tracked = (head_tracking(settings, run_name_of(plan.overrides)) if cluster.role(settings.host) == "head"
+                   else {})
+        node = RayNode(settings, cluster, interface, gpu.target.count, plan.env, tracked)
         hosts, hosts_why = hosts_file(lookup, node.node_address)
     except (ClusterError, PlanError) as exc:
         fail_host(name=f"Ray {cluster.role(settings.host)} of cluster {cluster.name}", message=str(exc),

@@ -196,3 +196,23 @@ def test_bad_inventory_fails_before_any_change(lab, fleet_lab, key, bad, fix):
     assert line, f"no message naming host {FRESH} and key {key}:\n{res.tail()}"
     assert "Fix:" in line.group(0) and re.search(fix, line.group(0)), line.group(0)
     assert not lab.box(FRESH).exists("/opt/verl-lab"), "the failed run changed the fresh box"
+
+
+def test_a_box_that_cannot_train_is_refused_alone_and_the_others_go_on(lab, fleet_lab, converged):
+    """A problem only the box shows (the fresh V100's plan: a batch larger than GSM8K's train split, which
+    verl's own dataloader check refuses once the box's nvidia-smi names its GPU) refuses that box alone:
+    the report comes before any change, the fresh box's only operation is its refusal (it stays untouched),
+    and the converged boxes of the same run go on (re-run, nothing to change). The run exits non-zero."""
+    res = fleet_lab.deploy(hosts=[*BOXES, FRESH], per_host={FRESH: {"workload": {"train_batch_size": 10000}}},
+                           timeout=900)
+    out = res.output
+    assert res.rc != 0 and res.failed_hosts == [FRESH], res.tail()
+    header = next(line.strip() for line in out.splitlines() if line.startswith("verl-lab: ") and " in this run " in line)
+    assert header.startswith("verl-lab: 1 problem on 1 host of 4 in this run") and header.endswith(
+        f"1 host refused and left unchanged ({FRESH}), the other 3 go on ({', '.join(BOXES)}):"), header
+    assert re.search(rf"host {FRESH}: workload\.train_batch_size: .*Train dataloader is empty!", out), res.tail()
+    assert all(res.changed_by_host[b] == 0 for b in BOXES) and res.changed_by_host.get(FRESH, 0) == 0, res
+    assert re.search(r"verl-lab checks: its 1 problem above \(workload\.train_batch_size\); nothing on this box", out)
+    assert re.search(rf"verl-lab: {FRESH} \(.*\): checks FAILED; FAILED \(see above\)", out), res.tail()
+    assert all(re.search(rf"verl-lab: {b} \(.*\): .*; changed nothing;", out) for b in BOXES), res.tail()
+    assert not lab.box(FRESH).exists("/opt/verl-lab"), "the refused box was changed"

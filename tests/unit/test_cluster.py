@@ -287,6 +287,35 @@ def test_head_and_worker_units_and_their_environment():
     assert "EnvironmentFile=/opt/verl-lab/train/ray.env" in dropin and "ReadWritePaths=/opt/verl-lab/ray" in dropin
 
 
+def test_the_heads_ray_unit_carries_the_trackers_environment_and_keys(tmp_path):
+    """verl's Tracking runs in the TaskRunner, a Ray worker of the head: the head's ray.env has the trackers'
+    environment (the training unit's does not reach a Ray worker on a cluster), and an online run's keys come
+    from the keys file, the Ray unit's second EnvironmentFile, never ray.env; the workers get neither."""
+    from tasks.cluster import head_tracking
+    keys = tmp_path / "trackers.env"
+    keys.write_text("WANDB_API_KEY=" + "k" * 40 + "\n")
+    keys.chmod(0o600)
+    lo = Interface("lo", "127.0.0.2", "every node is on this machine")
+    data = {"artifact_mode": "direct", "tracking": {"trackers": ["tensorboard", "wandb"], "mode": "online",
+                                                    "keys_file": str(keys)}}
+    head = node("box1", lo, cluster_address="127.0.0.2", **data)
+    head = RayNode(head.settings, head.cluster, lo, 2, head.plan_env, head_tracking(head.settings, "lab1-run-ppo"))
+    files = {w.path: w.content.decode() for w in cluster_wanted(head) if w.content is not None}
+    env, unit = files["/opt/verl-lab/train/ray.env"], files["/etc/systemd/system/verl-lab-ray.service"]
+    for line in ("TENSORBOARD_DIR=/opt/verl-lab/tracking/tensorboard/lab1-run-ppo", "WANDB_MODE=online",
+                 "WANDB_DIR=/opt/verl-lab/tracking/wandb"):
+        assert line in env.splitlines(), env
+    assert "k" * 40 not in env and "EnvironmentFile=-/opt/verl-lab/train/tracking-keys.env" in unit.splitlines()
+    digest = env.rsplit("digest ", 1)[1].strip()
+    keys.write_text("WANDB_API_KEY=" + "j" * 40 + "\n")          # a new key: ray.env changes, the unit restarts
+    again = RayNode(head.settings, head.cluster, lo, 2, head.plan_env, head_tracking(head.settings, "lab1-run-ppo"))
+    assert digest not in next(w.content.decode() for w in cluster_wanted(again) if w.path.endswith("ray.env"))
+    worker = {w.path: w.content.decode() for w in cluster_wanted(node("box2", lo, cluster_address="127.0.0.3", **data))
+              if w.content is not None}
+    assert "TENSORBOARD_DIR" not in worker["/opt/verl-lab/train/ray.env"]
+    assert "tracking-keys" not in worker["/etc/systemd/system/verl-lab-ray.service"]
+
+
 # ------------------------------------------------------------------ the check before training (box side)
 
 

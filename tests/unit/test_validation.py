@@ -134,6 +134,22 @@ def test_box_problems_every_problem_of_every_box_at_once():
     assert "not enough free disk" in texts[("t4", "disk (model and data)")]
 
 
+def test_a_boxs_problem_refuses_that_box_and_its_cluster_the_others_go_on():
+    from tasks.base import BoxProblem, refused_hosts
+    run = ["t4", "p40", "head", "wk1", "solo"]
+    clusters = {"t4": None, "p40": None, "head": "lab1", "wk1": "lab1", "solo": None, "away": "lab1"}
+    told = [BoxProblem("p40", "workload.rollout", "no vLLM below 7.0"), BoxProblem("p40", "disk (checkpoints)", "x"),
+            BoxProblem("wk1", "driver (nvidia-smi)", "too old")]
+    refused = refused_hosts(told, run, clusters, inventory=False)
+    assert sorted(refused) == ["head", "p40", "wk1"], refused         # t4 and solo go on
+    assert refused["p40"].startswith("its 2 problems above (workload.rollout, disk (checkpoints)); nothing on this")
+    assert refused["head"].startswith("its Ray cluster 'lab1' trains only when every member can, and wk1 cannot")
+    assert "away" not in refused, "a host outside the run (--limit) is not this run's to refuse"
+    # an inventory value's problem: the file is wrong, every host of the run is refused (nothing runs anywhere)
+    assert sorted(refused_hosts(told[:1], run, clusters, inventory=True)) == sorted(run)
+    assert refused_hosts([], run, clusters, inventory=False) == {}
+
+
 def test_box_problems_none_for_boxes_that_can_train_and_a_box_that_did_not_answer():
     from tasks.base import box_problems
     settings = {"t4": load_settings("t4", {}), "gone": load_settings("gone", {})}
