@@ -85,7 +85,7 @@ class Transcript:
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              timeout=timeout)
         took = time.monotonic() - started
-        out = ANSI.sub("", res.stdout)
+        out = ANSI.sub("", res.stdout).replace(str(REPO) + "/", "./").replace(str(REPO), ".")   # any checkout's
         note = ""
         if "pyinfra" in command:
             lines, dropped = pyinfra_kept(out)
@@ -135,8 +135,8 @@ Made by `tests/newcomer_transcript.py` (`sudo .venv/bin/python tests/newcomer_tr
 file again), not by hand: every command below ran as shown, on {started}, commit {rev}{' with local changes'
 if dirty else ''}, on a 2-core machine shared with other work. pyinfra's progress lines and operation
 table are left out of its runs (counted under each; its lines naming verl-lab or an error are kept), and
-the Hugging Face client's progress bars are off (`HF_HUB_DISABLE_PROGRESS_BARS=1`); everything else each
-command printed is here.
+the Hugging Face client's progress bars are off (`HF_HUB_DISABLE_PROGRESS_BARS=1`), and paths in the
+checkout are shown from its root (`./`); everything else each command printed is here.
 The lab's boxes are real Debian hosts under systemd-nspawn; their GPUs are stand-ins (`nvidia-smi`
 answers as the card would), so nothing here trains (see the end of part 2).
 
