@@ -8,9 +8,19 @@ connecting (``ssh_*``) stops the run here, before any host is contacted, naming 
 and the fix. The other problems are kept: every deploy file's first line reports them, and
 deploy/full.py reports them together with what the boxes tell (tasks/base.py ``check_run``), so
 one typo does not hide the problems only a box can show. Connecting and asking facts change nothing.
+
+It also gives pyinfra's scp client (the relay's transfers: ``ssh_file_transfer_protocol = "scp"``, the
+default in inventory/group_data/all.py) more time for each reply of the box's scp: pyinfra 3.10 waits
+10 s (``pyinfra.connectors.scp.client.SCPClient``, ``socket_timeout``), and the reply after a file's last
+byte comes only once the box has written it, so a busy box or a slow disk failed with "Timeout waiting
+for scp response" (seen in the kill drill on a loaded 2-core machine).
 """
 
+import functools
+
+import pyinfra.connectors.ssh as pyinfra_ssh
 from pyinfra.api.state import State
+from pyinfra.connectors.scp.client import SCPClient
 
 from tasks.hostdata import InventoryError, check_inventory, report
 
@@ -27,3 +37,6 @@ def _init_then_check_inventory(self, inventory, config, *args, **kwargs):
 
 
 State.init = _init_then_check_inventory
+
+SCP_REPLY_TIMEOUT_S = 300
+pyinfra_ssh.SCPClient = functools.partial(SCPClient, socket_timeout=SCP_REPLY_TIMEOUT_S)
