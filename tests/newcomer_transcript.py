@@ -92,7 +92,8 @@ class Transcript:
             note = f"; pyinfra's progress and operation table: {dropped} lines left out" if dropped else ""
         else:
             lines = out.splitlines()
-        shown = f"VERL_LAB_DIR={env['VERL_LAB_DIR']} " if env and env.get("VERL_LAB_DIR") else ""
+        shown = (f"VERL_LAB_DIR={env['VERL_LAB_DIR']} ".replace(str(REPO) + "/", "./")
+                 if env and env.get("VERL_LAB_DIR") else "")
         self.parts.append(f"{why}\n\n```text\n$ {shown}{command}\n" + "\n".join(lines)
                           + f"\n```\n*exit {res.returncode}, {took:.0f} s{note}*\n")
         print(f"[transcript] {command} -> {res.returncode} in {took:.0f}s", file=sys.stderr, flush=True)
