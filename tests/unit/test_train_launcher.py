@@ -90,6 +90,16 @@ def test_digest_changes_with_the_files_the_box_gets(monkeypatch, tmp_path, name)
     assert lay.digest() != before
 
 
+@pytest.mark.parametrize("name", ["verl_lab_preflight.py", "verl_lab_after_run.py"])
+def test_digest_changes_with_the_launchers_parts(monkeypatch, tmp_path, name):
+    lay = layout_for(settings_for())
+    before = lay.digest()
+    changed = tmp_path / train_stage.LAUNCHER_PARTS[name].name
+    changed.write_bytes(train_stage.LAUNCHER_PARTS[name].read_bytes() + b"\n# changed\n")
+    monkeypatch.setitem(train_stage.LAUNCHER_PARTS, name, changed)
+    assert lay.digest() != before
+
+
 def render(template: Path, values: dict) -> str:
     return get_template(str(template)).render(**values)
 
