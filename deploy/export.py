@@ -1,6 +1,6 @@
 """Export and score each box's latest checkpoint now: `pyinfra -y inventory/lab.py deploy/export.py`.
 
-What a finished run does by itself (verl_lab_box/train_launcher.py ``after_run``), on demand: as
+What a finished run does by itself (the launcher's ``after_run``, verl_lab_box/after_run.py), on demand: as
 the train user, `train-launcher --export` turns the latest actor checkpoint into a proven Hugging
 Face folder beside it (`<train_dir>/checkpoints/global_step_N/hf`, its proof `hf.proof.json`) and
 scores the base model (once) and the export on GSM8K's test split (`gsm8k-base.json`,

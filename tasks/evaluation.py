@@ -1,7 +1,7 @@
 """How a box scores a model on GSM8K after training: engine, dtype and batch (pure).
 
 ``evaluation_plan(plan, test_file)`` gives the ``evaluation`` section of plan.json's ``launch``
-(verl_lab_box/train_launcher.py reads it and runs verl_lab_box/gsm8k_score.py with it, for the
+(the launcher's after-run, verl_lab_box/after_run.py, reads it and runs verl_lab_box/gsm8k_score.py with it, for the
 base model once and for each export):
 
 * engine and dtype: the plan's rollout, as training generates on that GPU: the HF-transformers

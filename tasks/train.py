@@ -9,6 +9,8 @@ e.g. for a build box without a GPU), makes the plan (``tasks.plan.make_plan``) a
   and what it was sized from, the overrides each with its reason);
 * ``train-launcher``: verl_lab_box/train_launcher.py as it is; ``--check`` is the preflight, a
   plain run execs ``verl.trainer.main_ppo`` in ``train_dir/work`` with plan.json's overrides;
+* ``verl_lab_preflight.py``, ``verl_lab_after_run.py``: the launcher's parts, verl_lab_box/preflight.py
+  (the preflight's checks) and after_run.py (whether the run finished, the export and scores after it);
 * ``verl_lab_gpu.py``: verl_lab_box/gpu.py, which the preflight imports for its GPU readings;
 * ``verl_lab_vllm_share.py``: verl_lab_box/vllm_share.py, vLLM's share arithmetic (the plan's own),
   with which the preflight sizes the share again for what other processes hold on the GPUs;
@@ -68,6 +70,8 @@ ENV_TEMPLATE = TEMPLATES / "train.env.j2"
 GPU_MODULE = BOX_PACKAGE / "gpu.py"
 VLLM_SHARE_MODULE = BOX_PACKAGE / "vllm_share.py"
 CHECKPOINTS_MODULE = BOX_PACKAGE / "checkpoints.py"
+LAUNCHER_PARTS = {"verl_lab_preflight.py": BOX_PACKAGE / "preflight.py",
+                  "verl_lab_after_run.py": BOX_PACKAGE / "after_run.py"}
 AFTER_RUN_PROGRAMS = {"verl_lab_export.py": BOX_PACKAGE / "export.py",
                       "verl_lab_export_proof.py": BOX_PACKAGE / "export_proof.py",
                       "verl_lab_lora_export.py": BOX_PACKAGE / "lora_export.py",
@@ -205,7 +209,7 @@ class TrainingLayout:
         """Everything the box's files are made of: a changed input re-runs the proofs."""
         parts = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
                  for p in (LAUNCHER, UNIT_TEMPLATE, ENV_TEMPLATE, GPU_MODULE, CHECKPOINTS_MODULE,
-                           *AFTER_RUN_PROGRAMS.values())}
+                           *LAUNCHER_PARTS.values(), *AFTER_RUN_PROGRAMS.values())}
         parts["values"] = json.dumps(self.values(), sort_keys=True, default=str)
         parts["plan.json"] = self.plan_json()
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
@@ -224,6 +228,8 @@ def training_wanted(layout: TrainingLayout) -> list:
                     VLLM_SHARE_MODULE.read_bytes()),
         wanted_file(f"{layout.train_dir}/verl_lab_checkpoints.py", "Checkpoint disk check for the preflight",
                     CHECKPOINTS_MODULE.read_bytes()),
+        *(wanted_file(f"{layout.train_dir}/{name}", f"Launcher part {name}", src.read_bytes())
+          for name, src in LAUNCHER_PARTS.items()),
         wanted_file(layout.launcher, "Training launcher", LAUNCHER.read_bytes(), mode="750", group=user),
         *(wanted_file(f"{layout.train_dir}/{name}", f"After-run program {name}", src.read_bytes())
           for name, src in AFTER_RUN_PROGRAMS.items()),
@@ -240,7 +246,8 @@ def training_paths(settings: LabSettings) -> list[str]:
     bundle; tests/unit/test_placed.py checks the two agree)."""
     t = settings.train_dir
     return [t, f"{t}/work", f"{t}/checkpoints", f"{t}/cache", f"{t}/plan.json", f"{t}/verl_lab_gpu.py",
-            f"{t}/verl_lab_vllm_share.py", f"{t}/verl_lab_checkpoints.py", f"{t}/train-launcher",
+            f"{t}/verl_lab_vllm_share.py", f"{t}/verl_lab_checkpoints.py", *(f"{t}/{name}" for name in LAUNCHER_PARTS),
+            f"{t}/train-launcher",
             *(f"{t}/{name}" for name in AFTER_RUN_PROGRAMS), f"{t}/train.env", UNIT_PATH,
             *tracking_paths(settings.lab_root, t, settings.tracking)]
 

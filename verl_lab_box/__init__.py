@@ -1,7 +1,8 @@
 """verl-lab's box-side programs: standard library only, shipped to the boxes as they are.
 
 - ``train_launcher.py``: the training launcher (``<train_dir>/train-launcher``), reading the
-  box's ``plan.json``;
+  box's ``plan.json``, with its parts beside it: ``preflight.py`` (the checks before a run) and
+  ``after_run.py`` (whether the run finished, the export and scores after it);
 - ``gpu.py``: the GPU reader (nvidia-smi, NVML), the GPU fact's command and parser;
 - ``checkpoints.py``: verl's saves and exports under the checkpoint folder and the disk a run
   needs (the preflight's check beside the launcher, the train stage's fact's command and parser),

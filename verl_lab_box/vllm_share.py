@@ -3,7 +3,7 @@ engine's own accounting, and the smallest share that gives a wanted KV cache.
 
 The one place this arithmetic lives: the plan sizes the share with it (``tasks/memory/generate.py``
 ``vllm_memory``, before anything runs, for a GPU with nothing else on it), and the training
-launcher sizes it again at start (``train_launcher.py``, shipped beside it as
+launcher's preflight sizes it again at start (``preflight.py``, shipped beside it as
 ``verl_lab_vllm_share.py``) for the GPU as it is then: what other processes hold, and the memory
 CUDA counts. Standard library only.
 

@@ -49,7 +49,7 @@ STEPS = 5
 # after the last step (verl validates at the last step when test_freq > 0).
 RUN_OVERRIDES = ["trainer.save_freq=-1"]
 # An export profile's run: a save at every step (with the plan's retention), and when verl finishes,
-# the launcher's export, its proof and the GSM8K scores (verl_lab_box/train_launcher.py after_run).
+# the launcher's export, its proof and the GSM8K scores (verl_lab_box/after_run.py after_run).
 EXPORT_RUN_OVERRIDES = ["trainer.save_freq=1"]
 
 

@@ -13,8 +13,9 @@ cluster with this module before the run and stops it afterwards:
   device runs everything as root.
 * ``wait``: a driver in the env's Python (started before the head, so its start-up is not counted) connects
   to the head as ``cluster-check`` does and reports when every node is alive with its GPUs: the formation time.
-* ``preflight``: the training launcher's own cluster step (``check_cluster`` of ``train/train-launcher``:
-  ``cluster-check`` in the env's Python with ``ray.env`` beside the plan), as its preflight runs it on the head.
+* ``preflight``: the training launcher's own cluster step (``check_cluster`` of its preflight part,
+  ``train/verl_lab_preflight.py``: ``cluster-check`` in the env's Python with ``ray.env`` beside the plan), as
+  its preflight runs it on the head.
 * ``stop``: every node's session ended (SIGTERM, then SIGKILL), by the process ids this module started; the
   units' ``ExecStop`` (``ray stop``) would end every Ray process of the host, other runs' too.
 
@@ -301,8 +302,9 @@ def _preflight(train_dir: str) -> int:
     spec = importlib.util.spec_from_loader(loader.name, loader)
     launcher = importlib.util.module_from_spec(spec)
     loader.exec_module(launcher)
-    rep = launcher.Report()
-    launcher.check_cluster(rep, launcher.load_launch(os.path.join(train_dir, launcher.PLAN_NAME)))
+    preflight = launcher.preflight_module()
+    rep = preflight.Report()
+    preflight.check_cluster(rep, launcher.load_launch(os.path.join(train_dir, launcher.PLAN_NAME)))
     print(json.dumps({"results": rep.results}), flush=True)
     return 1 if rep.failed or not rep.results else 0
 

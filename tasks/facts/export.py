@@ -1,5 +1,5 @@
 """Fact: what a box's training run ended with: its checkpoints' exports and GSM8K scores, for
-deploy/status.py and deploy/export.py (the files verl_lab_box/train_launcher.py, export.py and
+deploy/status.py and deploy/export.py (the files verl_lab_box/after_run.py, export.py and
 gsm8k_score.py write into the checkpoint folder)."""
 
 from __future__ import annotations

@@ -69,6 +69,8 @@ def test_three_gpus_three_plans(lab, converged, name):
     assert all(o["why"] for o in launch["overrides"])
     assert box.read_text(f"{TRAIN}/train-launcher") == (REPO / "verl_lab_box" / "train_launcher.py").read_text()
     assert box.read_text(f"{TRAIN}/verl_lab_gpu.py") == (REPO / "verl_lab_box" / "gpu.py").read_text()
+    for placed, part in (("verl_lab_preflight.py", "preflight.py"), ("verl_lab_after_run.py", "after_run.py")):
+        assert box.read_text(f"{TRAIN}/{placed}") == (REPO / "verl_lab_box" / part).read_text()   # the launcher's parts
     unit = box.read_text(UNIT)
     assert f"({plan['gpu']['count']} x {gpu})" in unit and "User=verl" in unit
 

@@ -32,7 +32,7 @@ LATE_IMPORTS = {
     "gsm8k_score": {"pyarrow", "torch", "transformers", "verl", "vllm"},   # the env's python scores a model
     "lora_export": {"torch", "safetensors", "transformers", "peft"},        # the env's python: a LoRA export
     "hf_snapshot": {"huggingface_hub", "tqdm"},              # fetch: controller, or the env's python
-    "train_launcher": {"torch", "verl"},                     # --probe-env, under the env's python
+    "preflight": {"torch", "verl"},                          # the launcher's --probe-env, under the env's python
 }
 
 

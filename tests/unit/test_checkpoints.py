@@ -324,10 +324,11 @@ def test_the_preflight_checks_the_disk(tmp_path):
     free = box.scan(str(d))["free"]["free_bytes"]
     base = {"dir": str(d), "max_saves": 2, "keep": 1, "every": 10, "export_bytes": 2 ** 20, "saves_in_run": None,
             "last_step": None}
-    rep = tl.Report()
-    tl.check_disk(rep, _Launch({**base, "save_bytes": 2 ** 20}))
-    tl.check_disk(rep, _Launch({**base, "save_bytes": free}))
-    tl.check_disk(rep, _Launch(None))
+    preflight = tl.preflight_module()
+    rep = preflight.Report()
+    preflight.check_disk(rep, _Launch({**base, "save_bytes": 2 ** 20}))
+    preflight.check_disk(rep, _Launch({**base, "save_bytes": free}))
+    preflight.check_disk(rep, _Launch(None))
     (ok, _, fine), (fail, _, short), (skip, _, _) = rep.results
     assert (ok, fail, skip) == ("ok", "FAIL", "skip")
     assert "for 2 saves of 1.0 MiB and the export" in fine

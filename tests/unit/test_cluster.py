@@ -371,11 +371,12 @@ def test_the_launchers_preflight_runs_the_cluster_check_only_for_a_cluster_plan(
         "from the head\\'s 2.46.0', os.environ['RAY_ADDRESS'])\nsys.exit(1)\n")
     launch = SimpleNamespace(plan_file=str(tmp_path / "plan.json"), env_python=sys.executable,
                              overrides=["trainer.nnodes=1"])
-    rep = train_launcher.Report()
-    train_launcher.check_cluster(rep, launch)
+    preflight = train_launcher.preflight_module()
+    rep = preflight.Report()
+    preflight.check_cluster(rep, launch)
     assert rep.results == []                       # one box: nothing to check
     launch.overrides = ["trainer.nnodes=3"]
-    train_launcher.check_cluster(rep, launch)
+    preflight.check_cluster(rep, launch)
     assert rep.results == [("FAIL", "cluster", "node 10.0.0.7 (wk2): ray 2.45.0 differs from the head's 2.46.0 "
                                                 "10.0.0.5:6379")]
 

@@ -1,6 +1,7 @@
 """The training launcher's guards around a run's end (verl_lab_box/train_launcher.py ``train``,
-``after_run``), on a train dir placed as the stage places it, with recording stand-ins for verl's
-trainer, the export and the score (tests/unit/test_launcher_after_run.py's ``run`` fixture):
+verl_lab_box/after_run.py ``after_run``), on a train dir placed as the stage places it, with
+recording stand-ins for verl's trainer, the export and the score
+(tests/unit/test_launcher_after_run.py's ``run`` fixture):
 
 * a run whose latest checkpoint is at or past its planned last step does not start verl again
   (verl 0.5.0 adds 1 to the step it loads before it checks for the last one: ray_trainer.py

@@ -59,7 +59,8 @@ def test_export_profiles_render_the_plans_with_a_save_each_step(rendered, name, 
     assert ev["engine"] == "hf" and ev["test_file"] == f"/tmp/vl/{name}/data/gsm8k/test.parquet"
     assert ev["dtype"] == ("bfloat16" if dtype == "bf16" else "float32") and ev["batch"] >= 64
     files = {p.name for p in (rendered / name / "train").iterdir()}
-    assert {"train-launcher", "verl_lab_export.py", "verl_lab_score.py", "plan.json"} <= files
+    assert {"train-launcher", "verl_lab_preflight.py", "verl_lab_after_run.py", "verl_lab_export.py",
+            "verl_lab_score.py", "plan.json"} <= files
 
 
 def test_only_export_profiles_keep_the_export_on(rendered):

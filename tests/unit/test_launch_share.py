@@ -1,4 +1,4 @@
-"""The launcher sizes vLLM's share again at start (verl_lab_box/train_launcher.py check_vllm_share,
+"""The launcher sizes vLLM's share again at start (verl_lab_box/preflight.py check_vllm_share,
 with verl_lab_box/vllm_share.py, the plan's own arithmetic): what other processes hold on the GPU,
 read from nvidia-smi as a box prints it (recorded outputs in tests/fixtures/nvidia-smi/: an RTX 3090
 driving a desktop, the same with another user's compute job, a T4 with another process), replayed
@@ -180,19 +180,21 @@ def test_the_sized_share_is_what_the_launcher_execs(tmp_path, monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     monkeypatch.setenv("PATH", f"{box['bin']}:/usr/bin:/bin")
-    for name in ("verl_lab_gpu", "verl_lab_vllm_share"):
+    for name in ("verl_lab_gpu", "verl_lab_vllm_share", "verl_lab_preflight"):   # the box's, placed beside it
         monkeypatch.delitem(sys.modules, name, raising=False)
     launch = mod.load_launch(box["layout"].plan_file)
     launch.extra = []
-    rep = mod.Report()
-    mod.check_vllm_share(rep, launch)
+    preflight = mod.preflight_module()
+    assert preflight.__file__ == str(box["launcher"].parent / "verl_lab_preflight.py")
+    rep = preflight.Report()
+    preflight.check_vllm_share(rep, launch)
     cmd = mod.command(launch, ["trainer.save_freq=-1"])
     assert [c for c in cmd if c.startswith(SHARE)] == [f"{SHARE}=0.46"] and cmd[-1] == "trainer.save_freq=-1"
     assert cmd.index(f"{SHARE}=0.46") == 3 + box["layout"].plan.override_lines.index(f"{SHARE}=0.42")
     (box["bin"] / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2; exit 9\n")
     launch = mod.load_launch(box["layout"].plan_file)
     launch.extra = []
-    rep = mod.Report()
-    mod.check_vllm_share(rep, launch)
+    rep = preflight.Report()
+    preflight.check_vllm_share(rep, launch)
     assert rep.results[-1][0] == "skip" and "the plan's share 0.42 is passed as it is" in rep.results[-1][2]
     assert f"{SHARE}=0.42" in mod.command(launch)

@@ -1,5 +1,5 @@
 """What the training launcher does when verl ends (verl_lab_box/train_launcher.py ``train``,
-``after_run``), run here on a train dir placed as the stage places it.
+verl_lab_box/after_run.py ``after_run``), run here on a train dir placed as the stage places it.
 
 Plumbing: verl's trainer, the export program and the score program are replaced by recording
 stand-ins (the real export and score are tests/unit/test_export.py's and test_gsm8k_score.py's,

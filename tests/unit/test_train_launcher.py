@@ -90,6 +90,16 @@ def test_digest_changes_with_the_files_the_box_gets(monkeypatch, tmp_path, name)
     assert lay.digest() != before
 
 
+@pytest.mark.parametrize("name", ["verl_lab_preflight.py", "verl_lab_after_run.py"])
+def test_digest_changes_with_the_launchers_parts(monkeypatch, tmp_path, name):
+    lay = layout_for(settings_for())
+    before = lay.digest()
+    changed = tmp_path / train_stage.LAUNCHER_PARTS[name].name
+    changed.write_bytes(train_stage.LAUNCHER_PARTS[name].read_bytes() + b"\n# changed\n")
+    monkeypatch.setitem(train_stage.LAUNCHER_PARTS, name, changed)
+    assert lay.digest() != before
+
+
 def render(template: Path, values: dict) -> str:
     return get_template(str(template)).render(**values)
 
@@ -127,6 +137,8 @@ def test_launcher_and_gpu_reader_ship_as_they_are():
     assert placed[f"{lay.train_dir}/verl_lab_gpu.py"].content == train_stage.GPU_MODULE.read_bytes()
     assert placed[f"{lay.train_dir}/verl_lab_vllm_share.py"].content == train_stage.VLLM_SHARE_MODULE.read_bytes()
     assert placed[f"{lay.train_dir}/verl_lab_checkpoints.py"].content == train_stage.CHECKPOINTS_MODULE.read_bytes()
+    for name, part in (("verl_lab_preflight.py", "preflight.py"), ("verl_lab_after_run.py", "after_run.py")):
+        assert placed[f"{lay.train_dir}/{name}"].content == (train_stage.BOX_PACKAGE / part).read_bytes()
     assert train_stage.LAUNCHER.parent.name == train_stage.GPU_MODULE.parent.name == "verl_lab_box"
     ast.parse(launcher.content)
     assert launcher.content.startswith(b"#!/usr/bin/env python3\n")
@@ -172,9 +184,9 @@ def box(tmp_path):
     Path(s.marker_dir).mkdir(parents=True, exist_ok=True)
     train = Path(lay.train_dir)
     assert sorted(p.name for p in train.iterdir() if p.is_file()) == [
-        "plan.json", "train-launcher", "train.env", "verl_lab_checkpoints.py", "verl_lab_export.py",
-        "verl_lab_export_proof.py", "verl_lab_gpu.py", "verl_lab_lora_export.py", "verl_lab_score.py",
-        "verl_lab_vllm_share.py"]
+        "plan.json", "train-launcher", "train.env", "verl_lab_after_run.py", "verl_lab_checkpoints.py",
+        "verl_lab_export.py", "verl_lab_export_proof.py", "verl_lab_gpu.py", "verl_lab_lora_export.py",
+        "verl_lab_preflight.py", "verl_lab_score.py", "verl_lab_vllm_share.py"]
     launcher = train / "train-launcher"
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -316,15 +328,15 @@ def test_host_ram_check_fails_a_box_too_small_for_the_offloaded_states(tmp_path)
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       32768000 kB\nMemFree:        1000 kB\n")
     rep = Rep()
-    mod.check_host_ram(rep, Launch(), str(meminfo))
+    mod.preflight_module().check_host_ram(rep, Launch(), str(meminfo))
     assert rep.lines == [("fail", "host ram", "the plan keeps 49000 MiB of model states in host RAM (CPU offload), "
                           "the box has 32000 MiB in all: train a smaller model (workload.model) or add RAM")]
     meminfo.write_text("MemTotal:       65536000 kB\n")
     rep = Rep()
-    mod.check_host_ram(rep, Launch(), str(meminfo))
+    mod.preflight_module().check_host_ram(rep, Launch(), str(meminfo))
     assert rep.lines[0][0] == "ok"
     rep = Rep()
-    mod.check_host_ram(rep, Launch(), str(tmp_path / "missing"))
+    mod.preflight_module().check_host_ram(rep, Launch(), str(tmp_path / "missing"))
     assert rep.lines[0][0] == "skip"
 
 
