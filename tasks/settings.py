@@ -2,22 +2,32 @@
 
 Pure: takes a plain mapping (pyinfra's ``host.data`` turned into a dict) and returns a
 frozen ``LabSettings`` or raises ``SettingsError`` naming the host, the key and the fix.
-Every default lives here, once; ``inventory/group_data/all.py`` only sets site choices.
+Every default lives here, once (a nested setting's keys: beside its checker, e.g.
+``settings_workload.WORKLOAD_DEFAULTS``); ``inventory/group_data/all.py`` only sets site choices.
+The checkers of a topic live in a module of their own: ``settings_catalog`` (catalog, mirrors,
+artifact names), ``settings_workload`` (workload, workload.model, gpu_override),
+``settings_cluster`` (the cluster setting, and ``check_clusters`` across hosts); the errors and
+their collector in ``settings_errors``. This module wires them together in ``load_settings``.
 """
 
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from tasks.facts.gpu import parse_compute_capability
-from tasks.catalog import Catalog, CatalogError, MirrorSet, default_catalog
+from tasks.catalog import Catalog, MirrorSet, default_catalog
 from tasks.tracking import Tracking, TrackingProblems, check_tracking
+from tasks.settings_catalog import _artifact_name, _catalog, _mirrors
+from tasks.settings_errors import Problems, SettingsError, SettingsErrors, did_you_mean
+from tasks.settings_workload import WORKLOAD_DEFAULTS, _gpu_override, _workload, _workload_model
+# Cluster, check_clusters and ipv4 are not used here, only re-exported: ``from tasks.settings import``
+# keeps naming the settings' public face (tasks/cluster.py, tasks/hostdata.py, bench/gpu/ppo_profiles.py
+# and the tests import them so), as it does the errors load_settings raises and WORKLOAD_DEFAULTS.
+from tasks.settings_cluster import Cluster, _cluster, _ip_address, check_clusters, ipv4  # noqa: F401
 
 ARTIFACT_MODES = ("relay", "direct")
 ENV_BACKENDS = ("conda", "venv")
@@ -74,23 +84,6 @@ DEFAULTS: dict[str, Any] = {
 }
 
 KNOWN_KEYS = set(DEFAULTS)
-# workload keys and their defaults: verl's GSM8K quick start, one epoch, the plan's fallback ladder
-WORKLOAD_DEFAULTS: dict[str, Any] = {"algorithm": "auto", "model": None, "train_batch_size": 256,
-                                     "ppo_mini_batch_size": 64, "max_prompt_length": 256, "max_response_length": 256,
-                                     "epochs": 1, "rollout": "auto",
-                                     # LoRA (tasks/plan/lora.py, docs/plan.md "LoRA"): auto trains LoRA where full
-                                     # fine-tuning needs the CPU-offload rung or does not fit, full where it fits
-                                     "finetune": "auto", "lora_rank": 32, "lora_alpha": 32,
-                                     "target_modules": "all-linear"}
-# the keys that are not positive integers
-WORKLOAD_WORDS = ("algorithm", "model", "rollout", "finetune", "target_modules")
-WORKLOAD_FINETUNES = ("auto", "full", "lora")
-# the linear layers of a Qwen2/Llama decoder layer that LoRA may target (PEFT's "all-linear" takes them all)
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-WORKLOAD_ALGORITHMS = ("auto", "ppo", "grpo")   # auto: PPO, else GRPO, else GRPO with shorter responses
-# auto: vLLM where the GPU runs it (compute capability >= 7.0), else the HF rollout; vllm: vLLM or
-# this box fails (tasks.plan.rollout_refusal); hf: the HF-transformers rollout, and no vLLM in the env
-WORKLOAD_ROLLOUTS = ("auto", "vllm", "hf")
 CHECKPOINT_DEFAULTS: dict[str, int] = {"keep": 1, "every": 10}
 
 # Host data that belongs to pyinfra (its connectors' ``ssh_*``/``docker_*``... keys, its global
@@ -111,57 +104,6 @@ def near_miss(key: str) -> str | None:
 # The systemd unit that runs training on every box (files/templates/verl-lab-train.service.j2).
 TRAIN_UNIT = "verl-lab-train.service"
 LEGACY_STAGE_NAMES = {"env": "pyenv"}     # stage -> the marker name it had before
-
-
-class SettingsError(ValueError):
-    """A bad inventory value. ``str()`` names the host, the key, the value and the fix."""
-
-    def __init__(self, host: str, key: str, problem: str, fix: str):
-        self.host, self.key, self.problem, self.fix = host, key, problem, fix
-        super().__init__(f"host {host}: {key}: {problem}. Fix: {fix}")
-
-    @property
-    def problems(self) -> list["SettingsError"]:
-        return [self]
-
-
-class SettingsErrors(SettingsError):
-    """Every problem found (of one host, or of the whole inventory), not only the first: one line
-    each in ``str()``; ``problems`` lists them; host/key/problem/fix are the first one's."""
-
-    def __init__(self, problems: list[SettingsError]):
-        self._problems = [each for p in problems for each in p.problems]
-        first = self._problems[0]
-        self.host, self.key, self.problem, self.fix = first.host, first.key, first.problem, first.fix
-        ValueError.__init__(self, "\n".join(str(p) for p in self._problems))
-
-    @property
-    def problems(self) -> list[SettingsError]:
-        return list(self._problems)
-
-
-class Problems:
-    """What is wrong with one host's data, every problem of it. A checker is a function
-    ``check(host, *args) -> value`` that raises ``SettingsError`` (or ``SettingsErrors`` for several);
-    ``problems.check(checker, *args, default=...)`` records what it raises and gives ``default``
-    instead, so the checks after it still run. ``raise_any()`` raises them all at once."""
-
-    def __init__(self, host: str):
-        self.host, self.found = host, []
-
-    def add(self, key: str, problem: str, fix: str) -> None:
-        self.found.append(SettingsError(self.host, key, problem, fix))
-
-    def check(self, checker, *args, default=None):
-        try:
-            return checker(self.host, *args)
-        except SettingsError as exc:
-            self.found.extend(exc.problems)
-            return default
-
-    def raise_any(self) -> None:
-        if self.found:
-            raise SettingsErrors(self.found)
 
 
 @dataclass(frozen=True)
@@ -247,8 +189,8 @@ class LabSettings:
 # ------------------------------------------------------------------ the checkers
 # Each takes the host and the value(s) it checks, returns the value to keep, and raises
 # SettingsError (SettingsErrors for several problems) naming the key, the value and the fix.
-# A new setting: its default in DEFAULTS, a checker here, one ``p.check`` line in
-# load_settings, a field of LabSettings.
+# A new setting: its default in DEFAULTS, a checker here (or in the settings_* module of its
+# topic), one ``p.check`` line in load_settings, a field of LabSettings.
 
 
 def _abs_path(host: str, key: str, value: Any) -> str:
@@ -256,12 +198,6 @@ def _abs_path(host: str, key: str, value: Any) -> str:
         raise SettingsError(host, key, f"{value!r} is not an absolute path without spaces",
                             f"set {key} to an absolute path such as {DEFAULTS[key]!r}")
     return value.rstrip("/") or "/"
-
-
-def did_you_mean(value: Any, allowed) -> str:
-    """'did you mean X? ' where ``value`` is a near miss of one of ``allowed`` (values, as keys get)."""
-    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}? " if close else ""
 
 
 def _choice(host: str, key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -278,145 +214,6 @@ def _near_misses(host: str, data: Mapping[str, Any]) -> None:
                            "DEFAULTS)") for key in data if near_miss(key)]
     if found:
         raise SettingsErrors(found)
-
-
-def _catalog(host: str, base: Catalog, overrides: Any) -> Catalog:
-    if not isinstance(overrides, Mapping):
-        raise SettingsError(host, "catalog_overrides", f"{overrides!r} is not a mapping",
-                            "use {artifact: {field: value}}")
-    try:
-        return base.with_overrides(overrides)
-    except CatalogError as exc:
-        raise SettingsError(host, "catalog_overrides", str(exc),
-                            "name a catalog artifact and one of its overridable fields") from None
-
-
-def _mirrors(host: str, cat: Catalog, profile: Any, urls: Any) -> MirrorSet:
-    if not isinstance(urls, Mapping):
-        raise SettingsError(host, "mirror_urls", f"{urls!r} is not a mapping", "use {source: base URL}")
-    try:
-        return cat.mirrors(profile, urls)
-    except CatalogError as exc:
-        key = "mirror_profile" if "profile" in str(exc) else "mirror_urls"
-        fix = (f"set mirror_profile to one of {', '.join(cat.profiles)}" if key == "mirror_profile"
-               else "give an http(s) base URL for a source listed in files/catalog.toml [sources]")
-        raise SettingsError(host, key, str(exc), fix) from None
-
-
-def _artifact_name(host: str, cat: Catalog, key: str, name: Any) -> str:
-    try:
-        cat.artifact(name)
-    except CatalogError as exc:
-        raise SettingsError(host, key, str(exc), "name an artifact of files/catalog.toml") from None
-    return name
-
-
-def _gpu_override(host: str, value: Any) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    example = '{"name": "Tesla T4", "compute_capability": "7.5", "memory_mib": 15360, "count": 1}'
-    if not isinstance(value, Mapping) or not {"name", "compute_capability", "memory_mib"} <= set(value) \
-            or set(value) - {"name", "compute_capability", "memory_mib", "count"}:
-        raise SettingsError(host, "gpu_override", f"{value!r} is not a GPU description", f"use e.g. {example}")
-    cc = str(value["compute_capability"])
-    count = value.get("count", 1)
-    found = []
-    try:
-        parse_compute_capability(cc)
-    except ValueError:
-        found.append(SettingsError(host, "gpu_override", f"compute_capability {cc!r} is not like 8.6",
-                                   f"use e.g. {example}"))
-    for key, num in (("memory_mib", value["memory_mib"]), ("count", count)):
-        if not isinstance(num, int) or isinstance(num, bool) or num < 1:
-            found.append(SettingsError(host, "gpu_override", f"{key} {num!r} is not a positive integer",
-                                       f"use e.g. {example}"))
-    if not isinstance(value["name"], str) or not value["name"].strip():
-        found.append(SettingsError(host, "gpu_override", f"name {value['name']!r} is not the GPU's name",
-                                   f"use e.g. {example}"))
-    if found:
-        raise SettingsErrors(found)
-    return {"name": value["name"], "compute_capability": cc, "memory_mib": value["memory_mib"], "count": count}
-
-
-def _workload(host: str, value: Any) -> dict[str, Any]:
-    example = "workload = {'algorithm': 'grpo', 'max_response_length': 192, 'epochs': 2}"
-    if not isinstance(value, Mapping):
-        raise SettingsError(host, "workload", f"{value!r} is not a mapping", f"use e.g. {example}")
-    found = []
-    for key in value:
-        if key not in WORKLOAD_DEFAULTS:
-            close = difflib.get_close_matches(str(key), sorted(WORKLOAD_DEFAULTS), n=1, cutoff=0.6)
-            found.append(SettingsError(host, f"workload.{key}", "not a workload key",
-                                       f"did you mean workload.{close[0]}?" if close
-                                       else f"use one of {', '.join(WORKLOAD_DEFAULTS)}"))
-    w = {**WORKLOAD_DEFAULTS, **{k: v for k, v in value.items() if k in WORKLOAD_DEFAULTS}}
-    if w["algorithm"] not in WORKLOAD_ALGORITHMS:
-        found.append(SettingsError(host, "workload.algorithm", f"{w['algorithm']!r} is not one of auto, ppo, grpo",
-                                   f"{did_you_mean(w['algorithm'], WORKLOAD_ALGORITHMS)}set it to auto (PPO, else GRPO, else shorter responses: what fits), ppo or grpo"))
-    if w["rollout"] not in WORKLOAD_ROLLOUTS:
-        found.append(SettingsError(host, "workload.rollout", f"{w['rollout']!r} is not one of auto, vllm, hf",
-                                   f"{did_you_mean(w['rollout'], WORKLOAD_ROLLOUTS)}set it to auto (vLLM where the GPU runs it, else the HF rollout), vllm (vLLM, "
-                                   "on compute capability >= 7.0 only) or hf (the HF-transformers rollout, on any GPU)"))
-    found += _finetune(host, w)
-    bad = set()
-    for key, default in WORKLOAD_DEFAULTS.items():
-        if key not in WORKLOAD_WORDS and (not isinstance(w[key], int) or isinstance(w[key], bool) or w[key] < 1):
-            bad.add(key)
-            found.append(SettingsError(host, f"workload.{key}", f"{w[key]!r} is not a positive integer",
-                                       f"set it to a positive integer (default {default})"))
-    if not bad & {"ppo_mini_batch_size", "train_batch_size"} and w["ppo_mini_batch_size"] > w["train_batch_size"]:
-        found.append(SettingsError(host, "workload.ppo_mini_batch_size", f"{w['ppo_mini_batch_size']} is more than "
-                                   f"train_batch_size {w['train_batch_size']}",
-                                   "make it at most workload.train_batch_size"))
-    if found:
-        raise SettingsErrors(found)
-    return w
-
-
-def _finetune(host: str, w: dict[str, Any]) -> list[SettingsError]:
-    """workload.finetune and LoRA's target_modules (rank and alpha are positive integers, checked with the others)."""
-    found = []
-    if w["finetune"] not in WORKLOAD_FINETUNES:
-        close = difflib.get_close_matches(str(w["finetune"]).strip().lower(), WORKLOAD_FINETUNES, n=1, cutoff=0.5)
-        found.append(SettingsError(host, "workload.finetune", f"{w['finetune']!r} is not one of auto, full, lora",
-                                   (f"did you mean {close[0]!r}? " if close else "")
-                                   + "set it to auto (LoRA where full fine-tuning needs the CPU-offload rung or does "
-                                   "not fit, else full), full (every weight trained) or lora (adapters only)"))
-    mods = w["target_modules"]
-    if mods != "all-linear":
-        names = [mods] if isinstance(mods, str) else mods
-        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(m, str) for m in names):
-            found.append(SettingsError(host, "workload.target_modules", f"{mods!r} is not 'all-linear' or a list of "
-                                       "module names",
-                                       f"use 'all-linear' (the default) or a list of {', '.join(LORA_MODULES)}"))
-        else:
-            for m in names:
-                if m not in LORA_MODULES:
-                    close = difflib.get_close_matches(m, LORA_MODULES, n=1, cutoff=0.6)
-                    found.append(SettingsError(host, "workload.target_modules", f"{m!r} is not a linear layer of the "
-                                               "model's decoder", (f"did you mean {close[0]!r}? " if close else "")
-                                               + f"use 'all-linear' or names of {', '.join(LORA_MODULES)}"))
-            if not found:
-                w["target_modules"] = "all-linear" if set(names) == set(LORA_MODULES) \
-                    else [m for m in LORA_MODULES if m in names]
-    return found
-
-
-def _workload_model(host: str, cat, value: Any, model_artifact: Any, set_artifact: bool) -> str:
-    """workload.model: a model artifact of the catalog, by its name or its Hugging Face repo."""
-    if value is None:
-        return model_artifact
-    found = cat.model(value)
-    if found is None:
-        models = {name: a for name, a in cat.artifacts.items() if a.kind == "hf-model"}
-        listed = ", ".join(f"{a.repo} ({name})" for name, a in sorted(models.items()))
-        raise SettingsError(host, "workload.model", f"{value!r} is not a model of files/catalog.toml",
-                            f"use one of {listed}; another model needs a catalog entry (repo, revision, sha256) "
-                            "and its config.json under files/models/")
-    if set_artifact and model_artifact != found.name:
-        raise SettingsError(host, "workload.model", f"{value!r} and model_artifact {model_artifact!r} name two "
-                            "models", "set only workload.model")
-    return found.name
 
 
 def _checkpoints(host: str, value: Any) -> dict[str, int]:
@@ -438,114 +235,6 @@ def _checkpoints(host: str, value: Any) -> dict[str, int]:
     if found:
         raise SettingsErrors(found)
     return merged
-
-
-CLUSTER_EXAMPLE = "cluster = {'name': 'lab1', 'head': 'box1'} on every box of the cluster (e.g. in its group_data)"
-CLUSTER_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,30}$")
-
-
-def _cluster(host: str, value: Any) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise SettingsError(host, "cluster", f"{value!r} is not a mapping", f"set {CLUSTER_EXAMPLE}")
-    found = [SettingsError(host, f"cluster.{key}", "not a cluster key", "use name, head and port")
-             for key in value if key not in ("name", "head", "port")]
-    for key in ("name", "head"):
-        if not isinstance(value.get(key), str) or not value[key].strip():
-            found.append(SettingsError(host, f"cluster.{key}", "missing" if key not in value else f"{value[key]!r} "
-                                       "is not a name", f"set {CLUSTER_EXAMPLE}" + (
-                                           " (head: the inventory name of the box that runs Ray's head)"
-                                           if key == "head" else "")))
-    if isinstance(value.get("name"), str) and value["name"].strip() and not CLUSTER_NAME_RE.match(value["name"]):
-        found.append(SettingsError(host, "cluster.name", f"{value['name']!r} is not a short lowercase name",
-                                   "use letters, digits, '-' or '_', e.g. 'lab1'"))
-    port = value.get("port", 6379)
-    if not isinstance(port, int) or isinstance(port, bool) or not 1024 <= port <= 65535:
-        found.append(SettingsError(host, "cluster.port", f"{port!r} is not a port from 1024 to 65535",
-                                   "leave it out for Ray's default 6379, or set a free port"))
-    if found:
-        raise SettingsErrors(found)
-    return {"name": value["name"], "head": value["head"], "port": port}
-
-
-def _ip_address(host: str, key: str, value: Any) -> str | None:
-    if value is None:
-        return None
-    try:
-        return str(ipaddress.IPv4Address(value))
-    except (ipaddress.AddressValueError, ValueError):
-        raise SettingsError(host, key, f"{value!r} is not an IPv4 address",
-                            "set the box's address on the cluster network, e.g. '10.0.0.5'") from None
-
-
-# the cluster setting across hosts (every member's data agrees, the head is a member with an address):
-# checked with every host's settings before any host changes (tasks/hostdata.check_inventory)
-
-
-@dataclass(frozen=True)
-class Cluster:
-    name: str
-    head: str
-    head_address: str
-    port: int
-    members: tuple[str, ...]
-
-    @property
-    def address(self) -> str:
-        return f"{self.head_address}:{self.port}"
-
-    def role(self, host: str) -> str:
-        return "head" if host == self.head else "worker"
-
-
-def ipv4(value: Any) -> str | None:
-    try:
-        return str(ipaddress.IPv4Address(str(value)))
-    except ValueError:
-        return None
-
-
-def check_clusters(settings: Mapping[str, LabSettings],
-                   group_values: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[dict[str, Cluster], list[SettingsError]]:
-    """Every cluster of the inventory, and what is wrong with the setting across hosts (a head
-    outside its cluster, members that disagree, a head without an address, a box put in two
-    clusters by two of its groups). ``group_values``: host -> {group: the cluster value that
-    group's data sets}, for boxes whose own host data does not set one."""
-    problems: list[SettingsError] = []
-    for host, by_group in sorted((group_values or {}).items()):
-        names = sorted({f"{g}: {v.get('name')}" for g, v in by_group.items() if isinstance(v, Mapping)})
-        if len({v.get("name") for v in by_group.values() if isinstance(v, Mapping)}) > 1:
-            problems.append(SettingsError(host, "cluster", f"the box is in two clusters ({', '.join(names)})",
-                                          "take it out of one of these groups, or set its own cluster in host data"))
-    members: dict[str, list[str]] = {}
-    for host, s in settings.items():
-        if s.cluster:
-            members.setdefault(s.cluster["name"], []).append(host)
-    clusters = {}
-    for name, hosts in sorted(members.items()):
-        first = settings[hosts[0]].cluster
-        odd = [h for h in hosts if settings[h].cluster != first]
-        if odd:
-            problems.append(SettingsError(odd[0], "cluster", f"{settings[odd[0]].cluster!r} differs from "
-                                          f"{hosts[0]}'s {first!r} in cluster {name!r}",
-                                          f"give every box of {name} the same value (once, in its group's group_data)"))
-            continue
-        head = first["head"]
-        if head not in hosts:
-            problems.append(SettingsError(hosts[0], "cluster.head", f"{head!r} is not a box of cluster {name!r} "
-                                          f"(its boxes: {', '.join(sorted(hosts))})",
-                                          f"name one of them as the head, or put {head} in cluster {name}"))
-            continue
-        hs = settings[head]
-        address = hs.cluster_address or ipv4(hs.raw.get("ssh_hostname") or head)
-        if not address:
-            problems.append(SettingsError(head, "cluster_address", f"the head of cluster {name!r} has no address "
-                                          "the workers can be given", "set cluster_address = '<its IPv4 address "
-                                          "on the cluster network>' in its host data"))
-            continue
-        clusters[name] = Cluster(name, head, address, first["port"], tuple(sorted(hosts)))
-    return clusters, problems
 
 
 def _ssh_key(host: str, key_file: Any) -> None:

@@ -16,7 +16,7 @@ def vllm_engine(gpu: GpuTarget) -> str:
     return "v1" if gpu.cc >= (8, 0) else "v0"
 
 
-ROLLOUT_ENGINES = ("auto", "vllm", "hf")      # workload.rollout (tasks/settings.py WORKLOAD_ROLLOUTS)
+ROLLOUT_ENGINES = ("auto", "vllm", "hf")      # workload.rollout (tasks/settings_workload.py WORKLOAD_ROLLOUTS)
 VLLM_MIN_CC = (7, 0)
 
 
