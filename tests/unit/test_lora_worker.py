@@ -1,6 +1,6 @@
 """verl 0.5.0's LoRA with the HF rollout (Pascal cards, ``rollout = "hf"``), proven with verl's own
-ActorRolloutRefWorker on CPU (tests/fixtures/lora_worker_run.py), and patches 0011-0012 (files/patches/verl-0.5.0/)
-shown needed: what the release does without each.
+ActorRolloutRefWorker on CPU (tests/fixtures/lora_worker_run.py), and patches 0011-0013 (files/patches/verl-0.5.0/)
+shown needed: what the release does without each (0013: the rollout generates with the adapter merged).
 
 The plans go through verl's Hydra config with LoRA's keys added (``actor_rollout_ref.model.lora_rank``,
 ``lora_alpha``, ``target_modules=all-linear``, and the vLLM-side ``rollout.load_format``/``layered_summon`` the
@@ -38,6 +38,7 @@ TWO_RANKS = Path(__file__).resolve().parents[1] / "fixtures" / "lora_two_ranks.p
 PROBE = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "probe"
 WRAP = "0011-lora-keeps-its-fsdp1-wrap-policy-with-the-hf-rollout.diff"
 PEFT = "0012-hf-rollout-generates-with-a-peft-model.diff"
+MERGE = "0013-hf-rollout-generates-with-the-adapter-merged.diff"
 RANK, ALPHA = 4, 8
 LORA = [f"actor_rollout_ref.model.lora_rank={RANK}", f"actor_rollout_ref.model.lora_alpha={ALPHA}",
         "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.rollout.load_format=safetensors",
@@ -90,9 +91,10 @@ def runs(verl_python, tmp_path_factory):
     model = tiny_model(tmp / "model")
     patches = verl_source.patch_files()
     names = [p.name for p in patches]
-    assert {WRAP, PEFT} <= set(names)
+    assert {WRAP, PEFT, MERGE} <= set(names)
     trees = {"release": _tree(tmp / "release", [p for p in patches if p.name < WRAP]),
              "wrap": _tree(tmp / "wrap", [p for p in patches if p.name <= WRAP]),
+             "peft": _tree(tmp / "peft", [p for p in patches if p.name <= PEFT]),
              "patched": _tree(tmp / "patched", patches)}
     variants = {
         "fsdp1": ("patched", plan_overrides("fsdp1", model)),
@@ -101,6 +103,8 @@ def runs(verl_python, tmp_path_factory):
         "fsdp1 release": ("release", plan_overrides("fsdp1", model)),
         "fsdp1 0011": ("wrap", plan_overrides("fsdp1", model)),
         "fsdp2 0011": ("wrap", plan_overrides("fsdp2", model)),
+        "fsdp1 0012": ("peft", plan_overrides("fsdp1", model)),
+        "fsdp2 0012": ("peft", plan_overrides("fsdp2", model)),
     }
     out = {}
     for name, (tree, overrides) in variants.items():
@@ -124,6 +128,29 @@ def test_the_rollout_samples_the_policy_the_actor_scores(runs, variant):
     assert found["rollout_gap_1"] < GAP and found["rollout_gap_2"] < GAP, found
     # after the update the adapter moved the policy: a rollout without it would show here
     assert found["actor_vs_base_2"] > 100 * GAP and found["rollout_vs_base_2"] > 100 * GAP, found
+
+
+@pytest.mark.parametrize("variant", ["fsdp1", "fsdp2", "fsdp2-knobs"])
+def test_the_rollout_generates_with_the_adapter_merged_and_leaves_the_weights_as_they_were(runs, variant):
+    """0013: step 2's rollout (the adapter non-zero) runs no adapter forward (PEFT's layers merged, so each calls its
+    base layer alone) yet samples the adapted policy (the gap test above), and afterwards every parameter, base and
+    adapter, is bit-identical to before it (the saved base tensors restored, not the merge subtracted: subtraction
+    left 14 of 26 base weights off in their last bits even in fp32, within every log-prob tolerance) and no PEFT
+    layer is left merged (the log-prob and ref passes need it unmerged)."""
+    found = _ok(runs, variant)
+    assert found["adapter_calls_in_rollout"] == 0, found
+    assert found["rollout_vs_base_2"] > 100 * GAP and found["rollout_gap_2"] < GAP, found
+    assert found["rollout_moved"] == [], found["rollout_moved"]
+    assert found["merged_after_rollout"] == 0
+
+
+@pytest.mark.parametrize("variant", ["fsdp1 0012", "fsdp2 0012"])
+def test_without_0013_the_rollout_runs_every_adapter_at_every_token(runs, variant):
+    """What 0013 removes: the release (with 0011-0012) generates through PEFT's unmerged layers, the adapter's two
+    extra matmuls per adapted linear layer at every decoding step (1.6-1.9x the generation time on the H200)."""
+    found = _ok(runs, variant)
+    assert found["adapter_calls_in_rollout"] >= 2 * 7 * SHRINK["data.max_response_length"], found
+    assert found["rollout_gap_2"] < GAP and found["rollout_moved"] == []
 
 
 @pytest.mark.parametrize("variant", ["fsdp1", "fsdp2", "fsdp2-knobs"])

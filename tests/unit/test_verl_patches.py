@@ -58,6 +58,7 @@ def test_patch_set_is_pinned_to_0_5_0():
         "0010-taskrunner-on-the-driver-node.diff",
         "0011-lora-keeps-its-fsdp1-wrap-policy-with-the-hf-rollout.diff",
         "0012-hf-rollout-generates-with-a-peft-model.diff",
+        "0013-hf-rollout-generates-with-the-adapter-merged.diff",
     ]
     assert all(p.parent.name == "verl-0.5.0" for p in verl_source.patch_files())
 
