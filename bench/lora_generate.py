@@ -2,7 +2,7 @@
 merged (what 0013 makes it run), on CPU, in one process: same model, same prompts, same number of new tokens.
 
     PY bench/lora_generate.py [--layers 24] [--vocab 151936] [--batch 8] [--prompt 16] [--new 32] [--rank 32]
-                              [--repeat 3] [--threads 2]
+                              [--repeat 3] [--threads 2] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
 
 PY is a Python with torch, transformers and peft (the tests' cached one: ~/.cache/verl-lab-test/verl-deps-venv-*/
 bin/python). The model is Qwen2.5-0.5B-Instruct's config (the catalog's, files/models/qwen2.5-0.5b-instruct/config.json) with random
@@ -57,6 +57,8 @@ def main() -> int:
     ap.add_argument("--alpha", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the same comparison on a GPU")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = ap.parse_args()
 
     import torch
@@ -67,7 +69,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     config = model_config(args.layers, args.vocab)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**config),
-                                             torch_dtype=torch.float32, attn_implementation="eager").eval()
+                                             torch_dtype=getattr(torch, args.dtype), attn_implementation="eager"
+                                             ).to(args.device).eval()
     base = model
     peft_model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules="all-linear",
                                                   lora_dropout=0.0, task_type="CAUSAL_LM")).eval()
@@ -75,19 +78,25 @@ def main() -> int:
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.02)            # a trained adapter: B is zero only at the start
-    prompts = torch.randint(0, args.vocab, (args.batch, args.prompt))
+    prompts = torch.randint(0, args.vocab, (args.batch, args.prompt)).to(args.device)
     mask = torch.ones_like(prompts)
     kwargs = dict(attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
                   num_beams=1, pad_token_id=0, eos_token_id=None, use_cache=True)
+
+    def sync() -> None:
+        if args.device != "cpu":
+            torch.cuda.synchronize()
 
     def generate(arm: str) -> float:
         if arm == "merged":
             peft_model.merge_adapter()
         try:
             model_for_arm = base if arm == "base" else peft_model
+            sync()
             start = time.perf_counter()
             with torch.no_grad():
                 out = model_for_arm.generate(input_ids=prompts, **kwargs)
+            sync()
             took = time.perf_counter() - start
             assert out.shape == (args.batch, args.prompt + args.new), out.shape
             return took
@@ -108,15 +117,17 @@ def main() -> int:
                 times[arm].append(took)
     median = {arm: statistics.median(t) for arm, t in times.items()}
     tokens = args.batch * args.new
-    print(f"model: Qwen2.5-0.5B's shape, {args.layers} layers, vocab {args.vocab}, fp32 random weights; LoRA rank "
+    print(f"model: Qwen2.5-0.5B's shape, {args.layers} layers, vocab {args.vocab}, {args.dtype} random weights on "
+          f"{args.device}; LoRA rank "
           f"{args.rank}, alpha {args.alpha}, all-linear; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens;"
           f" {args.threads} CPU threads, median of {args.repeat}")
     for arm in arms:
         print(f"  {arm:9s} {median[arm]:7.3f} s  {tokens / median[arm]:8.1f} tokens/s")
     ratio = median["unmerged"] / median["merged"]
     print(f"  unmerged / merged = {ratio:.2f}x   merged / base = {median['merged'] / median['base']:.2f}x")
-    print("  CPU ratios are not GPU ratios: a GPU's HF decoding of a small model is bound by kernel launches and "
-          "Python, where the adapter's extra kernels weigh more (H200, GPU call 15: 1.6-1.9x the generation time)")
+    if args.device == "cpu":
+        print("  CPU ratios are not GPU ratios: a GPU's HF decoding of a small model is bound by kernel launches and "
+              "Python, where the adapter's extra kernels weigh more (H200, GPU call 15: 1.6-1.9x the generation time)")
     print("RESULT " + json.dumps({"seconds": median, "rounds": times, "unmerged_over_merged": ratio,
                                   "args": vars(args)}))
     return 0
