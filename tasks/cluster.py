@@ -37,7 +37,7 @@ from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.hostdata import member_targets
 from tasks.plan import GpuTarget, PlanError, cluster_plan, workload_for
 from tasks.settings import TRAIN_UNIT, Cluster, LabSettings, ipv4
-from tasks.tracking_train import run_name_of
+from tasks.tracking_train import keys_for_box, run_name_of, tracking_values
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-ray.service.j2"
@@ -189,7 +189,6 @@ def head_tracking(settings: LabSettings, run_name: str) -> dict:
     actor (on the head: patch 0010), and a Ray worker has the environment its node's ``ray start`` had plus
     the job's runtime env, which forwards only verl's own few variables (``get_ppo_ray_runtime_env``): the
     training unit's environment does not reach it on a cluster."""
-    from tasks.tracking_train import keys_for_box, tracking_values
     tracked = tracking_values(settings.tracking, settings.lab_root, settings.train_dir, run_name,
                               keys_for_box(settings.tracking))
     return {k: tracked[k] for k in ("tracking_env", "tracking_keys_file", "tracking_keys_digest")}

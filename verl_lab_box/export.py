@@ -120,20 +120,7 @@ CHECKPOINT_READERS = ("verl_lab_checkpoints.py", "checkpoints.py")   # its sibli
 
 def checkpoints_module():
     """verl_lab_box/checkpoints.py, loaded from beside this program (the step lock, the pruning)."""
-    import importlib.util
-
-    if "verl_lab_checkpoints" in sys.modules:
-        return sys.modules["verl_lab_checkpoints"]
-    here = os.path.dirname(os.path.abspath(__file__))
-    for name in CHECKPOINT_READERS:
-        path = os.path.join(here, name)
-        if os.path.isfile(path):
-            spec = importlib.util.spec_from_file_location("verl_lab_checkpoints", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules["verl_lab_checkpoints"] = module
-            spec.loader.exec_module(module)
-            return module
-    raise ImportError(f"no {' or '.join(CHECKPOINT_READERS)} beside {os.path.abspath(__file__)}: re-run deploy/train.py")
+    return _sibling("verl_lab_checkpoints", CHECKPOINT_READERS)
 
 
 def shard_identity(actor_dir: str) -> list[dict]:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.standins.hf_endpoint import tiny_gsm8k_files, write_tiny_model
+from tests.fixtures.standins.hf_endpoint import tiny_gsm8k_parquet, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "verl_lab_box" / "train_launcher.py"
@@ -129,15 +129,7 @@ def cluster(verl_python, patched_verl_root, tmp_path_factory):
     shutil.copy(tree / "verl" / "trainer" / "main_ppo.py", tree / "verl" / "trainer" / "verl_main_ppo.py")
     shutil.copy(REPO / "tests" / "fixtures" / "standin_cluster_main_ppo.py", tree / "verl" / "trainer" / "main_ppo.py")
     model = write_tiny_model(tmp / "model")
-    raw = tmp / "raw"
-    for name, data in tiny_gsm8k_files()[0].items():
-        if name.startswith("main/"):
-            (raw / name).parent.mkdir(parents=True, exist_ok=True)
-            (raw / name).write_bytes(data)
-    data = tmp / "data"
-    subprocess.run([str(verl_python), str(REPO / "verl_lab_box" / "gsm8k.py"), "build", "--train",
-                    str(raw / "main/train-00000-of-00001.parquet"), "--test", str(raw / "main/test-00000-of-00001.parquet"),
-                    "--out", str(data), "--val-rows", "4"], check=True, capture_output=True)
+    data = tiny_gsm8k_parquet(verl_python, tmp)
     port = _free_port()
     ckpt = str(train / "checkpoints")
     overrides = [f"actor_rollout_ref.model.path={model}", "trainer.nnodes=2", "trainer.n_gpus_per_node=1",

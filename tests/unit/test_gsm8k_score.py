@@ -26,12 +26,11 @@ from types import SimpleNamespace
 import pytest
 
 from tests.fixtures.standins import env as standin
-from tests.fixtures.standins.hf_endpoint import tiny_gsm8k_files, write_tiny_model
+from tests.fixtures.standins.hf_endpoint import tiny_gsm8k_parquet, write_tiny_model
 from verl_lab_box.gsm8k_score import batches
 
 REPO = Path(__file__).resolve().parents[2]
 SCORE = REPO / "verl_lab_box" / "gsm8k_score.py"
-GSM8K = REPO / "verl_lab_box" / "gsm8k.py"
 ARGS = ["--engine", "hf", "--dtype", "float32", "--batch", "4", "--prompt-len", "128", "--max-new-tokens", "16"]
 
 FAKE_VLLM = '''\
@@ -127,15 +126,7 @@ def lab(verl_python, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("score")
     root = standin.patched_verl_tree(tmp / "verl")
     model = write_tiny_model(tmp / "model")
-    raw = tmp / "raw"
-    for name, data in tiny_gsm8k_files()[0].items():
-        if name.startswith("main/"):
-            (raw / name).parent.mkdir(parents=True, exist_ok=True)
-            (raw / name).write_bytes(data)
-    data = tmp / "data"
-    subprocess.run([str(verl_python), str(GSM8K), "build", "--train", str(raw / "main/train-00000-of-00001.parquet"),
-                    "--test", str(raw / "main/test-00000-of-00001.parquet"), "--out", str(data), "--val-rows", "4"],
-                   check=True, capture_output=True)
+    data = tiny_gsm8k_parquet(verl_python, tmp)
     fake = tmp / "fake-vllm"
     fake.mkdir()
     (fake / "vllm.py").write_text(FAKE_VLLM)
