@@ -40,7 +40,7 @@ FINETUNES = ("auto", "full", "lora")
 
 def vllm_rank_refusal(workload: Workload, precision: Precision) -> PlanError | None:
     """vLLM 0.8.5 refuses a max_lora_rank outside VLLM_LORA_RANKS, and verl 0.5.0 passes the rank as it."""
-    from tasks.memory.lora import VLLM_LORA_RANKS
+    from tasks.memory.vllm_lora import VLLM_LORA_RANKS
 
     if workload.finetune == "full" or precision.rollout != "vllm" or workload.lora_rank in VLLM_LORA_RANKS:
         return None
