@@ -11,6 +11,7 @@ micro-batch speed: tests/unit/test_speed_micro_batch.py; vLLM's LoRA buffers: te
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -302,3 +303,21 @@ def test_the_lora_bench_runs_the_lora_profiles_against_the_full_plans(tmp_path):
     assert unknown.returncode == 2 and "unknown profile gtx1080-sideways" in unknown.stderr
     missing = run("gtx1080")
     assert missing.returncode == 2 and "not rendered" in missing.stderr
+
+
+def test_the_plan_cli_shows_a_cards_full_and_lora_plans(capsys):
+    """`python -m tasks.plan --finetune full|lora`: the same card's two plans, the rung in each header."""
+    from tasks.plan import main
+
+    card = ["--gpu-name", "NVIDIA GeForce GTX 1080", "--compute-capability", "6.1", "--gpu-memory-mib", "8192"]
+    heads = {}
+    for finetune in ("full", "lora", "auto"):
+        assert main([*card, "--finetune", finetune]) == 0
+        heads[finetune] = capsys.readouterr().out.splitlines()[1]
+    assert heads["full"].startswith("rung grpo-cpu-offload: predicted peak") and "MiB of host RAM" in heads["full"]
+    assert heads["lora"].startswith("rung grpo-lora: predicted peak") and heads["auto"] == heads["lora"]
+    assert main([*card, "--finetune", "lora", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["finetune"] == "lora"
+    with pytest.raises(SystemExit):
+        main([*card, "--finetune", "qlora"])
+    assert "invalid choice: 'qlora'" in capsys.readouterr().err
