@@ -1,4 +1,5 @@
-"""Each LoRA run against its full plan's run of the same call (``compare_with``; issue 42's pairs, bench/gpu/run_lora.sh):
+"""Each LoRA run against its full plan's run of the same call (``compare_with``; issue 42's pairs,
+bench/gpu/run_lora.sh):
 prompts/s of both and the ratio as measured; the plan's step rebuilt from the measured phases where the runs trained
 fewer prompts than the plan (``data.train_batch_size``: every phase but generation scales with the prompts,
 generation with the HF chunks, each chunk about as long whatever its size: GPU calls 9-10); the seconds of each
@@ -53,7 +54,7 @@ def pair(runs: Path, name: str) -> dict | None:
     out = {"lora_run": name, "full_run": base}
     for role, run in (("lora", name), ("full", base)):
         prof, st = read_run(runs / run)
-        speed = step_speed(prof, st)
+        speed, probe = step_speed(prof, st), read_probe(runs / run / "probe")
         batch = ran_batch(prof)
         s_step, gen = speed["s_per_step"], speed["gen_s_per_step"]
         rebuilt = plan_step_seconds(prof, s_step, gen) if s_step and gen else None
@@ -61,9 +62,8 @@ def pair(runs: Path, name: str) -> dict | None:
         out[role] = {"s_per_step": s_step, "gen_s": gen, "prompts": batch,
                      "prompts_per_s": round(batch / s_step, 3) if s_step and batch else None,
                      "plan_prompts_per_s": round(planned / rebuilt, 3) if rebuilt else None,
-                     "phases": {k: v["seconds"] for k, v in step_phases(read_probe(runs / run / "probe")).items()
-                                if k in PHASES},
-                     "peak_allocated_mib": max((r.get("peak_allocated_mib") or 0 for r in read_probe(runs / run / "probe")
+                     "phases": {k: v["seconds"] for k, v in step_phases(probe).items() if k in PHASES},
+                     "peak_allocated_mib": max((r.get("peak_allocated_mib") or 0 for r in probe
                                                 if r.get("event") == "phase"), default=None)}
     lo, fu = out["lora"], out["full"]
     out["ratio"] = round(lo["prompts_per_s"] / fu["prompts_per_s"], 2) if lo["prompts_per_s"] and fu["prompts_per_s"] \

@@ -302,15 +302,16 @@ I42_FULL = [
 LORA_PROFILES += [
     Profile(f"{name}-lora-i42", gpu, cc, mib, rollout_engine=engine, steps=1, validate=False, finetune="lora",
             overrides=I42_STEP, compare_with=f"{name}-full-i42",
-            stands_for=f"{label}, the LoRA plan (grpo-lora) with patch 0013 and the micro-batches by speed, one step of "
-                       "16 prompts" + ("; HF rollout instead of the plan's vLLM, for this run only" if engine == "hf" else ""))
+            stands_for=f"{label}, the LoRA plan (grpo-lora) with patch 0013 and the micro-batches by speed, one "
+                       "step of 16 prompts"
+                       + ("; HF rollout instead of the plan's vLLM, for this run only" if engine == "hf" else ""))
     for name, gpu, cc, mib, engine, label in SPEED_CARDS
 ] + [
     Profile("rtx3060-lora-export", "NVIDIA GeForce RTX 3060", "8.6", 12288, rollout_engine="hf", steps=1,
             validate=False, export=True, finetune="lora", overrides=I42_STEP,
             stands_for="RTX 3060 LoRA plan (grpo-lora, bf16 base; HF rollout instead of the plan's vLLM, for this run "
-                       "only) on 16 prompts: one step, its save with lora_adapter/, the bf16 export (the adapter merged "
-                       "in fp32, rounded once), its proof against PEFT's merge, GSM8K scores"),
+                       "only) on 16 prompts: one step, its save with lora_adapter/, the bf16 export (the adapter "
+                       "merged in fp32, rounded once), its proof against PEFT's merge, GSM8K scores"),
 ]
 PROFILES += I42_FULL + LORA_PROFILES
 BY_NAME = {p.name: p for p in PROFILES}

@@ -59,7 +59,8 @@ def _pad(n: int, to: int) -> int:
 
 
 def vllm_lora_buffers(shape: ModelShape, rank: int, dtype: str, tp: int = 1, architecture: str = "",
-                      max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, engine: str = "v1") -> dict[str, float]:
+                      max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                      engine: str = "v1") -> dict[str, float]:
     """The parts, MiB on one GPU of the engine: ``linear`` (A and B of every linear layer of the decoder),
     ``embedding`` (the embedding's and the head's LoRA and their extra vocabulary rows; 0 for Qwen2), ``workspace``
     (the punica index tensors and one layer's float32 shrink buffer)."""
@@ -84,7 +85,8 @@ def vllm_lora_buffers(shape: ModelShape, rank: int, dtype: str, tp: int = 1, arc
     workspace = 8 * (6 * max_num_batched_tokens + 3 * max_num_seqs) + 4 * 2 * (max_num_batched_tokens + prompts) \
         + 4 * max(qkv_slices, gate_up_slices) * max_num_batched_tokens * r
     b = _bytes(dtype)
-    return {"linear": b * MAX_LORAS * linear / MIB, "embedding": b * MAX_LORAS * emb / MIB, "workspace": workspace / MIB}
+    return {"linear": b * MAX_LORAS * linear / MIB, "embedding": b * MAX_LORAS * emb / MIB,
+            "workspace": workspace / MIB}
 
 
 def vllm_lora_mib(shape: ModelShape, rank: int, dtype: str, tp: int = 1, architecture: str = "",

@@ -65,7 +65,9 @@ from tasks.plan.memory_fit import (
     offload_levels, offload_seconds, rollout_chunk_choices, rollout_tp_choices, search_memory, search_offload,
     speed_ranked,
 )
-from tasks.plan.lora import FINETUNES, FULL_ACTOR_LR, LORA_LR_SCALE, finetune_reason, lora_memory_reasons, lora_overrides
+from tasks.plan.lora import (
+    FINETUNES, FULL_ACTOR_LR, LORA_LR_SCALE, finetune_reason, lora_memory_reasons, lora_overrides,
+)
 from tasks.plan.overrides import GRPO_OVERRIDES, MASTER_DTYPE, checkpoint_plan, plan_env, verl_overrides
 from tasks.plan.rungs import ALGORITHMS, GRPO_N, RUNGS, ladder, make_plan, verl_refusal
 from tasks.plan.cluster import cluster_plan, weakest_gpu
