@@ -141,3 +141,16 @@ def test_the_preflight_checks_the_box_holds_the_saved_base(tmp_path):
     assert lines == [("fail", "host ram", "the plan keeps 4998 MiB in host RAM (0 MiB of offloaded model states, "
                       "4998 MiB of base weights saved while the LoRA adapter is merged for generation), the box "
                       "has 4000 MiB in all: train a smaller model (workload.model) or add RAM")]
+
+
+def test_plan_json_hands_the_launcher_the_merges_host_ram():
+    """deploy/train.py's plan.json: the launch section carries the box's host RAM and the merge's part of it, which
+    the launcher reads (verl_lab_box/train_launcher.py Launch) for the preflight above."""
+    from tasks.settings import load_settings
+    from tasks.train import TrainingLayout, training_workload
+
+    settings = load_settings("box", {"lab_root": "/tmp/vl/box", "workload": {"model": "Qwen/Qwen2.5-1.5B-Instruct"}})
+    plan = make_plan(GpuTarget(GTX1080.name, "6.1", 8192, 2), training_workload(settings))
+    launch = json.loads(TrainingLayout(settings=settings, plan=plan, plan_source="gpu_override").plan_json())["launch"]
+    assert launch["predicted_lora_merge_host_mib"] == plan.to_dict()["predicted_lora_merge_host_mib"] > 4900
+    assert launch["predicted_host_ram_mib"] == plan.to_dict()["predicted_host_ram_mib"]
