@@ -1,7 +1,7 @@
 """LoRA in the plan: the rungs that train adapters on the actor (tasks/plan/rungs.py's RUNGS), their verl
-overrides with reasons (``lora_overrides``), the speed model's seconds of a plan that stays on the GPU
-(``gpu_seconds``, tasks/speed.py) and why ``workload.finetune = "auto"`` chose full fine-tuning or LoRA, with
-both speeds (``finetune_reason``).
+overrides with reasons (``lora_overrides``), why ``workload.finetune = "auto"`` chose full fine-tuning or LoRA,
+with both speeds by the speed model (``finetune_reason``; tasks/plan/memory_fit.py ``gpu_seconds``), and what the
+rollout holds for LoRA (``lora_memory_reasons``: patch 0013's merge with the HF rollout, vLLM's own buffers).
 
 The choices, and where they come from:
 
