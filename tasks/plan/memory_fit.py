@@ -114,7 +114,7 @@ def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
             est = estimator(gpu, workload, precision, choice)
             tried += 1
             if est.fits:
-                fits.append((gpu_seconds(gpu, workload, precision, choice)["update"] if ranked else 0.0,
+                fits.append((update_seconds(gpu, workload, precision, choice) if ranked else 0.0,
                              -micro, ckpt, choice, est))
             elif best_failure is None or est.peak_mib < best_failure.peak_mib:
                 best_failure = est
@@ -180,6 +180,13 @@ def gpu_seconds(gpu: GpuTarget, workload: Workload, precision: Precision, choice
         prompt_len=workload.max_prompt_length, response_len=workload.max_response_length, grad_ckpt=choice.grad_ckpt,
         rollout_dtype=_MEM_DTYPE[precision.rollout_dtype], lora=workload.lora if lora is None else lora,
         reference=workload.uses_reference, critic_params=shape.params("critic") if workload.uses_critic else 0))
+
+
+def update_seconds(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice) -> float:
+    """What the (micro-batch, checkpointing) pair changes in a step by the speed model, the search's key on the LoRA
+    rungs: the actor's update and, on PPO, the critic's (its micro-batch and checkpointing are the actor's)."""
+    seconds = gpu_seconds(gpu, workload, precision, choice)
+    return seconds["update"] + seconds["critic"]
 
 
 def search_offload(gpu: GpuTarget, workload: Workload, precision: Precision,
@@ -275,7 +282,7 @@ def _ranked_words(choice: MemoryChoice, ranking: list[tuple[float, int, bool]]) 
     other = [r for r in ranking if r[2] != choice.grad_ckpt]
     mine = next(r for r in ranking if r[1:] == (choice.actor_micro_batch, choice.grad_ckpt))
     alt = min(other) if other else None
-    return (f"the speed model ranks this update the fastest that fits: micro-batch {mine[1]} "
+    return (f"the speed model ranks this update (and the critic's) the fastest that fits: micro-batch {mine[1]} "
             f"{'with' if mine[2] else 'without'} it {mine[0]:.0f} s a step, "
             + (f"the fastest {'with' if alt[2] else 'without'} it (micro-batch {alt[1]}) {alt[0]:.0f} s"
                if alt else f"none fits {'without' if mine[2] else 'with'} it")

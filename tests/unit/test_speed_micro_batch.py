@@ -20,7 +20,7 @@ from tasks.memory import ModelShape, VerlWorkload
 from tasks.memory.lora import LoraSpec, lora_gpu_budget
 from tasks.plan import (GpuTarget, default_estimator, gpu_seconds, make_plan, offload_levels, search_memory,
                         speed_ranked)
-from tasks.plan.memory_fit import _micro_choices
+from tasks.plan.memory_fit import _micro_choices, update_seconds
 from tasks.speed import GpuStep, gpu_step_seconds
 from tests.unit.test_plan import workload
 
@@ -84,7 +84,8 @@ def _fitting_pairs(gpu, plan):
                                          (False, True)):
         other = replace(chosen, actor_micro_batch=micro, critic_micro_batch=micro, grad_ckpt=ckpt)
         if default_estimator(gpu, w, prec, other).fits:
-            out[(micro, ckpt)] = gpu_seconds(gpu, w, prec, other)["update"]
+            seconds = gpu_seconds(gpu, w, prec, other)
+            out[(micro, ckpt)] = seconds["update"] + seconds["critic"]      # the critic's on PPO: the same pair
     return out
 
 
@@ -102,6 +103,18 @@ def test_the_lora_plan_takes_the_fastest_fitting_pair(name, cc, mib, engine):
     assert all(pairs[mine] <= s + 1e-9 for s in pairs.values()), (mine, pairs)
     ties = [k for k, s in pairs.items() if s == pairs[mine]]
     assert mine == min(ties, key=lambda k: (-k[0], k[1]))
+
+
+def test_ppo_lora_ranks_the_critics_update_with_the_actors():
+    """ppo-lora: the critic is fully trained at the actor's micro-batch and checkpointing, so its update counts."""
+    gpu = GpuTarget("Tesla P40", "6.1", 24576)
+    plan = make_plan(gpu, workload(finetune="lora"))
+    assert plan.rung == "ppo-lora" and plan.workload.uses_critic
+    pairs = _fitting_pairs(gpu, plan)
+    assert pairs[(plan.memory.actor_micro_batch, plan.memory.grad_ckpt)] == min(pairs.values())
+    seconds = gpu_seconds(gpu, plan.workload, plan.precision, plan.memory)
+    assert seconds["critic"] > 0
+    assert update_seconds(gpu, plan.workload, plan.precision, plan.memory) == seconds["update"] + seconds["critic"]
 
 
 def test_the_gtx1080s_lora_plan_no_longer_trains_at_micro_batch_1():
