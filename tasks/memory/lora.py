@@ -15,7 +15,7 @@ and peft 0.16.0 (``peft/tuners/tuners_utils.py``):
   the backward makes no weight gradient of the base, and a base already in the compute dtype needs no
   half-precision copy (FSDP's mixed precision casts only what differs from ``param_dtype``);
 * the HF rollout merges the adapter into the base for generation (patch 0013: ``lora_merge``): one FSDP unit at a
-  time on the GPU, each rank's own shard of the adapted base weights saved to host memory;
+  time on the GPU, each rank's own shard of the adapted decoder layers copied to host memory;
 * vLLM keeps its own LoRA buffers (tasks/memory/vllm_lora.py, read in vLLM 0.8.5's source);
 * the critic (PPO) is fully fine-tuned: verl 0.5.0's critic LoRA uses the causal-LM task type, which leaves the
   new value head frozen at its random initialisation, so the plan never gives the critic LoRA.
@@ -84,37 +84,36 @@ def adapter_params(shape: ModelShape, lora: LoraSpec) -> int:
 
 
 def adapted_base_params(shape: ModelShape, lora: LoraSpec) -> int:
-    """The base weights the adapters adapt (in x out of every targeted linear layer): what patch 0013 merges into
-    and saves."""
+    """The base weights the adapters adapt (in x out of every targeted linear layer): what patch 0013 merges into."""
     dims = module_dims(shape)
     return shape.layers * sum(dims[m][0] * dims[m][1] for m in lora.targets)
 
 
 @dataclass(frozen=True)
 class LoraMerge:
-    """What patch 0013's merge for the HF rollout holds, per rank: host memory through the rollout, GPU memory
-    beside the resident states while it merges and restores."""
+    """What patch 0013's merge for the HF rollout holds, per rank: host memory (its copies, kept for the run), GPU
+    memory beside the resident states while it merges."""
 
     host_mib: float
     gpu_mib: float
 
 
 def lora_merge(shape: ModelShape, lora: LoraSpec, n_gpus: int) -> LoraMerge:
-    """Patch 0013 as its merge runs (files/patches/verl-0.5.0/0013-*.diff, issue 42): the ranks take one decision
-    together; each rank saves only its own shard of the adapted base weights to host memory, in the base's dtype
-    (so a box holds them once, whatever its GPU count), and merges one FSDP unit at a time: FSDP1 gathers that
-    decoder layer with its adapters (verl's LoRA wrap policy makes each lora_A and lora_B a unit of its own), on
-    one GPU nothing (NO_SHARD); each weight's delta B @ A x alpha/r is made in fp32 and the sum with the weight
-    rounded once to its dtype (an fp32 copy of the weight for a half-precision base). The restore copies each
-    rank's shard back, unit by unit. No whole-model gather: the largest decoder layer is the most it holds."""
+    """Patch 0013 as issue 42 made it (files/patches/verl-0.5.0/0013-*.diff, ``_AdapterMerge``): the ranks take one
+    decision together; each rank copies only its own shard of every FSDP1 unit that holds an adapted weight to host
+    memory (verl's wrap policy makes each decoder layer a unit: the whole layer's flat parameter, its norms and biases
+    too, in the base's dtype), so a box holds the decoder once whatever its GPU count, kept for the run; it merges
+    one unit at a time: the decoder layer summoned alone with its nested lora_A and lora_B units (on one GPU, NO_SHARD,
+    nothing is gathered), each weight's (B @ A) x alpha/r made in fp32, the weight added to it in fp32 and the sum
+    rounded once into the weight; the restore copies the shard back, no gather. The most it holds on the GPU is the
+    largest decoder layer with its adapters and one weight's fp32 delta, never the whole model."""
     b = _bytes(lora.base_dtype)
     dims = module_dims(shape)
     layer_adapters = sum(lora.rank * (dims[m][0] + dims[m][1]) for m in lora.targets)
     unit = b * shape.layer_params + 4.0 * layer_adapters if n_gpus > 1 else 0.0
-    largest = max(dims[m][0] * dims[m][1] for m in lora.targets)
-    delta = 4.0 * largest * (1 if lora.base_dtype == "fp32" else 2)
-    # GPU: patch 0013's merge has not run on a GPU (inferred from its code)
-    return LoraMerge(host_mib=b * adapted_base_params(shape, lora) / n_gpus / MIB, gpu_mib=(unit + delta) / MIB)
+    delta = 4.0 * max(dims[m][0] * dims[m][1] for m in lora.targets)
+    # GPU: patch 0013's merge has not run on a GPU (from its code; its CPU test measures the allocator's peak)
+    return LoraMerge(host_mib=b * shape.layers * shape.layer_params / n_gpus / MIB, gpu_mib=(unit + delta) / MIB)
 
 
 def lora_update_transient_mib(shape: ModelShape, dtype: str, attn: str, grad_ckpt: bool, micro_batch: int,

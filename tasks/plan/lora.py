@@ -99,12 +99,12 @@ def lora_memory_reasons(gpu: GpuTarget, w: Workload, precision: Precision, choic
         box = bd.get("lora_merge_host", 0) * gpu.count
         return [Reason("lora_merge", f"{box} MiB host, {bd.get('lora_merge_gpu', 0)} MiB GPU",
                        "the HF rollout generates with the adapter merged into the base (patch 0013): the ranks decide "
-                       "together, each saves its own shard of the adapted base weights (every targeted linear layer, "
-                       f"in {precision.train_dtype}) to host memory through the rollout, {box} MiB on this box in all "
-                       "(in predicted_host_ram_mib: the preflight checks the box's RAM, patch 0013 its MemAvailable "
-                       "before it merges, else it generates unmerged, slower), and merges one FSDP unit at a time: "
-                       "one decoder layer with its adapters and one weight's fp32 delta on the GPU, never the whole "
-                       "model (tasks/memory/lora.py lora_merge; not yet run on a GPU)")]
+                       "together, each copies its own shard of the adapted decoder layers (in "
+                       f"{precision.train_dtype}) to host memory for the run, {box} MiB on this box in all (in "
+                       "predicted_host_ram_mib: the preflight checks the box's RAM; patch 0013 merges only where "
+                       "MemAvailable holds twice the box's copies, else it generates unmerged, slower), and merges "
+                       "one FSDP unit at a time: one decoder layer with its adapters and one weight's fp32 delta on "
+                       "the GPU, never the whole model (tasks/memory/lora.py lora_merge; not yet run on a GPU)")]
     arch = (w.model_config.get("architectures") or ["an unknown model class"])[0]
     return [Reason("vllm_lora", f"{bd.get('vllm_lora', 0)} MiB",
                    f"vLLM 0.8.5's own LoRA memory on each GPU, in its share: for verl's max_loras=1 and max_lora_rank="
