@@ -140,6 +140,8 @@ class TrainingLayout:
             "gpu": {"name": gpu.name, "count": gpu.count, "memory_mib": gpu.memory_mib, "names": gpu.names},
             "predicted_peak_mib": int(self.plan.to_dict()["predicted_peak_mib"]),
             "predicted_host_ram_mib": int(self.plan.to_dict()["predicted_host_ram_mib"]),
+            # of it: patch 0013's saved base weights through each HF rollout with LoRA (each rank its shard)
+            "predicted_lora_merge_host_mib": int(self.plan.to_dict()["predicted_lora_merge_host_mib"]),
             # vLLM's share and what the launcher sizes it again from at start (None: the HF rollout)
             "vllm": self.plan.to_dict()["vllm"],
             "paths": {

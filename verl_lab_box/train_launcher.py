@@ -93,6 +93,8 @@ class Launch:
             self.predicted_peak_mib = int(launch["predicted_peak_mib"])
             # model states the plan keeps in host RAM (offload); 0 in plans written before it was recorded
             self.predicted_host_ram_mib = int(launch.get("predicted_host_ram_mib") or 0)
+            # of it, the base weights patch 0013 saves while a LoRA actor's HF rollout generates merged
+            self.predicted_lora_merge_host_mib = int(launch.get("predicted_lora_merge_host_mib") or 0)
             self.train_dir = paths["train_dir"]
             self.work_dir = paths["work_dir"]
             self.checkpoint_dir = paths["checkpoint_dir"]
