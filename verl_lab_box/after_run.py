@@ -109,6 +109,8 @@ def gather_on_head(launch, step):
         return None
     gather = [launch.env_python, os.path.join(os.path.dirname(os.path.abspath(launch.plan_file)), "cluster-gather"),
               "--plan", launch.plan_file, "--step", str(step)]
+    if launch.gather_timeout_s:           # every call to a node within it: a node that hangs ends the gather
+        gather += ["--timeout", str(launch.gather_timeout_s)]
     try:
         rc = launcher.run_child(gather, launch.work_dir, env=env)
     except OSError as exc:
