@@ -173,6 +173,10 @@ def root_only_problem(path: str, chain: dict | None) -> str | None:
         return "the box did not say who owns the folders above it (readlink/stat printed nothing usable)"
     canonical = chain["canonical"]
     via = f" (a link to {canonical})" if chain.get("link") else ""
+    for link in chain.get("links") or []:
+        if link["uid"] != 0:
+            return (f"{link['path']}, on the way to {path}, is a link of uid {link['uid']}'s, not root's: its owner can "
+                    "point it elsewhere")
     for part in chain.get("parts") or []:
         where, uid, mode = part["path"], part["uid"], part["mode"]
         if where == canonical:

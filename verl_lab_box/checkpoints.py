@@ -34,6 +34,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STEP_RE = re.compile(r"^global_step_(\d+)$")
@@ -72,6 +73,23 @@ def tree_bytes(path: str) -> int:
     return total
 
 
+def read_small(path: str, limit: int = 1 << 20) -> str | None:
+    """The text of the regular file ``path`` (its first ``limit`` bytes), or None: missing, a link, a FIFO,
+    a device, a folder. The checkpoint folder is the train user's, and this runs also under root's facts (the
+    launcher's ``--check`` as that user, for deploy/status.py and the doctor): a FIFO in a file's place must
+    not hold them, a link must not lead elsewhere."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, limit).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
 def read_tracker(text: str) -> int | None:
     text = (text or "").strip()
     return int(text) if text.isdigit() else None
@@ -89,11 +107,7 @@ def scan(checkpoint_dir: str) -> dict:
              "tracker": None, "saves": [], "exports": []}
     if not os.path.isdir(checkpoint_dir):
         return found
-    try:
-        with open(os.path.join(checkpoint_dir, TRACKER)) as fh:
-            found["tracker"] = read_tracker(fh.read())
-    except OSError:
-        pass
+    found["tracker"] = read_tracker(read_small(os.path.join(checkpoint_dir, TRACKER)) or "")
     for name in os.listdir(checkpoint_dir):
         m = STEP_RE.match(name)
         if not m:
@@ -155,9 +169,8 @@ def proven_export(checkpoint_dir: str, step: int) -> dict | None:
     it lists (names and bytes); else None. The files decide, not the JSON alone."""
     folder = os.path.join(checkpoint_dir, f"global_step_{step}")
     try:
-        with open(os.path.join(folder, "hf.proof.json")) as fh:
-            proof = json.load(fh)
-    except (OSError, ValueError):
+        proof = json.loads(read_small(os.path.join(folder, "hf.proof.json")) or "")
+    except ValueError:
         return None
     export, actor = os.path.join(folder, "hf"), os.path.join(folder, "actor")
     if not isinstance(proof, dict) or not proof.get("ok") or proof.get("format") != EXPORT_FORMAT:

@@ -154,7 +154,8 @@ class RootOnlyChain(FactBase[dict[str, dict]]):
     (``readlink -m``), and above the folder that holds each part of the path as written (where a link on
     the way lies; whoever can write there can point it elsewhere). Returns ``{path: {"canonical": the
     path resolved, "link": whether the path itself is a link, "parts": [...]}}``; {} (the default) for no
-    paths. ``tasks.placed.root_only_problem`` reads it."""
+    paths; ``links``: each part of the path as written that is a link, with its owner (who can remove it from a
+    sticky folder and put another in its place). ``tasks.placed.root_only_problem`` reads it."""
 
     default = dict
 
@@ -164,8 +165,8 @@ class RootOnlyChain(FactBase[dict[str, dict]]):
                 "$([ -d \"$a\" ] && echo d || echo f) $a\"; [ \"$a\" = / ] && break; a=$(dirname \"$a\"); done; }; "
                 f"for p in {quoted}; do {{ echo \"@@path $p\"; echo \"@@canonical $(readlink -m \"$p\")\"; "
                 "[ -L \"$p\" ] && echo '@@link'; up \"$(readlink -m \"$p\")\"; q=$p; "
-                "while [ \"$q\" != / ] && [ \"$q\" != . ]; do up \"$(readlink -m \"$(dirname \"$q\")\")\"; "
-                "q=$(dirname \"$q\"); done; } | awk '!seen[$0]++'; done")
+                "while [ \"$q\" != / ] && [ \"$q\" != . ]; do [ -L \"$q\" ] && echo \"@@linkpart $(stat -c %u \"$q\") $q\"; "
+                "up \"$(readlink -m \"$(dirname \"$q\")\")\"; q=$(dirname \"$q\"); done; } | awk '!seen[$0]++'; done")
 
     def process(self, output) -> dict[str, dict]:
         found: dict[str, dict] = self.default()
@@ -173,13 +174,18 @@ class RootOnlyChain(FactBase[dict[str, dict]]):
         for line in output:
             line = line.rstrip("\n")
             if line.startswith("@@path "):
-                current = found.setdefault(line[len("@@path "):], {"canonical": None, "link": False, "parts": []})
+                current = found.setdefault(line[len("@@path "):], {"canonical": None, "link": False, "parts": [],
+                                                                   "links": []})
             elif current is None:
                 continue
             elif line.startswith("@@canonical "):
                 current["canonical"] = line[len("@@canonical "):]
             elif line == "@@link":
                 current["link"] = True
+            elif line.startswith("@@linkpart "):
+                uid, _, where = line[len("@@linkpart "):].partition(" ")
+                if uid.isdigit():
+                    current.setdefault("links", []).append({"path": where, "uid": int(uid)})
             elif line.startswith("@@part "):
                 cells = line[len("@@part "):].split(" ", 3)
                 if len(cells) == 4 and cells[0].isdigit() and cells[2] in ("d", "f"):

@@ -80,10 +80,14 @@ def test_a_folder_someone_else_can_change_is_refused_with_why(shared):
     mine = shared / "mine"
     mine.mkdir()
     (shared / "via-link").symlink_to(theirs)
+    (shared / "root-dir").mkdir(mode=0o700)
+    subprocess.run(["runuser", "-u", "nobody", "--", "ln", "-s", str(shared / "root-dir"), str(sticky_link := shared /
+                    "open" / "their-link")], check=True)      # theirs, to a folder only root can change
     cases = {str(theirs): "belongs to uid", str(theirs / "lab"): f"{theirs}, above", str(shared / "open" / "lab"):
              "has mode 777: others can rename", str(shared / "file"): "is a file, not a folder",
              str(shared / "via-link" / "lab"): f"{theirs}, above", str(shared / "via-link"): "(a link to",
-             str(mine): None, str(mine / "not-yet"): None}
+             str(sticky_link): f"{sticky_link}, on the way to {sticky_link}, is a link of uid {uid}'s",
+             str(sticky_link / "lab"): "is a link of uid", str(mine): None, str(mine / "not-yet"): None}
     found = chain(list(cases))
     for path, want in cases.items():
         why = root_only_problem(path, found[path])
@@ -206,3 +210,27 @@ def test_the_owners_own_files_are_read_as_before(planted):
     assert exports["exports"][0]["proof"]["ok"] is True and exports["exports"][0]["score"]["accuracy"] == 0.5
     disk, _ = run_fact(CheckpointDisk(), path=str(planted))
     assert disk["tracker"] == 3 and [s["step"] for s in disk["saves"]] == [3]
+
+
+def test_the_box_programs_read_the_checkpoint_folder_without_waiting_or_following(tmp_path):
+    """The launcher's ``--check`` (run as the train user by deploy/status.py's and the doctor's fact), its after-run
+    and the export read the tracker, the run record and the proofs through ``read_small``: a FIFO in their place
+    does not hold them, a link is not followed. Mutation tried: ``scan`` with ``open()`` (before issue 41): it
+    waits on the FIFO (deploy/status.py then waits out the fact's 300 s)."""
+    import threading
+
+    from verl_lab_box import checkpoints as ck
+
+    (tmp_path / "secret").write_text("4242")
+    (tmp_path / ck.TRACKER).symlink_to(tmp_path / "secret")
+    assert ck.read_small(str(tmp_path / ck.TRACKER)) is None and ck.scan(str(tmp_path))["tracker"] is None
+    (tmp_path / ck.TRACKER).unlink()
+    os.mkfifo(tmp_path / ck.TRACKER)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(ck.scan(str(tmp_path))["tracker"]), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert got == [None], "scan waited on the FIFO"
+    (tmp_path / ck.TRACKER).unlink()
+    (tmp_path / ck.TRACKER).write_text("12\n")
+    assert ck.scan(str(tmp_path))["tracker"] == 12
