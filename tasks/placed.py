@@ -172,11 +172,19 @@ def root_only_problem(path: str, chain: dict | None) -> str | None:
     if not chain or not chain.get("canonical"):
         return "the box did not say who owns the folders above it (readlink/stat printed nothing usable)"
     canonical = chain["canonical"]
-    via = f" (a link to {canonical})" if chain.get("link") else ""
-    for link in chain.get("links") or []:
+    written = {w["path"]: w for w in chain.get("written") or []}
+    links = [w for w in written.values() if w["kind"] == "link"]
+    for link in links:
         if link["uid"] != 0:
             return (f"{link['path']}, on the way to {path}, is a link of uid {link['uid']}'s, not root's: its owner can "
                     "point it elsewhere")
+    itself = written.get(path.rstrip("/") or "/")
+    resolved = next((p for p in chain.get("parts") or [] if p["path"] == canonical), None)
+    if (not links and canonical != str(Path(path))) or (itself and itself["kind"] == "none" and resolved) \
+            or (itself and itself["kind"] == "dir" and not resolved):
+        return (f"{path} changed while the box was asked about it (what its name is and where it leads disagree): "
+                "someone is swapping that name")
+    via = f" (a link to {canonical})" if links and itself and itself["kind"] == "link" else ""
     for part in chain.get("parts") or []:
         where, uid, mode = part["path"], part["uid"], part["mode"]
         if where == canonical:

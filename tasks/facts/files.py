@@ -152,10 +152,11 @@ class RootOnlyChain(FactBase[dict[str, dict]]):
     who can change it, each as ``{"path", "uid", "mode", "dir"}`` (``mode``: octal text as ``stat %a``
     prints it, with the sticky bit): every existing folder above the path as it resolves now
     (``readlink -m``), and above the folder that holds each part of the path as written (where a link on
-    the way lies; whoever can write there can point it elsewhere). Returns ``{path: {"canonical": the
-    path resolved, "link": whether the path itself is a link, "parts": [...]}}``; {} (the default) for no
-    paths; ``links``: each part of the path as written that is a link, with its owner (who can remove it from a
-    sticky folder and put another in its place). ``tasks.placed.root_only_problem`` reads it."""
+    the way lies; whoever can write there can point it elsewhere); and each part of the path as written,
+    as ``lstat`` sees it: ``{"path", "kind": "link" | "dir" | "other" | "none", "uid"}`` (``uid`` None
+    where it could not be read). Returns ``{path: {"canonical": the path resolved, "parts": [...],
+    "written": [...]}}``; {} (the default) for no paths. The parts are read one after the other: a name
+    swapped while they are read shows as answers that disagree (``tasks.placed.root_only_problem``)."""
 
     default = dict
 
@@ -163,10 +164,13 @@ class RootOnlyChain(FactBase[dict[str, dict]]):
         quoted = " ".join(shlex.quote(p) for p in paths)
         return ("up() { a=$1; while :; do [ -e \"$a\" ] && echo \"@@part $(stat -c '%u %a' \"$a\") "
                 "$([ -d \"$a\" ] && echo d || echo f) $a\"; [ \"$a\" = / ] && break; a=$(dirname \"$a\"); done; }; "
+                "lex() { if [ -L \"$1\" ]; then k=link; elif [ -d \"$1\" ]; then k=dir; elif [ -e \"$1\" ]; then k=other; "
+                "else echo \"@@written none - $1\"; return; fi; echo \"@@written $k $(stat -c %u \"$1\" 2>/dev/null || "
+                "echo -) $1\"; }; "
                 f"for p in {quoted}; do {{ echo \"@@path $p\"; echo \"@@canonical $(readlink -m \"$p\")\"; "
-                "[ -L \"$p\" ] && echo '@@link'; up \"$(readlink -m \"$p\")\"; q=$p; "
-                "while [ \"$q\" != / ] && [ \"$q\" != . ]; do [ -L \"$q\" ] && echo \"@@linkpart $(stat -c %u \"$q\") $q\"; "
-                "up \"$(readlink -m \"$(dirname \"$q\")\")\"; q=$(dirname \"$q\"); done; } | awk '!seen[$0]++'; done")
+                "q=$p; while [ \"$q\" != / ] && [ \"$q\" != . ]; do lex \"$q\"; "
+                "up \"$(readlink -m \"$(dirname \"$q\")\")\"; q=$(dirname \"$q\"); done; up \"$(readlink -m \"$p\")\"; "
+                "} | awk '!seen[$0]++'; done")
 
     def process(self, output) -> dict[str, dict]:
         found: dict[str, dict] = self.default()
@@ -174,18 +178,16 @@ class RootOnlyChain(FactBase[dict[str, dict]]):
         for line in output:
             line = line.rstrip("\n")
             if line.startswith("@@path "):
-                current = found.setdefault(line[len("@@path "):], {"canonical": None, "link": False, "parts": [],
-                                                                   "links": []})
+                current = found.setdefault(line[len("@@path "):], {"canonical": None, "parts": [], "written": []})
             elif current is None:
                 continue
             elif line.startswith("@@canonical "):
                 current["canonical"] = line[len("@@canonical "):]
-            elif line == "@@link":
-                current["link"] = True
-            elif line.startswith("@@linkpart "):
-                uid, _, where = line[len("@@linkpart "):].partition(" ")
-                if uid.isdigit():
-                    current.setdefault("links", []).append({"path": where, "uid": int(uid)})
+            elif line.startswith("@@written "):
+                cells = line[len("@@written "):].split(" ", 2)
+                if len(cells) == 3 and cells[0] in ("link", "dir", "other", "none"):
+                    current["written"].append({"path": cells[2], "kind": cells[0],
+                                               "uid": int(cells[1]) if cells[1].isdigit() else None})
             elif line.startswith("@@part "):
                 cells = line[len("@@part "):].split(" ", 3)
                 if len(cells) == 4 and cells[0].isdigit() and cells[2] in ("d", "f"):

@@ -65,7 +65,28 @@ def test_the_recorded_chains_are_judged():
     assert missing_under_shared(found["/opt/verl-lab"]) == []                               # only root writes in /opt
     why = root_only_problem("/srv/shared/theirs/lab", found["/srv/shared/theirs/lab"])
     assert why.startswith("/srv/shared/theirs, above /srv/shared/theirs/lab, belongs to uid 65534, not root")
+    why = root_only_problem("/srv/shared/link/lab", found["/srv/shared/link/lab"])
+    assert why.startswith("/srv/shared/link, on the way to /srv/shared/link/lab, is a link of uid 65534's")
     assert "did not say" in root_only_problem("/x", None)
+
+
+def test_a_name_swapped_while_the_box_answers_is_refused():
+    """The rename race at prepare time: ``readlink -m`` met the link, the ``lstat`` of the name a moment later met
+    nothing (or a folder where the link led elsewhere): the answers disagree, and that is refused, not trusted.
+    (Seen in tests/e2e/test_root_links.py's race before this check: the victim folder, root's, passed as the
+    folder itself.)"""
+    victim = {"path": "/root/victim", "uid": 0, "mode": "700", "dir": True}
+    root = [{"path": "/var/tmp", "uid": 0, "mode": "1777", "dir": True}, {"path": "/", "uid": 0, "mode": "755", "dir": True}]
+    seen_link_then_nothing = {"canonical": "/root/victim", "parts": [victim, *root],
+                              "written": [{"path": "/var/tmp/verl-lab", "kind": "none", "uid": None}]}
+    assert "changed while the box was asked" in root_only_problem("/var/tmp/verl-lab", seen_link_then_nothing)
+    seen_nothing_then_folder = {"canonical": "/var/tmp/verl-lab", "parts": root,
+                                "written": [{"path": "/var/tmp/verl-lab", "kind": "dir", "uid": 0}]}
+    assert "changed while the box was asked" in root_only_problem("/var/tmp/verl-lab", seen_nothing_then_folder)
+    seen_folder_then_nothing = {"canonical": "/var/tmp/verl-lab", "parts": [{**victim, "path": "/var/tmp/verl-lab"},
+                                                                           *root],
+                                "written": [{"path": "/var/tmp/verl-lab", "kind": "none", "uid": None}]}
+    assert "changed while the box was asked" in root_only_problem("/var/tmp/verl-lab", seen_folder_then_nothing)
 
 
 @root_only
