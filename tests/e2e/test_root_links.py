@@ -14,6 +14,8 @@ For each root operation of the list, in one module:
   and a run record that are FIFOs: nothing of root's is read, nothing waits, deploy/status.py shows no score;
 - deploy/export.py's export (the launcher's after-run: gather, export, score, pruning) runs as ``verl``: the
   step's lock file planted as a link to a root-owned file leaves that file as it was;
+- NVIDIA's runfile (the CUDA stage) writes ``/tmp/cuda-installer.log`` as root: planted as a link by ``verl``
+  over and over during the deploy, the link's target stays as it was (the runfile has a /tmp of its own);
 - ``install_tmpdir`` (``/var/tmp/verl-lab``, under the sticky ``/var/tmp``) taken first by ``verl`` (a link to
   a root-only folder, then a folder of its own): the base stage refuses the box and does nothing there; taken
   over and over while the deploy runs (the rename race): whoever wins the name, root never writes through it.
@@ -125,6 +127,36 @@ def test_deploy_export_exports_as_the_train_user(lab, box):
     assert res.failed_hosts == [BOX] and "Permission denied" in res.output, res.tail()   # verl cannot open root's
 
 
+def planting(box, loop: str):
+    """``loop`` run as ``verl`` in the background (its pid in a file of its home), ended by that pid."""
+    pidfile = f"{ROOT}/home/planter.pid"
+    box.ssh(f"nohup runuser -u verl -- sh -c {shlex.quote(f'echo $$ > {pidfile}; exec sh -c {shlex.quote(loop)}')}"
+            " >/dev/null 2>&1 &")
+    time.sleep(1)
+    return lambda: box.ssh(f"kill $(cat {pidfile}) && rm -f {pidfile}")
+
+
+def test_the_cuda_runfile_writes_no_log_through_a_planted_link(lab, box):
+    """NVIDIA's runfile writes /tmp/cuda-installer.log as root (its stand-in, tests/fixtures/standins/cuda.py, does
+    as the real one). ``verl`` plants that name as a link to a root-owned file again and again, from before the
+    deploy until after it (root's ``rm -f`` of a stale log cannot win). The runfile runs with a /tmp of its own
+    (tasks/cuda.py PRIVATE_TMP): the file stays as it was. Mutation tried: ``script_values(private_tmp=False)``:
+    the stand-in empties root's file through the link (this kernel has fs.protected_symlinks=0)."""
+    from tests.fixtures.standins import cuda as standin
+
+    overrides = standin.publish(lab.mirror.root)
+    box.ssh(f"printf 'untouched\\n' > {VICTIM} && chmod 600 {VICTIM}")
+    stop = planting(box, f"while :; do ln -s {VICTIM} /tmp/cuda-installer.log 2>/dev/null; done")
+    try:
+        res = lab.deploy("deploy/cuda.py", data={"catalog_overrides": overrides}, mode="text")
+    finally:
+        stop()
+        box.ssh("rm -f /tmp/cuda-installer.log")
+    res.assert_ok()
+    assert box.read_text(VICTIM) == "untouched\n" and box.stat(VICTIM) == ("600", "root", "root")
+    assert box.exists("/var/log/cuda-installer.log")          # the runfile's own log, where it puts it
+
+
 def _refused(res, words: str) -> None:
     assert res.failed_hosts == [BOX], res.tail()
     assert f"install_tmpdir = '{TMPDIR}'" in res.output and words in res.output, res.tail()
@@ -153,15 +185,11 @@ def test_an_install_tmpdir_planted_over_and_over_is_never_followed(lab, box):
     written through the link. Mutation tried: the folder made with ``mkdir -p`` and no check after
     (``root_dir_command``): the race lands in tests/unit/test_root_only.py (200 rounds); here once, it may not."""
     box.ssh(f"rm -rf {TMPDIR} {VICTIM_DIR} && mkdir -m 700 {VICTIM_DIR}")
-    loop = f"while :; do ln -s {VICTIM_DIR} {TMPDIR} 2>/dev/null; rm -f {TMPDIR} 2>/dev/null; done"
-    pidfile = f"{ROOT}/home/planter.pid"
-    box.ssh(f"nohup runuser -u verl -- sh -c {shlex.quote(f'echo $$ > {pidfile}; exec sh -c {shlex.quote(loop)}')}"
-            " >/dev/null 2>&1 &")
+    stop = planting(box, f"while :; do ln -s {VICTIM_DIR} {TMPDIR} 2>/dev/null; rm -f {TMPDIR} 2>/dev/null; done")
     try:
-        time.sleep(1)
         res = lab.deploy("deploy/train.py", mode="text")
     finally:
-        box.ssh(f"kill $(cat {pidfile}) && rm -f {pidfile}")       # the planter, by the pid it wrote
+        stop()
     assert box.stat(VICTIM_DIR) == ("700", "root", "root") and box.ssh(f"ls -A {VICTIM_DIR}").stdout == ""
     if res.failed_hosts:
         assert f"install_tmpdir = '{TMPDIR}'" in res.output or "is not a folder of root's alone" in res.output, res.tail()
