@@ -11,7 +11,8 @@ For each root operation of the list, in one module:
 - the facts that read the checkpoint folder (CheckpointDisk: the run's checks and the train stage;
   RunExports: deploy/status.py and deploy/export.py), asked by pyinfra: a step folder that is a link to a
   root-only folder holding a save and a scored export, a base score that is a link to root's file, a tracker
-  and a run record that are FIFOs: nothing of root's is read, nothing waits, deploy/status.py shows no score;
+  and a run record that are FIFOs: nothing of root's is read, nothing waits, deploy/status.py shows no score,
+  deploy/status.py and deploy/doctor.py (whose fact runs the launcher's ``--check`` as ``verl``) end in seconds;
 - deploy/export.py's export (the launcher's after-run: gather, export, score, pruning) runs as ``verl``: the
   step's lock file planted as a link to a root-owned file leaves that file as it was;
 - NVIDIA's runfile (the CUDA stage) writes ``/tmp/cuda-installer.log`` as root: planted as a link by ``verl``
@@ -105,10 +106,16 @@ def test_the_facts_that_read_checkpoints_follow_no_link_and_wait_on_no_fifo(lab,
     assert exports == {"latest_step": None, "finished_step": None, "base": None, "exports": []}, exports
     assert took < 50, f"the facts took {took:.0f} s: a read waited on a FIFO"
     out = tmp_path / "status.json"
+    started = time.monotonic()
     status = lab.deploy("deploy/status.py", data={"status_json": str(out)}, mode="text", timeout=300)
     assert status.rc == 0, status.tail()
     (row,) = json.loads(out.read_text())["hosts"]
     assert row["gsm8k"]["base"] is None and row["gsm8k"]["trained"] is None, row["gsm8k"]
+    # the doctor too: its fact runs the launcher's --check as verl (the unit never ran), which reads the folder
+    doctor = lab.deploy("deploy/doctor.py", mode="text", timeout=300)
+    assert doctor.rc == 0 and "never ran" in doctor.output, doctor.tail()
+    took = time.monotonic() - started
+    assert took < 120, f"status and the doctor took {took:.0f} s: a read waited on a FIFO"
 
 
 def test_deploy_export_exports_as_the_train_user(lab, box):

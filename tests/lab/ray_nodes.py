@@ -24,6 +24,34 @@ RAY_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver"
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+def layout(prefix: str):
+    """A folder under /tmp (short: Ray's socket paths) holding the lab as the nodes see it (``lab/train/checkpoints``,
+    ``lab/ray/tmp``, ``lab/work``) and each node's own disk (``disk/head``, ``disk/worker``: ``checkpoints``,
+    ``ray-tmp``, bind-mounted over the lab's in that node's namespace). Returns (base, lab, train, disks)."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    lab, train = base / "lab", base / "lab" / "train"
+    for path in (train / "checkpoints", lab / "ray" / "tmp", lab / "work"):
+        path.mkdir(parents=True)
+    disks = {role: base / "disk" / role for role in ("head", "worker")}
+    for disk in disks.values():
+        (disk / "checkpoints").mkdir(parents=True)
+        (disk / "ray-tmp").mkdir()
+    return base, lab, train, disks
+
+
+def place_gather(train: Path, head_ip: str, port: int) -> None:
+    """The head's train folder as the stages place it for a cluster: ``ray.env`` (the head's address), and
+    ``cluster-gather`` (tasks/cluster.py) with ``verl_lab_checkpoints.py`` (tasks/train.py) beside it."""
+    import shutil
+
+    repo = Path(__file__).resolve().parents[2] / "verl_lab_box"
+    (train / "ray.env").write_text(f"RAY_ADDRESS={head_ip}:{port}\nVERL_LAB_NODE_IP={head_ip}\nGLOO_SOCKET_IFNAME=lo\n")
+    shutil.copy(repo / "cluster_gather.py", train / "cluster-gather")
+    shutil.copy(repo / "checkpoints.py", train / "verl_lab_checkpoints.py")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -30,14 +30,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures.standins.hf_endpoint import tiny_gsm8k_parquet, write_tiny_model
-from tests.lab.ray_nodes import RAY_ENV, Nodes, free_port, left
+from tests.lab.ray_nodes import RAY_ENV, Nodes, free_port, layout, left, place_gather
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "verl_lab_box" / "train_launcher.py"
@@ -60,15 +59,8 @@ def cluster(verl_python, patched_verl_root, tmp_path_factory):
     nodes, ray.env, cluster-gather), a tiny model and GSM8K test file; yields a namespace of helpers."""
     from types import SimpleNamespace
 
-    base = Path(tempfile.mkdtemp(prefix="vlc", dir="/tmp"))      # short: Ray's socket paths
+    base, lab, train, disks = layout("vlc")
     tmp = tmp_path_factory.mktemp("two-disks")
-    lab, train = base / "lab", base / "lab" / "train"
-    for path in (train / "checkpoints", lab / "ray" / "tmp", lab / "work"):
-        path.mkdir(parents=True)
-    disks = {role: base / "disk" / role for role in ("head", "worker")}
-    for disk in disks.values():
-        (disk / "checkpoints").mkdir(parents=True)
-        (disk / "ray-tmp").mkdir()
     tree = tmp / "verl"
     shutil.copytree(patched_verl_root / "verl", tree / "verl")
     shutil.copy(tree / "verl" / "trainer" / "main_ppo.py", tree / "verl" / "trainer" / "verl_main_ppo.py")
@@ -90,9 +82,7 @@ def cluster(verl_python, patched_verl_root, tmp_path_factory):
                        "prompt_len": 128, "max_new_tokens": 8, "tensor_parallel_size": 1}}}
     (train / "plan.json").write_text(json.dumps(plan))
     (train / "train.env").write_text("")
-    (train / "ray.env").write_text(f"RAY_ADDRESS={HEAD_IP}:{port}\nVERL_LAB_NODE_IP={HEAD_IP}\nGLOO_SOCKET_IFNAME=lo\n")
-    shutil.copy(REPO / "verl_lab_box" / "cluster_gather.py", train / "cluster-gather")     # as tasks/cluster.py places it
-    shutil.copy(REPO / "verl_lab_box" / "checkpoints.py", train / "verl_lab_checkpoints.py")    # and tasks/train.py this
+    place_gather(train, HEAD_IP, port)          # ray.env, cluster-gather and verl_lab_checkpoints.py
     env = {**os.environ, **RAY_ENV, "PATH": f"{Path(verl_python).parent}:{os.environ['PATH']}",
            "PYTHONPATH": str(tree), "HOME": str(tmp)}
     nodes = Nodes(base, env, str(Path(verl_python).parent / "ray"))

@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import pytest
 
 from tests.fixtures.standins import env as standin
 from tests.fixtures.standins.hf_endpoint import write_tiny_model
-from tests.lab.ray_nodes import RAY_ENV, Nodes, free_port, left
+from tests.lab.ray_nodes import RAY_ENV, Nodes, free_port, layout, left, place_gather
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "verl_lab_box" / "train_launcher.py"
@@ -50,15 +49,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is 
 def cluster(verl_python, tmp_path_factory):
     from types import SimpleNamespace
 
-    base = Path(tempfile.mkdtemp(prefix="vlg", dir="/tmp"))      # short: Ray's socket paths
+    base, lab, train, disks = layout("vlg")
     tmp = tmp_path_factory.mktemp("gather-once")
-    lab, train = base / "lab", base / "lab" / "train"
-    for path in (train / "checkpoints", lab / "ray" / "tmp", lab / "work"):
-        path.mkdir(parents=True)
-    disks = {role: base / "disk" / role for role in ("head", "worker")}
-    for disk in disks.values():
-        (disk / "checkpoints").mkdir(parents=True)
-        (disk / "ray-tmp").mkdir()
     root = standin.patched_verl_tree(tmp / "verl")
     model = write_tiny_model(tmp / "model")
     env = {**os.environ, **RAY_ENV, "PATH": f"{Path(verl_python).parent}:{os.environ['PATH']}",
@@ -91,9 +83,7 @@ def cluster(verl_python, tmp_path_factory):
     (train / "plan.json").write_text(json.dumps(plan))
     (train / "train.env").write_text("")
     port = free_port()
-    (train / "ray.env").write_text(f"RAY_ADDRESS={HEAD_IP}:{port}\nVERL_LAB_NODE_IP={HEAD_IP}\nGLOO_SOCKET_IFNAME=lo\n")
-    shutil.copy(REPO / "verl_lab_box" / "cluster_gather.py", train / "cluster-gather")      # as tasks/cluster.py does
-    shutil.copy(REPO / "verl_lab_box" / "checkpoints.py", train / "verl_lab_checkpoints.py")   # as tasks/train.py does
+    place_gather(train, HEAD_IP, port)          # ray.env, cluster-gather and verl_lab_checkpoints.py
     nodes = Nodes(base, env, str(Path(verl_python).parent / "ray"))
     run_env = {**env, "RAY_ADDRESS": f"{HEAD_IP}:{port}", "VERL_LAB_NODE_IP": HEAD_IP}
 
