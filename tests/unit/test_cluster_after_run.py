@@ -379,3 +379,19 @@ def test_a_gather_that_fails_half_way_leaves_what_it_copied_on_record_and_the_ne
              WK: {"host": "wk1", "files": {SHARD.format(0): saved_again, SHARD.format(1): [100, 5]}}}
     fetch, problems = plan_fetch(HEAD, nodes, 4, 2, [c["name"] for c in on_record["copied"]])
     assert problems == [] and sorted(f["name"] for f in fetch) == [SHARD.format(0), SHARD.format(1)]
+
+
+def test_a_cluster_plan_gives_its_gather_a_timeout_and_a_box_alone_none():
+    """plan.json's ``launch.gather_timeout_s`` (tasks/train.py): the after-run passes it as cluster-gather's
+    ``--timeout`` (every call to a node within it); a box alone never gathers, its plan names none."""
+    from dataclasses import replace
+
+    from tasks.plan import GpuTarget, cluster_plan, doc_workload
+    from tasks.train import GATHER_TIMEOUT_S
+    from tests.unit.test_train_launcher import layout_for, settings_for
+
+    alone = layout_for(settings_for())
+    assert "gather_timeout_s" not in alone.launch()
+    t4 = GpuTarget("Tesla T4", "7.5", 15360, 1)
+    two = replace(alone, plan=cluster_plan({"a": t4, "b": t4}, doc_workload()))
+    assert two.nnodes == 2 and two.launch()["gather_timeout_s"] == GATHER_TIMEOUT_S == 600
