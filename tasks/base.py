@@ -15,10 +15,10 @@ from pyinfra.operations import apt, server
 
 from tasks.facts.bundle import ask
 from tasks.failure import fail_host
-from tasks.facts.files import PasswdEntry, PathStates
+from tasks.facts.files import PasswdEntry, PathStates, RootOnlyChain
 from tasks.facts.gpu import NvidiaGpus
 from tasks.facts.nvidia import CudaHostCompiler
-from tasks.placed import place, wanted_dir
+from tasks.placed import missing_under_shared, place, root_dir_command, root_only_problem, wanted_dir
 from tasks.plan import rollout_refusal
 from tasks.settings import LabSettings, SettingsError
 from tasks.target import HOST_COMPILER_PACKAGES, HostTarget, decide_compiler, decide_gpu
@@ -43,9 +43,17 @@ def base_layout(settings: LabSettings, trains: bool = True) -> HostTarget:
     home = f"{settings.lab_root}/home"
     dirs = [wanted_dir(settings.lab_root), wanted_dir(settings.marker_dir),
             wanted_dir(settings.box_cache, mode="750")]
-    states, entry, gpus, distro, gcc = ask((PathStates, {"paths": [home] + [d.path for d in dirs]}),
-                                           (PasswdEntry, {"user": settings.train_user}), (NvidiaGpus, {}),
-                                           (LinuxDistribution, {}), (CudaHostCompiler, {}))
+    work = root_work(settings)
+    states, entry, gpus, distro, gcc, chains = ask(
+        (PathStates, {"paths": [home] + [d.path for d in dirs]}), (PasswdEntry, {"user": settings.train_user}),
+        (NvidiaGpus, {}), (LinuxDistribution, {}), (CudaHostCompiler, {}), (RootOnlyChain, {"paths": list(work.values())}))
+    unsafe = [f"{key} = {path!r}: {why}" for key, path in work.items()
+              if (why := root_only_problem(path, (chains or {}).get(path)))]
+    if unsafe:       # before anything on this box changes: root would work where someone else can swap names
+        message = (f"host {settings.host}: " + "; ".join(unsafe) + ". Fix: remove what is in the way (after a look "
+                   "at it), or set the key to a folder whose every parent only root can change")
+        fail_host(name="verl-lab folders root works in", stage="base", message=message)
+        return replace(decide_gpu(settings, gpus), refused=message)
     compiler = decide_compiler((distro or {}).get("release_meta") or {}, gcc)
     target = replace(decide_gpu(settings, gpus), compiler=compiler)
     rollout = settings.workload["rollout"]
@@ -77,11 +85,25 @@ def base_layout(settings: LabSettings, trains: bool = True) -> HostTarget:
             create_home=True,
         )
     place(dirs, states or {})
+    shared = missing_under_shared((chains or {})[settings.install_tmpdir])
+    if shared:      # e.g. /var/tmp/verl-lab: anyone can take the name first, so root makes it and checks
+        server.shell(name=f"Directory {settings.install_tmpdir} (root's, in a folder others can write in)",
+                     commands=[root_dir_command(path) for path in shared])
     if compiler.install:
         apt.update(name="apt update (for gcc-11, the newest gcc nvcc 11.8 accepts)")
         apt.packages(name=f"Host compiler for nvcc 11.8 and the Apex build: {compiler.reason}",
                      packages=list(HOST_COMPILER_PACKAGES), no_recommends=True)
     return target
+
+
+def root_work(settings: LabSettings) -> dict[str, str]:
+    """The folders root's stages make and work in, by their setting's name: each must be one only root
+    can change (``tasks.placed.root_only_problem``), or the base stage refuses the box."""
+    work = {"lab_root": settings.lab_root, "install_tmpdir": settings.install_tmpdir,
+            "cuda_prefix": settings.cuda_prefix, "env_prefix": settings.env_prefix}
+    if settings.env_backend == "conda":
+        work["conda_prefix"] = settings.conda_prefix
+    return work
 
 
 def cannot_train(settings: LabSettings, target: HostTarget):

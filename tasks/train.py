@@ -79,6 +79,7 @@ AFTER_RUN_PROGRAMS = {"verl_lab_export.py": BOX_PACKAGE / "export.py",
 UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
 PREFLIGHT_PASSED = "verl-lab preflight passed on "      # the launcher prints it, then execs verl
 MARKER_PLAN_KEYS = ("rollout", "train_dtype", "attn_implementation", "predicted_peak_mib")
+GATHER_TIMEOUT_S = 600     # a cluster's gather: every node's listing and copies (checkpoints of a few GiB over Ray)
 START_WAIT_S = 600          # the preflight asks the env's Python (torch, verl, NVML): tens of seconds
 
 
@@ -159,6 +160,8 @@ class TrainingLayout:
             **({"checkpoints": self.plan.checkpoints.launch(self.checkpoint_dir, self.plan.gpu.count)}
                if self.plan.checkpoints else {}),
             "evaluation": self.evaluation(),
+            # a cluster run's end: the seconds the head's gather may take (verl_lab_box/cluster_gather.py)
+            **({"gather_timeout_s": GATHER_TIMEOUT_S} if self.nnodes > 1 else {}),
         }
 
     def evaluation(self) -> dict:
@@ -203,6 +206,11 @@ class TrainingLayout:
                                  *tracked["tracking_paths"]],
             **tracked,
         }
+
+    @property
+    def nnodes(self) -> int:
+        value = next((o.value for o in self.plan.overrides if o.key == "trainer.nnodes"), "1")
+        return int(value) if str(value).isdigit() else 1
 
     def plan_workload_file(self, key: str) -> str:
         return next(o.value for o in self.plan.overrides if o.key == f"data.{key}")

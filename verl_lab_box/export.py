@@ -104,11 +104,8 @@ def log(msg: str) -> None:
 
 def latest_step(checkpoint_dir: str) -> int | None:
     """The step of verl's tracker file, or None when there is no checkpoint yet."""
-    try:
-        with open(os.path.join(checkpoint_dir, TRACKER)) as fh:
-            return int(fh.read().strip())
-    except (OSError, ValueError):
-        return None
+    ck = checkpoints_module()
+    return ck.read_tracker(ck.read_small(os.path.join(checkpoint_dir, TRACKER)) or "")
 
 
 def step_dir(checkpoint_dir: str, step: int) -> str:

@@ -112,6 +112,8 @@ class Launch:
             self.checkpoints = launch.get("checkpoints")
             # the GSM8K evaluation after a finished run (tasks/evaluation.py); None in older plans
             self.evaluation = launch.get("evaluation")
+            # a cluster run's gather on the head: the seconds it may take (tasks/train.py); None: its default
+            self.gather_timeout_s = launch.get("gather_timeout_s")
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"{plan_file}: its launch section is incomplete ({type(exc).__name__}: {exc})") from None
         self.plan_file = plan_file

@@ -22,7 +22,7 @@ SIBLINGS = {p.stem for p in MODULES} | {"verl_lab_box"}
 # module -> what it imports late (inside a function), and where that runs
 LATE_IMPORTS = {
     "cluster_check": {"ray"},                                # the env's Ray, on the head
-    "cluster_gather": {"ray"},                               # the env's Ray, on the head
+    "cluster_gather": {"ray", "verl_lab_checkpoints"},      # the env's Ray, on the head; checkpoints.py beside it
     "env_prove": {"torch", "vllm", "xformers", "verl"},      # the env's python proves its env
     "export_proof": {"torch", "transformers", "safetensors", "accelerate"},   # the env's python: the export's proof
     "gpu": {"pynvml"},                                       # read_nvml, in the training env
