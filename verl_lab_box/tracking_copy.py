@@ -448,6 +448,8 @@ def apply_stream(root: str, inp, gid: int | None = None, file_mode: int = 0o640,
                     result["missing"] = bool(record.get("missing"))
                     result["source_uid"] = record.get("uid")
                     break
+        except CopyError as exc:         # a malformed or cut stream: what came whole before it stands
+            result["error"] = str(exc)
         finally:
             if target is not None:       # cut short inside a file: its bytes are not the copy's
                 manifest.pop(target.rel, None)
