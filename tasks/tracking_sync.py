@@ -6,12 +6,16 @@ A box without internet logs wandb, SwanLab and MLflow offline (tasks/tracking.py
 copied to ``<controller_cache>/tracking/boxes/<box>/<tracker>/`` (tasks/tracking_copy.py: the bytes each file
 gained, read as the train user) and synced, one run at a time, each with its own time limit (``run_timeout``):
 
-* wandb: ``python -m wandb sync --no-sync-tensorboard <offline-run-*>`` (wandb 0.21.0's own command). Each
-  run once: wandb marks a run ``<run>.wandb.synced`` only once it finished, and only ``wandb sync --sync-all``
-  (its scan, ``wandb/sync/sync.py`` ``get_runs``) skips marked runs, not a run named on the command line
-  (``wandb/cli/cli.py`` ``_sync_path``), so the controller skips them itself: a run with the marker, or whose
-  ``.wandb`` file has not changed since its last sync (``SYNCED``: what was synced, per run). A run synced
-  while it trained is synced again once it grew, under its own run id: the same run on the server;
+* wandb: ``python -m wandb sync --no-sync-tensorboard --no-mark-synced <offline-run-*>`` (wandb 0.21.0's own
+  command), each run once: the controller records what it synced (``SYNCED``: per run, its ``.wandb`` file's
+  name and size) and syncs a run again only when that changed (a run synced while it trained, once it grew:
+  under its own run id, the same run on the server). wandb's own marker (``<run>.wandb.synced``) is not used:
+  only ``wandb sync --sync-all`` (its scan, ``wandb/sync/sync.py`` ``get_runs``) skips marked runs, not a run
+  named on the command line (``wandb/cli/cli.py`` ``_sync_path``), and wandb 0.21.0 writes it, and exits 0,
+  even when the server refused every request (tried here: a server answering 401 to all of them). What
+  counts as synced: exit 0 and the run's address printed with the entity the server gave it
+  (``Syncing: <url>/<entity>/<project>/runs/<id> ... done.``; the refused sync prints ``<url>//<project>/...``:
+  no entity came back) (``wandb_synced``);
 * SwanLab: ``python -m swanlab sync <run folder>`` (swanlab 0.6.8's command), again only once its files
   changed since the last sync;
 * MLflow: has no sync command; its file store stays in the cache, to be served there
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +53,7 @@ SYNC_PER_MIB_S = 2
 SYNCED = ".verl-lab-synced.json"      # in a tracker's cache folder: run -> what it was synced at
 LOGS = ".verl-lab-sync"               # in a tracker's cache folder: one log per run
 SYNCABLE = ("wandb", "swanlab", "mlflow")
+WANDB_DONE = re.compile(r"^Syncing: \S+?/([^/\s]*)/([^/\s]+)/runs/([^/\s]+) \.\.\. done\.$", re.M)
 
 
 def boxes_root(settings: LabSettings) -> Path:
@@ -87,10 +93,10 @@ def _tree_bytes(folder: Path) -> tuple[int, int]:
 
 def run_fingerprint(tracker: str, run: Path) -> str | None:
     """What a run holds now, to tell whether it changed since its last sync; None: not a run to sync
-    (wandb: a folder without exactly one ``.wandb`` file, or one wandb marked synced)."""
+    (wandb: a folder without exactly one ``.wandb`` file)."""
     if tracker == "wandb":
         logs = [p for p in run.iterdir() if p.name.endswith(".wandb") and p.is_file()]
-        if len(logs) != 1 or Path(f"{logs[0]}.synced").exists():
+        if len(logs) != 1:
             return None
         return f"{logs[0].name}:{logs[0].stat().st_size}"
     size, count = _tree_bytes(run)
@@ -116,8 +122,13 @@ def runs_to_sync(tracker: str, root: Path, synced: dict) -> list[tuple[Path, str
 def sync_argv(tracker: str, run: Path) -> list[str]:
     """One run's sync; no key in it."""
     if tracker == "wandb":
-        return [sys.executable, "-m", "wandb", "sync", "--no-sync-tensorboard", str(run)]
+        return [sys.executable, "-m", "wandb", "sync", "--no-sync-tensorboard", "--no-mark-synced", str(run)]
     return [sys.executable, "-m", "swanlab", "sync", str(run)]
+
+
+def wandb_synced(output: str) -> bool:
+    """Whether ``wandb sync``'s output says the server took the run: its address with an entity."""
+    return any(m.group(1) for m in WANDB_DONE.finditer(output))
 
 
 def run_timeout(run: Path) -> int:
@@ -172,10 +183,12 @@ def sync_tracker(host, tracking: Tracking, tracker: str, root: Path, box: str) -
         except OSError as exc:
             out, code = str(exc), None
         (logs / f"{run.name}.log").write_text(out)
+        if code == 0 and tracker == "wandb" and not wandb_synced(out):
+            code = "0, but the server gave the run no entity (refused?)"
         if code != 0:
             ok = False
             host.log_styled(f"verl-lab tracking: {box}'s {tracker} run {run.name} not synced "
-                            f"({'exit ' + str(code) if code is not None else 'no result'}; log {logs}/{run.name}.log): "
+                            f"(exit {code if code is not None else 'none'}; log {logs}/{run.name}.log): "
                             f"{out[-400:]}", fg="red", log_func=logger.error)
             continue
         synced[run.name] = fingerprint
