@@ -173,7 +173,9 @@ def place_as_verl_wrote(box, local: Path, dest: str) -> None:
     """``local``'s files where verl (the train user) would have written them on ``box``."""
     target = box.root / dest.lstrip("/")
     shutil.copytree(local, target, dirs_exist_ok=True)
-    box.ssh(f"chown -R verl:verl {shlex.quote(dest)}")
+    # (and the folders above it under the tracker's folder, as the tracker makes them)
+    top = f"{ROOT}/tracking/" + dest.split(f"{ROOT}/tracking/", 1)[1].split("/", 1)[0]
+    box.ssh(f"chown -R verl:verl {shlex.quote(top)}")
 
 
 @pytest.fixture(scope="module")
@@ -483,7 +485,7 @@ def test_root_reads_nothing_box2s_train_user_planted_or_swapped(lab, grown):
     assert not race.exists() or race.read_bytes() == b"race-ok"
 
 
-def test_hub_served_copy_is_one_the_train_user_can_change_nothing_in(lab, settings):
+def test_hub_served_copy_is_one_the_train_user_can_change_nothing_in(lab, settings, tracked):
     """The push writes as root into ``<lab_root>/tracking-lab``: root's, under root-owned parents, in no
     ReadWritePaths of the training unit. Mutation: ``served_dir`` back under ``<lab_root>/tracking`` (the
     train user's): it renames the served folder away and plants its own."""
@@ -585,7 +587,7 @@ def test_a_box_that_goes_away_keeps_its_curves(lab, settings, tunnel, wandb_serv
     assert wandb_server.runs() == [SYNCED_RUNS[0], SYNCED_RUNS[1]], "a run was synced again"
 
 
-def test_pyinfra_diff_of_a_key_change_prints_no_key(lab, settings, wandb_server):
+def test_pyinfra_diff_of_a_key_change_prints_no_key(lab, settings, trained):
     """The keys file changed (a new key), deploy/train.py run with pyinfra's --diff on the hub: pyinfra prints
     the diffs of the files the change touches (the unit's digest line) and none of either key. Mutation:
     ``secret=False`` in tasks/tracking_train.py ``tracking_wanted`` (files.put): ``- WANDB_API_KEY=<old>`` and
