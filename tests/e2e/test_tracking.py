@@ -43,6 +43,7 @@ import time
 import urllib.parse
 import urllib.request
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,8 @@ SCORE_TAG = "verl_lab/gsm8k_accuracy"
 TB_UNIT = "verl-lab-tensorboard.service"
 SERVED = f"{ROOT}/tracking-lab"
 # what box2's train user plants in its tracker folder: none of it may reach the controller or the hub
-PLANTED = {name: f"{name}-{secrets.token_hex(8)}" for name in ("root-only", "world-readable", "locked", "roots")}
+PLANTED = {name: f"{name}-{secrets.token_hex(8)}" for name in ("root-only", "world-readable", "elsewhere", "locked",
+                                                                "roots")}
 
 
 def install_tensorboard(box) -> None:
@@ -403,6 +405,8 @@ printf %s {root_only} > /root/tracking-secret; chmod 600 /root/tracking-secret
 printf %s {world} > /var/tmp/tracking-world; chmod 644 /var/tmp/tracking-world
 runuser -u verl -- ln -sfn /root/tracking-secret $run/events.out.tfevents.0.to-root
 runuser -u verl -- ln -sfn /var/tmp/tracking-world $run/events.out.tfevents.0.to-world
+runuser -u verl -- sh -c 'printf %s {elsewhere} > {root}/home/notes'
+runuser -u verl -- ln -sfn {root}/home/notes $run/events.out.tfevents.0.to-elsewhere
 runuser -u verl -- ln -sfn /root $tb/linked-run
 runuser -u verl -- sh -c 'printf %s {locked} > '$run'/events.out.tfevents.0.locked; chmod 000 '$run'/events.out.tfevents.0.locked'
 printf %s {roots} > $run/events.out.tfevents.0.roots
@@ -426,8 +430,9 @@ def grown(lab, settings, tunnel):
     with (other.root / event.lstrip("/")).open("ab") as f:      # the box's file grows in place, as verl's does
         f.write(scalar_points(range(6, 9), 0.5))
     tb = f"{ROOT}/tracking/tensorboard"
-    other.ssh(PLANT.format(tb=tb, run=RUNS[OTHER], root_only=PLANTED["root-only"], world=PLANTED["world-readable"],
-                           locked=PLANTED["locked"], roots=PLANTED["roots"]))
+    other.ssh(PLANT.format(tb=tb, run=RUNS[OTHER], root=ROOT, root_only=PLANTED["root-only"],
+                           world=PLANTED["world-readable"], elsewhere=PLANTED["elsewhere"], locked=PLANTED["locked"],
+                           roots=PLANTED["roots"]))
     pid = other.ssh(f"setsid runuser -u verl -- sh -c {shlex.quote(SWAP.format(tb=tb))} </dev/null >/dev/null 2>&1 "
                     "& echo $!").stdout.strip()
     try:
@@ -445,7 +450,9 @@ def test_tensorboard_shows_the_points_added_after_the_first_copy(lab, tunnel, br
     hub = lab.box(HUB)
     assert grown["before"]["steps"] == [1, 2, 3, 4, 5]
     assert hub.ssh(f"stat -c %i {grown['served']}").stdout.strip() == grown["before"]["inode"], "not in place"
-    assert "0 replaced" in grown["res"].output and unit_invocation(hub) == grown["before"]["unit"]
+    pushed = next(ln for ln in grown["res"].output.splitlines() if "the hub serves" in ln)
+    assert "0 replaced" in pushed and "0 removed" in pushed, pushed
+    assert unit_invocation(hub) == grown["before"]["unit"], "the unit was restarted"
     assert wait_steps(tunnel, f"{OTHER}/{RUNS[OTHER]}", list(range(1, 9))) == list(range(1, 9))
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -468,10 +475,12 @@ def test_tensorboard_shows_the_points_added_after_the_first_copy(lab, tunnel, br
 
 
 def test_root_reads_nothing_box2s_train_user_planted_or_swapped(lab, grown):
-    """The collect runs the copy's read as verl (runuser) through O_NOFOLLOW descriptors. Mutations that
-    make it fail: ``runuser -u verl --`` dropped from tasks/tracking_copy.py ``read_command`` (root reads
-    the file verl locked); O_NOFOLLOW dropped from verl_lab_box/tracking_copy.py ``walk`` (the link to the
-    world-readable file is followed); its owner check dropped (the root-owned file travels)."""
+    """The collect runs the copy's read as verl (runuser) through O_NOFOLLOW descriptors, taking only files
+    verl owns. Mutations that make it fail: ``runuser -u verl --`` dropped from tasks/tracking_copy.py
+    ``read_command`` (the read runs as root: the collect refuses its stream, and without that check root
+    reads the file verl locked); O_NOFOLLOW dropped from verl_lab_box/tracking_copy.py ``walk`` (the link to
+    verl's file outside its tracker folder is followed); ``walk``'s owner check dropped (the root-owned file
+    travels). The links to root's files stay refused with any one of the three in place."""
     cache = subprocess.run(["grep", "-rlaF", *sum((["-e", v] for v in PLANTED.values()), []),
                             str(lab.controller_cache)], capture_output=True, text=True).stdout
     assert cache == "", f"planted bytes reached the controller: {cache}"
@@ -517,7 +526,12 @@ def test_a_replaced_file_is_served_after_the_unit_restarts(lab, settings, tunnel
     other.ssh(f"chown verl:verl {event}.new && mv -f {event}.new {event}")
     res = lab.deploy("deploy/tracking.py", per_host=settings["per_host"], mode="text", timeout=900)
     assert res.rc == 0 and not res.failed_hosts, res.tail()
-    assert "1 replaced" in res.output and unit_invocation(hub) != before
+    pushed = next(ln for ln in res.output.splitlines() if "the hub serves" in ln)
+    # (box2's event file, and the race file where the swapping left it regular again under a new inode)
+    assert int(re.search(r"(\d+) replaced", pushed).group(1)) >= 1, pushed
+    served = f"{SERVED}/{OTHER}/{event.split('/tracking/tensorboard/', 1)[1]}"
+    assert hub.ssh(f"sha256sum < {served}").stdout == other.ssh(f"sha256sum < {event}").stdout
+    assert unit_invocation(hub) != before, "the unit was not restarted"
     assert wait_steps(tunnel, f"{OTHER}/{RUNS[OTHER]}", [1, 2, 3]) == [1, 2, 3]
 
 
