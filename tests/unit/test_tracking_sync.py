@@ -18,6 +18,7 @@ import pytest
 
 from tasks import tracking_sync as ts
 from tasks.settings import load_settings
+from tasks.tracking import Tracking
 from tests.fixtures.standins.wandb_server import WandbServer
 
 KEY = "k" * 40
@@ -111,7 +112,11 @@ def test_sync_every_boxs_runs_one_command_each_a_gone_box_with_the_syncers_setti
 def wandb_run(tmp_path):
     """An offline run made by the real wandb package (this env's 0.21.0), as a box's copy holds it."""
     root = tmp_path / "copy"
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_SILENT": "true"}
+    # the box's train.env values for wandb (tasks/tracking.py), its folder moved here
+    box_env = Tracking(trackers=("wandb",)).environment("/opt/verl-lab", "box2-run")
+    assert box_env["WANDB_MODE"] == "offline" and box_env["WANDB_RUN_GROUP"] == "box2-run"
+    env = {**os.environ, **box_env, "WANDB_DIR": str(root), "WANDB_CONFIG_DIR": str(root / "config"),
+           "WANDB_CACHE_DIR": str(root / "cache"), "WANDB_SILENT": "true"}
     env.pop("WANDB_API_KEY", None)
     code = ("import wandb; r = wandb.init(project='verl-lab', name='box2-run')\n"
             "for i in range(1, 4): r.log({'critic/score/mean': i / 10}, step=i)\nr.finish()")
@@ -120,7 +125,7 @@ def wandb_run(tmp_path):
     return root, run
 
 
-def test_real_wandb_sync_once_then_again_when_grown_same_run(wandb_run, tmp_path):
+def test_real_wandb_sync_once_then_again_when_grown_same_run_grouped(wandb_run, tmp_path):
     root, run = wandb_run
     with WandbServer() as server:
         tracking = settings(tmp_path, "box2", wandb_base_url=server.url).tracking
@@ -128,6 +133,8 @@ def test_real_wandb_sync_once_then_again_when_grown_same_run(wandb_run, tmp_path
         assert ts.sync_tracker(host, tracking, "wandb", root, "box2")
         first = server.runs()
         assert len(first) == 1 and [r["_step"] for r in server.history_rows()] == [1, 2, 3]
+        # a restart's run is another wandb run of the same name: the group (WANDB_RUN_GROUP) holds them together
+        assert server.buckets()[0].get("groupName") == "box2-run"
         assert server.keys_used() == {KEY}
         assert ts.sync_tracker(host, tracking, "wandb", root, "box2")        # unchanged: not again
         assert server.runs() == first and len(server.history_rows()) == 3
