@@ -119,6 +119,50 @@ def runs_to_sync(tracker: str, root: Path, synced: dict) -> list[tuple[Path, str
     return out
 
 
+def wandb_paths_outside(run: Path) -> list[str]:
+    """The paths a wandb offline run names for upload (its ``files`` records, its artifacts' local files)
+    that lie outside its own folder. ``wandb sync`` (0.21.0) uploads a files record's path joined to the
+    run's ``files/`` folder as it is (``sender.send_files`` -> ``dir_watcher.update_policy``, ``..`` kept):
+    a run the box's train user crafted (``files`` path ``../../../../root/.ssh/id_ed25519``) would have the
+    controller upload its own file to the tracker's server (tried: wandb asks the server for an upload URL
+    of ``../../../../secret``). Read with wandb's own record reader."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    logs = [p for p in run.iterdir() if p.name.endswith(".wandb") and p.is_file()]
+    if len(logs) != 1:
+        return []
+    inside = os.path.realpath(run) + os.sep
+    files_dir = os.path.join(os.path.realpath(run), "files")
+    store = datastore.DataStore()
+    try:
+        store.open_for_scan(str(logs[0]))
+    except Exception:                       # not a wandb log: wandb's sync, with the same reader, reads none of it
+        return []
+    outside = []
+    try:
+        while True:
+            try:
+                data = store.scan_data()
+            except Exception:               # an incomplete last block, or bytes wandb's sync cannot read past either
+                break
+            if data is None:
+                break
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            kind = record.WhichOneof("record_type")
+            if kind == "files":
+                paths = [f.path for f in record.files.files]
+            elif kind == "artifact":
+                paths = [e.local_path for e in record.artifact.manifest.contents if e.local_path]
+            else:
+                continue
+            outside += [p for p in paths if not os.path.normpath(os.path.join(files_dir, p)).startswith(inside)]
+    finally:
+        store.close()
+    return outside
+
+
 def sync_argv(tracker: str, run: Path) -> list[str]:
     """One run's sync; no key in it."""
     if tracker == "wandb":
@@ -173,6 +217,13 @@ def sync_tracker(host, tracking: Tracking, tracker: str, root: Path, box: str) -
     logs.mkdir(exist_ok=True)
     ok = True
     for run, fingerprint in todo:
+        outside = wandb_paths_outside(run) if tracker == "wandb" else []
+        if outside:
+            ok = False
+            host.log_styled(f"verl-lab tracking: {box}'s {tracker} run {run.name} not synced: it names files outside "
+                            f"its folder for upload ({', '.join(outside[:3])}); made on the box, not by verl's "
+                            "tracker as it runs", fg="red", log_func=logger.error)
+            continue
         argv, limit = sync_argv(tracker, run), run_timeout(run)
         try:
             res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=limit)

@@ -159,3 +159,46 @@ def test_real_wandb_sync_refused_by_the_server_is_not_recorded(wandb_run, tmp_pa
         server.refusing = False
         assert ts.sync_tracker(host, tracking, "wandb", root, "box2")
         assert len(server.runs()) == 1
+
+
+def add_files_record(run: Path, path: str) -> None:
+    """Rewrite a wandb offline run's log with one more ``files`` record naming ``path`` (before its exit),
+    with wandb's own record writer: what a train user's code could make wandb write."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    (log,) = run.glob("*.wandb")
+    store, records = datastore.DataStore(), []
+    store.open_for_scan(str(log))
+    while (data := store.scan_data()) is not None:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        records.append(record)
+    store.close()
+    extra = wandb_internal_pb2.Record()
+    item = extra.files.files.add()
+    item.path, item.policy = path, wandb_internal_pb2.FilesItem.PolicyType.NOW
+    exits = [r for r in records if r.WhichOneof("record_type") == "exit"]
+    log.unlink()
+    writer = datastore.DataStore()
+    writer.open_for_write(str(log))
+    for record in [r for r in records if r not in exits] + [extra] + exits:
+        writer.write(record)
+    writer.close()
+
+
+def test_a_run_naming_files_outside_its_folder_is_not_synced(wandb_run, tmp_path):
+    """Mutation: without ``wandb_paths_outside``'s check, wandb asks the server for an upload URL of the
+    controller's file (RunUploadUrls with ``../../../../secret``)."""
+    root, run = wandb_run
+    secret = tmp_path / "secret"
+    secret.write_text("the controller's own file\n")
+    add_files_record(run, os.path.relpath(secret, run / "files"))
+    assert ts.wandb_paths_outside(run) == [os.path.relpath(secret, run / "files")]
+    with WandbServer() as server:
+        tracking = settings(tmp_path, "box2", wandb_base_url=server.url).tracking
+        host = Host()
+        synced = ts.sync_tracker(host, tracking, "wandb", root, "box2")
+        asked = [f for r in server.requests for f in (r["body"].get("variables") or {}).get("files") or []]
+        assert not any("secret" in f for f in asked), asked
+        assert synced is False and server.requests == [] and "names files outside its folder" in " ".join(host.said)
