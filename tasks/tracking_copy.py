@@ -1,10 +1,11 @@
 """The tracking copy's two legs, at execute time on the controller (deploy/tracking.py): a box's tracker
 files into the controller cache (``collect``), the cache onto the hub's served copy (``push``), each
-appending only the bytes a file gained (verl_lab_box/tracking_copy.py, the program both ends run).
+appending only the bytes a file gained (the programs both ends run: verl_lab_box/tracking_copy.py reads,
+verl_lab_box/tracking_apply.py writes).
 
 Who does what, and why it is safe by construction:
 
-* on every box the program is placed root's (``<lab_root>/libexec/tracking/tracking_copy.py``) beside a
+* on every box the programs are placed root's (``<lab_root>/libexec/tracking/``) beside a
   staging folder only root can enter (``<lab_root>/cache/tracking``, under the base stage's root-owned
   ``cache``): what the legs hand over between commands (the known state, the streams) lies there;
 * ``collect`` runs the program's ``read`` as the train user (``runuser``) over the train user's folder,
@@ -36,17 +37,19 @@ from pyinfra.api import StringCommand, deploy
 
 from tasks.placed import place, wanted_dir, wanted_file
 from tasks.settings import LabSettings
+from verl_lab_box import tracking_apply as apply
 from verl_lab_box import tracking_copy as copy
 
-PROGRAM = Path(copy.__file__).resolve()
+PROGRAM = Path(copy.__file__).resolve()          # the box's side: read
+APPLY = Path(apply.__file__).resolve()           # the hub's side: state, apply
 
 
 def libexec_dir(settings: LabSettings) -> str:
     return f"{settings.lab_root}/libexec/tracking"
 
 
-def program_path(settings: LabSettings) -> str:
-    return f"{libexec_dir(settings)}/{PROGRAM.name}"
+def program_path(settings: LabSettings, program: Path = PROGRAM) -> str:
+    return f"{libexec_dir(settings)}/{program.name}"
 
 
 def staging_dir(settings: LabSettings) -> str:
@@ -63,6 +66,7 @@ def copy_wanted(settings: LabSettings) -> list:
     return [wanted_dir(settings.lab_root), wanted_dir(f"{settings.lab_root}/libexec"),
             wanted_dir(libexec_dir(settings)),
             wanted_file(program_path(settings), "The tracking copy's program", PROGRAM.read_bytes()),
+            wanted_file(program_path(settings, APPLY), "The tracking copy's program (writing side)", APPLY.read_bytes()),
             wanted_dir(settings.box_cache, mode="750"),
             wanted_dir(staging_dir(settings), "The tracking copy's staging folder (root's alone)", mode="700")]
 
@@ -87,13 +91,13 @@ def read_command(settings: LabSettings, root: str, known: str, stream: str) -> s
 
 def apply_command(settings: LabSettings, root: str, stream: str) -> str:
     q = shlex.quote
-    return (f"{q(settings.launcher_python)} {q(program_path(settings))} apply {q(root)} "
+    return (f"{q(settings.launcher_python)} {q(program_path(settings, APPLY))} apply {q(root)} "
             f"--group {q(settings.train_user)} < {q(stream)}; rc=$?; rm -f {q(stream)}; exit $rc")
 
 
 def state_command(settings: LabSettings, root: str) -> str:
     q = shlex.quote
-    return f"{q(settings.launcher_python)} {q(program_path(settings))} state {q(root)}"
+    return f"{q(settings.launcher_python)} {q(program_path(settings, APPLY))} state {q(root)}"
 
 
 def skipped_words(skipped: dict) -> str:
@@ -117,7 +121,7 @@ def cache_files(lab_cache: Path) -> tuple[dict, set]:
         boxes.add(box.name)
         fd = copy.open_root(str(box))
         try:
-            manifest = copy.load_manifest(fd)
+            manifest = apply.load_manifest(fd)
             present = {}
             for rel, f, st in copy.walk(fd, {}):
                 try:
@@ -130,7 +134,7 @@ def cache_files(lab_cache: Path) -> tuple[dict, set]:
                 finally:
                     os.close(f)
             if present != manifest:
-                copy.save_manifest(fd, present)
+                apply.save_manifest(fd, present)
         finally:
             os.close(fd)
         files.update({f"{box.name}/{rel}": {"size": e["size"], "token": e["token"]} for rel, e in present.items()})
@@ -156,7 +160,7 @@ def collect(state, host, settings: LabSettings, remote_root: str, local_root: st
     local.mkdir(parents=True, exist_ok=True)
     fd = copy.open_root(str(local))
     try:
-        known = copy.known_for_read(copy.load_manifest(fd))
+        known = copy.known_for_read(apply.load_manifest(fd))
     finally:
         os.close(fd)
     token = secrets.token_hex(6)
@@ -176,7 +180,7 @@ def collect(state, host, settings: LabSettings, remote_root: str, local_root: st
         if not got:
             return _error(host, f"could not fetch the stream of {remote_root}")
         with fetched.open("rb") as stream:
-            result = copy.apply_stream(str(local), stream, trusted=False)
+            result = apply.apply_stream(str(local), stream, trusted=False)
     except copy.CopyError as exc:
         return _error(host, f"the stream of {remote_root} was refused: {exc}")
     finally:
@@ -209,7 +213,7 @@ def push(state, host, settings: LabSettings, local_root: str, remote_root: str, 
     except ValueError:
         return _error(host, f"the served copy's state is not JSON: {out.stdout[:200]}")
     cache, boxes = cache_files(Path(local_root))
-    send, drop = copy.push_plan(cache, served, boxes)
+    send, drop = apply.push_plan(cache, served, boxes)
     if not send and not drop:
         host.log_styled(f"verl-lab tracking: the hub's copy holds all {len(cache)} file(s) of {len(boxes)} box(es)",
                         log_func=logger.info)
@@ -221,7 +225,7 @@ def push(state, host, settings: LabSettings, local_root: str, remote_root: str, 
     remote = f"{staging_dir(settings)}/push-{token}.stream"
     try:
         with stream.open("wb") as f:
-            sent = copy.write_push(local_root, send, drop, f, {rel: cache[rel]["token"] for rel, _, _ in send})
+            sent = apply.write_push(local_root, send, drop, f, {rel: cache[rel]["token"] for rel, _, _ in send})
         if not host.put_file(str(stream), remote):
             return _error(host, "could not hand the stream to the hub")
     finally:

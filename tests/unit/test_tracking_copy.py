@@ -1,4 +1,4 @@
-"""The tracking copy's program (verl_lab_box/tracking_copy.py) on real files: what travels (only the bytes a
+"""The tracking copy's programs (verl_lab_box/tracking_copy.py reads, tracking_apply.py writes) on real files: what travels (only the bytes a
 file gained, a replaced or shrunk file whole), and that neither its read nor its apply follows a link or a
 folder swapped for one (each protection's test names the mutation that makes it fail). The program runs
 here as it runs on a box and on the hub, as a subprocess with this Python (the box's is stdlib-only too);
@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from verl_lab_box import tracking_apply as ta
 from verl_lab_box import tracking_copy as tc
 
 PROGRAM = Path(tc.__file__).resolve()
+APPLY = Path(ta.__file__).resolve()
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="chown and other owners need root")
 SECRET = b"SECRET-BYTES-NOT-TO-COPY\n"
 BOX_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable   # a box's system python
@@ -38,10 +40,10 @@ def roundtrip(src: Path, dst: Path, owner: int | None = None) -> dict:
     known = {}
     if dst.is_dir():
         fd = tc.open_root(str(dst))
-        known = tc.known_for_read(tc.load_manifest(fd))
+        known = tc.known_for_read(ta.load_manifest(fd))
         os.close(fd)
     stream, _ = read(src, known, owner)
-    return tc.apply_stream(str(dst), io.BytesIO(stream), trusted=False)
+    return ta.apply_stream(str(dst), io.BytesIO(stream), trusted=False)
 
 
 @pytest.fixture
@@ -64,10 +66,10 @@ def test_a_grown_file_travels_as_its_new_bytes_appended_in_place(tree):
     inode = (dst / "run" / f.name).stat().st_ino
     with f.open("ab") as out:
         out.write(b"b" * 50)
-    stream, counts = read(src, tc.known_for_read(tc.load_manifest(tc.open_root(str(dst)))))
+    stream, counts = read(src, tc.known_for_read(ta.load_manifest(tc.open_root(str(dst)))))
     assert counts == {"whole": 0, "append": 1, "bytes": 50}
     assert b"a" * 10 not in stream          # only the new bytes travelled
-    result = tc.apply_stream(str(dst), io.BytesIO(stream), trusted=False)
+    result = ta.apply_stream(str(dst), io.BytesIO(stream), trusted=False)
     assert result["appended"] == 1 and result["bytes"] == 50
     copy = dst / "run" / f.name
     assert copy.read_bytes() == b"a" * 100 + b"b" * 50 and copy.stat().st_ino == inode   # in place
@@ -111,12 +113,12 @@ def test_push_plan():
     hub = {"b1/r/e": {"size": 10, "token": "A"}, "b1/verl-lab/old": {"size": 5, "token": "O"},
            "b2/r/e": {"size": 9, "token": "other"}, "b2/r/same": {"size": 4, "token": "S"},
            "b3/r/e": {"size": 4, "token": "Z"}}
-    send, drop = tc.push_plan(cache, hub, {"b1", "b2"})
+    send, drop = ta.push_plan(cache, hub, {"b1", "b2"})
     assert send == [("b1/r/e", "append", 10), ("b1/verl-lab/new", "whole", 0), ("b2/r/e", "whole", 0)]
     # the old summary of a box the cache holds goes; a box the cache knows nothing of is left alone
     assert drop == ["b1/verl-lab/old"]
-    assert tc.push_plan(cache, {**hub, "b1/r/e": {"size": 14, "token": "A"}}, {"b1"})[0][0] == ("b1/r/e", "whole", 0)
-    assert tc.push_plan(cache, {**hub, "b1/r/e": {"size": 10, "token": None}}, {"b1"})[0][0] == ("b1/r/e", "whole", 0)
+    assert ta.push_plan(cache, {**hub, "b1/r/e": {"size": 14, "token": "A"}}, {"b1"})[0][0] == ("b1/r/e", "whole", 0)
+    assert ta.push_plan(cache, {**hub, "b1/r/e": {"size": 10, "token": None}}, {"b1"})[0][0] == ("b1/r/e", "whole", 0)
 
 
 def test_a_stream_cut_short_leaves_no_half_file_in_the_manifest(tree):
@@ -124,9 +126,9 @@ def test_a_stream_cut_short_leaves_no_half_file_in_the_manifest(tree):
     (src / "run" / "e").write_bytes(b"q" * 1000)
     stream, _ = read(src)
     cut = stream[:stream.index(b"q" * 10) + 300]
-    result = tc.apply_stream(str(dst), io.BytesIO(cut), trusted=False)
+    result = ta.apply_stream(str(dst), io.BytesIO(cut), trusted=False)
     assert not result["done"] and result["created"] == 0 and "cut short" in result["error"]
-    assert tc.load_manifest(tc.open_root(str(dst))) == {} and not (dst / "run" / "e").exists()
+    assert ta.load_manifest(tc.open_root(str(dst))) == {} and not (dst / "run" / "e").exists()
     assert roundtrip(src, dst)["created"] == 1 and (dst / "run" / "e").read_bytes() == b"q" * 1000
 
 
@@ -143,10 +145,10 @@ def test_a_boxs_stream_cannot_delete_name_a_token_or_leave_its_folder(tree):
     tc.put(out, {"op": "begin", "rel": "run/t", "how": "whole", "token": "chosen-by-the-box"})
     tc.put(out, {"op": "end"})
     tc.put(out, {"op": "done"})
-    result = tc.apply_stream(str(dst), io.BytesIO(out.getvalue()), trusted=False)
+    result = ta.apply_stream(str(dst), io.BytesIO(out.getvalue()), trusted=False)
     assert (dst / "run" / "e").exists() and result["deleted"] == 0
     assert len(result["failed"]) == 5 and sorted(os.listdir(outside)) == ["secret"]
-    assert tc.load_manifest(tc.open_root(str(dst)))["run/t"]["token"] != "chosen-by-the-box"
+    assert ta.load_manifest(tc.open_root(str(dst)))["run/t"]["token"] != "chosen-by-the-box"
 
 
 # ------------------------------------------------------------------ read: links are not followed
@@ -160,7 +162,7 @@ def test_read_does_not_follow_a_planted_link(tree):
     os.mkfifo(src / "run" / "fifo")                  # would block a plain open: skipped, not read
     stream, counts = read(src)
     assert SECRET not in stream and counts["whole"] == 0
-    result = tc.apply_stream(str(dst), io.BytesIO(stream), trusted=False)
+    result = ta.apply_stream(str(dst), io.BytesIO(stream), trusted=False)
     assert result["skipped"]["links"]["count"] == 2 and result["skipped"]["not_regular"]["count"] == 1
 
 
@@ -211,7 +213,7 @@ def test_read_folder_or_file_swapped_for_a_link_at_the_worst_moment(tree, monkey
     monkeypatch.undo()
     assert done == {"folder", "file"}
     assert SECRET not in stream and b"ok" in stream
-    result = tc.apply_stream(str(tree[1]), io.BytesIO(stream), trusted=False)
+    result = ta.apply_stream(str(tree[1]), io.BytesIO(stream), trusted=False)
     assert result["skipped"]["links"]["some"] == ["run/events.out.tfevents.2.box1"]
 
 
@@ -228,7 +230,7 @@ def test_read_skips_files_not_the_owners(tree):
         os.chown(p, nobody, -1)
     stream, counts = read(src, owner=nobody)
     assert SECRET not in stream and counts["whole"] == 1
-    result = tc.apply_stream(str(tree[1]), io.BytesIO(stream), trusted=False)
+    result = ta.apply_stream(str(tree[1]), io.BytesIO(stream), trusted=False)
     assert result["skipped"]["foreign_owner"] == {"count": 1, "some": ["run/roots"]}
 
 
@@ -279,7 +281,7 @@ def test_apply_does_not_write_through_a_planted_link(tree):
     _, dst, outside = tree
     dst.mkdir()
     os.symlink(outside, dst / "box1")
-    result = tc.apply_stream(str(dst), io.BytesIO(_stream("box1/run/events.out.tfevents.1", b"payload")))
+    result = ta.apply_stream(str(dst), io.BytesIO(_stream("box1/run/events.out.tfevents.1", b"payload")))
     assert result["created"] == 0 and result["failed"] and sorted(os.listdir(outside)) == ["secret"]
 
 
@@ -288,9 +290,9 @@ def test_apply_does_not_append_or_replace_through_a_planted_file_link(tree):
     _, dst, outside = tree
     (dst / "run").mkdir(parents=True)
     os.symlink(outside / "secret", dst / "run" / "e")
-    result = tc.apply_stream(str(dst), io.BytesIO(_stream("run/e", b"more", how="append", offset=len(SECRET))))
+    result = ta.apply_stream(str(dst), io.BytesIO(_stream("run/e", b"more", how="append", offset=len(SECRET))))
     assert result["failed"] and (outside / "secret").read_bytes() == SECRET
-    result = tc.apply_stream(str(dst), io.BytesIO(_stream("run/e", b"whole")))
+    result = ta.apply_stream(str(dst), io.BytesIO(_stream("run/e", b"whole")))
     # the rename replaces the link itself, never its target
     assert result["replaced"] == 1 and (outside / "secret").read_bytes() == SECRET
     assert not (dst / "run" / "e").is_symlink() and (dst / "run" / "e").read_bytes() == b"whole"
@@ -304,7 +306,7 @@ def test_apply_delete_removes_no_file_through_a_link(tree):
     out = io.BytesIO()
     tc.put(out, {"op": "delete", "rel": "box1/secret"})
     tc.put(out, {"op": "done"})
-    assert tc.apply_stream(str(dst), io.BytesIO(out.getvalue()))["deleted"] == 0
+    assert ta.apply_stream(str(dst), io.BytesIO(out.getvalue()))["deleted"] == 0
     assert (outside / "secret").read_bytes() == SECRET
 
 
@@ -312,20 +314,20 @@ def test_apply_refuses_a_root_that_is_a_link_or_not_roots(tree):
     _, dst, outside = tree
     os.symlink(outside, dst)
     with pytest.raises(tc.CopyError, match="is a link"):
-        tc.apply_stream(str(dst), io.BytesIO(_stream("x", b"1")))
+        ta.apply_stream(str(dst), io.BytesIO(_stream("x", b"1")))
     if os.geteuid() == 0:
         mine = tree[0].parent / "theirs"
         mine.mkdir()
         os.chown(mine, pwd.getpwnam("nobody").pw_uid, -1)
         with pytest.raises(tc.CopyError, match="belongs to uid"):
-            tc.apply_stream(str(mine), io.BytesIO(_stream("x", b"1")), owner=0)
+            ta.apply_stream(str(mine), io.BytesIO(_stream("x", b"1")), owner=0)
 
 
 @ROOT_ONLY
 def test_apply_makes_files_roots_and_readable_by_the_group(tree):
     _, dst, _ = tree
     gid = pwd.getpwnam("nobody").pw_gid
-    tc.apply_stream(str(dst), io.BytesIO(_stream("box1/run/e", b"1")), gid=gid)
+    ta.apply_stream(str(dst), io.BytesIO(_stream("box1/run/e", b"1")), gid=gid)
     for path, mode in ((dst / "box1", 0o750), (dst / "box1" / "run", 0o750), (dst / "box1" / "run" / "e", 0o640)):
         st = path.stat()
         assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, gid, mode), path
@@ -335,11 +337,11 @@ def test_state_lists_sizes_and_tokens_the_manifest_vouches_for(tree):
     src, dst, _ = tree
     (src / "run" / "e").write_bytes(b"12345")
     roundtrip(src, dst)
-    state = tc.copy_state(str(dst))
+    state = ta.copy_state(str(dst))
     assert state["run/e"]["size"] == 5 and state["run/e"]["token"]
     (dst / "run" / "e").write_bytes(b"123")       # changed behind the manifest's back: copied whole again
-    assert tc.copy_state(str(dst))["run/e"] == {"size": 3, "token": None}
-    assert tc.copy_state(str(dst / "none")) == {}
+    assert ta.copy_state(str(dst))["run/e"] == {"size": 3, "token": None}
+    assert ta.copy_state(str(dst / "none")) == {}
 
 
 def test_program_end_to_end(tree):
@@ -348,12 +350,12 @@ def test_program_end_to_end(tree):
     (src / "run" / "e").write_bytes(b"abc")
     read_out = subprocess.run([sys.executable, "-S", str(PROGRAM), "read", str(src)], input=b"{}",
                               capture_output=True, check=True).stdout
-    applied = subprocess.run([sys.executable, "-S", str(PROGRAM), "apply", str(dst)], input=read_out,
+    applied = subprocess.run([sys.executable, "-S", str(APPLY), "apply", str(dst)], input=read_out,
                              capture_output=True, check=True).stdout
     assert json.loads(applied)["created"] == 1
-    state = json.loads(subprocess.run([sys.executable, "-S", str(PROGRAM), "state", str(dst)],
+    state = json.loads(subprocess.run([sys.executable, "-S", str(APPLY), "state", str(dst)],
                                       capture_output=True, check=True).stdout)
     assert state["run/e"]["size"] == 3
-    cut = subprocess.run([sys.executable, "-S", str(PROGRAM), "apply", str(dst)], input=read_out[:-20],
+    cut = subprocess.run([sys.executable, "-S", str(APPLY), "apply", str(dst)], input=read_out[:-20],
                          capture_output=True)
     assert cut.returncode in (2, 3)

@@ -6,7 +6,6 @@ tests/unit/test_tracking_tensorboard.py). ``test_verl_tracking_event_files_*`` m
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
