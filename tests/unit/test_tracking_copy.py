@@ -1,9 +1,9 @@
-"""The tracking copy's programs (verl_lab_box/tracking_copy.py reads, tracking_apply.py writes) on real files: what travels (only the bytes a
-file gained, a replaced or shrunk file whole), and that neither its read nor its apply follows a link or a
-folder swapped for one (each protection's test names the mutation that makes it fail). The program runs
-here as it runs on a box and on the hub, as a subprocess with this Python (the box's is stdlib-only too);
-the owner checks need root (as the e2e suite does), else they are skipped. The lab's run of the same
-program, as the train user over SSH, is tests/e2e/test_tracking.py."""
+"""The tracking copy's programs (verl_lab_box/tracking_copy.py reads, tracking_apply.py writes) on real
+files: what travels (only the bytes a file gained, a replaced or shrunk file whole), and that neither the
+read nor the apply follows a link or a folder swapped for one (each protection's test names the mutation
+that makes it fail). The programs run here as on a box and on the hub, as subprocesses with this Python
+(the box's is stdlib-only too); the owner checks need root (as the e2e suite does), else they are
+skipped. The lab's run of the same programs, as the train user over SSH, is tests/e2e/test_tracking.py."""
 
 from __future__ import annotations
 
