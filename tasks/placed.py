@@ -139,7 +139,8 @@ def secret_file(src, dest: str, mode: str, user: str, group: str):
     part = f"{dest}.part"
     yield StringCommand(f"rm -f {q(part)} && (umask 077 && : > {q(part)})")
     yield FileUploadCommand(src, part, remote_temp_filename=host.get_temp_filename(part))
-    yield StringCommand(f"chown {q(user)}:{q(group)} {q(part)} && chmod {q(mode)} {q(part)} && mv -f {q(part)} {q(dest)}")
+    yield StringCommand(f"chown {q(user)}:{q(group)} {q(part)} && chmod {q(mode)} {q(part)} && "
+                        f"mv -f {q(part)} {q(dest)}")
 
 
 # ------------------------------------------------------------------ stage markers

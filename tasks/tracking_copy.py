@@ -66,7 +66,8 @@ def copy_wanted(settings: LabSettings) -> list:
     return [wanted_dir(settings.lab_root), wanted_dir(f"{settings.lab_root}/libexec"),
             wanted_dir(libexec_dir(settings)),
             wanted_file(program_path(settings), "The tracking copy's program", PROGRAM.read_bytes()),
-            wanted_file(program_path(settings, APPLY), "The tracking copy's program (writing side)", APPLY.read_bytes()),
+            wanted_file(program_path(settings, APPLY), "The tracking copy's program (writing side)",
+                        APPLY.read_bytes()),
             wanted_dir(settings.box_cache, mode="750"),
             wanted_dir(staging_dir(settings), "The tracking copy's staging folder (root's alone)", mode="700")]
 

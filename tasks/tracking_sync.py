@@ -229,7 +229,8 @@ def sync_tracker(host, tracking: Tracking, tracker: str, root: Path, box: str) -
             res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=limit)
             out, code = _redact(res.stdout + res.stderr, keys), res.returncode
         except subprocess.TimeoutExpired as exc:
-            said = "".join(t.decode(errors="replace") if isinstance(t, bytes) else t for t in (exc.stdout, exc.stderr) if t)
+            said = "".join(t.decode(errors="replace") if isinstance(t, bytes) else t
+                           for t in (exc.stdout, exc.stderr) if t)
             out, code = _redact(said, keys) + f"\nverl-lab: stopped after {limit} s", None
         except OSError as exc:
             out, code = str(exc), None

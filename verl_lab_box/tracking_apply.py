@@ -22,8 +22,8 @@ import stat
 import sys
 
 try:
-    from verl_lab_box.tracking_copy import (CopyError, DIR_FLAGS, FORMAT, MANIFEST, PART, open_root, put, records, safe_rel,
-                                            send_file, tail_digest, walk)
+    from verl_lab_box.tracking_copy import (CopyError, DIR_FLAGS, FORMAT, MANIFEST, PART, open_root, put,
+                                            records, safe_rel, send_file, tail_digest, walk)
 except ImportError:                     # on a box: the programs lie side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from tracking_copy import (CopyError, DIR_FLAGS, FORMAT, MANIFEST, PART, open_root, put, records, safe_rel,
@@ -310,8 +310,6 @@ def write_push(cache_root: str, send: list, drop: list, out, tokens: dict) -> in
         os.close(root_fd)
     put(out, {"op": "done", "format": FORMAT, "skipped": {}, "uid": os.geteuid()})
     return sent
-
-
 
 
 def main(argv=None) -> int:

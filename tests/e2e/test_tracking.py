@@ -408,7 +408,8 @@ runuser -u verl -- ln -sfn /var/tmp/tracking-world $run/events.out.tfevents.0.to
 runuser -u verl -- sh -c 'printf %s {elsewhere} > {root}/home/notes'
 runuser -u verl -- ln -sfn {root}/home/notes $run/events.out.tfevents.0.to-elsewhere
 runuser -u verl -- ln -sfn /root $tb/linked-run
-runuser -u verl -- sh -c 'printf %s {locked} > '$run'/events.out.tfevents.0.locked; chmod 000 '$run'/events.out.tfevents.0.locked'
+locked=$run/events.out.tfevents.0.locked
+runuser -u verl -- sh -c 'printf %s {locked} > '$locked'; chmod 000 '$locked
 printf %s {roots} > $run/events.out.tfevents.0.roots
 runuser -u verl -- mkdir -p $tb/race-run
 """
