@@ -14,14 +14,18 @@ The first part is pure (``wanted_file``, ``differs``), unit-tested without pyinf
 from __future__ import annotations
 
 import hashlib
+import shlex
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
 
+from pyinfra.api import FileUploadCommand, StringCommand, operation
+
 
 @dataclass(frozen=True)
 class Wanted:
-    """A folder (``content`` None) or a file with its bytes, mode and owner."""
+    """A folder (``content`` None) or a file with its bytes, mode and owner; ``secret``: bytes pyinfra must
+    never print (placed by ``secret_file``, not ``files.put``, whose ``--diff`` prints them)."""
 
     path: str
     name: str
@@ -29,6 +33,7 @@ class Wanted:
     user: str = "root"
     group: str = "root"
     content: bytes | None = None
+    secret: bool = False
 
     @property
     def is_dir(self) -> bool:
@@ -45,9 +50,9 @@ def wanted_dir(path: str, name: str | None = None, mode: str = "755", user: str 
 
 
 def wanted_file(path: str, name: str, content: bytes | str, mode: str = "644", user: str = "root",
-                group: str = "root") -> Wanted:
+                group: str = "root", secret: bool = False) -> Wanted:
     data = content.encode() if isinstance(content, str) else bytes(content)
-    return Wanted(path=path, name=name, mode=mode, user=user, group=group, content=data)
+    return Wanted(path=path, name=name, mode=mode, user=user, group=group, content=data, secret=secret)
 
 
 def rendered(template: Path, **values) -> str:
@@ -112,10 +117,30 @@ def place(wanted: list[Wanted], states: dict | None = None) -> dict[str, str | N
             files.link(name=f"{want.name}: remove the link in its place", path=want.path, present=False)
         if want.is_dir:
             files.directory(name=want.name, path=want.path, mode=want.mode, user=want.user, group=want.group)
+        elif want.secret:
+            secret_file(name=want.name, src=BytesIO(want.content), dest=want.path, mode=want.mode, user=want.user,
+                        group=want.group)
         else:
             files.put(name=want.name, src=BytesIO(want.content), dest=want.path, mode=want.mode,
                       user=want.user, group=want.group)
     return result
+
+
+@operation()
+def secret_file(src, dest: str, mode: str, user: str, group: str):
+    """A file whose bytes pyinfra never prints: ``files.put`` prints a file's new (and old) lines with
+    ``--diff``; this operation prints nothing of them. The bytes go by SFTP (never in a command's argv)
+    into ``<dest>.part``, made empty, root's and 0600 before they arrive (the upload keeps an existing
+    file's mode), which then gets its owner and mode and is renamed over ``dest``. ``dest``'s folder must be
+    root's alone to write (it is: the stages' folders are)."""
+    from pyinfra import host
+
+    q = shlex.quote
+    part = f"{dest}.part"
+    yield StringCommand(f"rm -f {q(part)} && (umask 077 && : > {q(part)})")
+    yield FileUploadCommand(src, part, remote_temp_filename=host.get_temp_filename(part))
+    yield StringCommand(f"chown {q(user)}:{q(group)} {q(part)} && chmod {q(mode)} {q(part)} && "
+                        f"mv -f {q(part)} {q(dest)}")
 
 
 # ------------------------------------------------------------------ stage markers

@@ -53,6 +53,7 @@ from tasks.facts.bundle import ask
 from tasks.facts.disk import CheckpointDisk
 from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.facts.logs import TrainingRun
+from tasks.hostdata import cluster_for
 from tasks.placed import marker_command, place, rendered, wanted_dir, wanted_file
 from tasks.plan import PlanError, TrainingPlan, Workload, workload_for
 from tasks.target import HostTarget
@@ -300,8 +301,10 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
     except PlanError as exc:
         fail_host(name=f"Training plan for {target.count} x {target.name}", message=str(exc), stage="train")
         return
+    cluster = cluster_for()
     layout = TrainingLayout(settings=settings, plan=plan, plan_source=source,
-                            tracker_keys=keys_for_box(settings.tracking))
+                            tracker_keys=keys_for_box(settings.tracking,
+                                                      worker=bool(cluster) and cluster.role(settings.host) == "worker"))
     short = checkpoint_disk_short(layout, disk)
     if short:
         fail_host(name="Free disk for the checkpoints", message=short, stage="train")

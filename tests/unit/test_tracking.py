@@ -145,6 +145,7 @@ def test_online_keys_go_to_a_file_of_their_own_never_train_env_or_plan(tmp_path)
     keys = wanted[f"{s.train_dir}/{KEYS_FILE}"]
     assert (keys.mode, keys.user, keys.group) == ("400", "verl", "verl")
     assert keys.content.decode() == f"WANDB_API_KEY={KEY}\n"      # the swanlab key: swanlab is not asked for
+    assert keys.secret                    # placed by secret_file: pyinfra --diff prints none of it
     unit = train.rendered(train.UNIT_TEMPLATE, **layout.values())
     assert re.search(rf"^EnvironmentFile={re.escape(s.train_dir)}/{KEYS_FILE}$", unit, re.M)
     for name, w in wanted.items():
