@@ -78,7 +78,11 @@ def tracking_wanted(tracking: Tracking, lab_root: str, train_dir: str, user: str
     folders = tracking.folders(lab_root)
     if not folders:
         return []
-    out = [wanted_dir(tracking_root(lab_root), "Trackers' folder (the train user's)", mode="750", user=user, group=user)]
+    # the trackers' parent is root's (the train user reads it, writes only its own folders inside): root places
+    # those folders (mkdir, chmod, chown) by names the train user cannot swap for links (docs/architecture.md,
+    # "Security", rule a)
+    out = [wanted_dir(tracking_root(lab_root), "Trackers' folder (root's; each tracker's inside is the train user's)",
+                      mode="750", user="root", group=user)]
     out += [wanted_dir(path, f"{name} folder", mode="750", user=user, group=user) for name, path in folders.items()]
     if keys:
         # secret: placed by an operation whose bytes pyinfra never prints (files.put's --diff would)

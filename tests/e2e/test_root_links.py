@@ -76,9 +76,11 @@ def fresh_checkpoints(box) -> None:
 
 
 def test_where_root_works_only_root_can_change(box):
-    """Rows "only root-owned parents": the folders root's stages, facts and markers write in. Mutation tried:
-    the train folder placed 0770 (tasks/train.py ``training_wanted``): ``verl`` plants a link in it."""
-    for folder in (ROOT, TRAIN, f"{ROOT}/markers", f"{ROOT}/cache", TMPDIR):
+    """Rows "only root-owned parents": the folders root's stages, facts and markers write in. Mutations tried:
+    the train folder placed 0770 (tasks/train.py ``training_wanted``): ``verl`` plants a link in it; the trackers'
+    parent the train user's again (tasks/tracking_train.py ``tracking_wanted``): ``verl`` renames its
+    tensorboard folder away (and could put a link to /etc where root's chown would follow it)."""
+    for folder in (ROOT, TRAIN, f"{ROOT}/markers", f"{ROOT}/cache", f"{ROOT}/tracking", TMPDIR):
         mode, owner, _ = box.stat(folder)
         assert owner == "root" and int(mode, 8) & 0o022 == 0, (folder, mode, owner)
         planted = as_verl(box, f"ln -s /etc/shadow {folder}/planted", check=False)
@@ -86,6 +88,10 @@ def test_where_root_works_only_root_can_change(box):
     moved = as_verl(box, f"mv {CKPT} {CKPT}.away", check=False)         # its own folder, in root's
     assert moved.returncode != 0 and "Permission denied" in moved.stderr
     assert box.stat(CKPT)[1] == "verl"
+    # a tracker's folder too: root's train stage places it (mkdir, chmod, chown) by a name in root's folder
+    moved = as_verl(box, f"mv {ROOT}/tracking/tensorboard {ROOT}/tracking/tensorboard.away", check=False)
+    assert moved.returncode != 0 and "Permission denied" in moved.stderr
+    assert box.stat(f"{ROOT}/tracking/tensorboard")[1] == "verl"
 
 
 def test_the_facts_that_read_checkpoints_follow_no_link_and_wait_on_no_fifo(lab, box, tmp_path):
