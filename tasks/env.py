@@ -28,7 +28,7 @@ import shlex
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
 from pyinfra.operations import apt
 
@@ -447,6 +447,8 @@ def env_generation(settings: LabSettings, plan: EnvPlan, script: str, force: boo
     if action == "marker":
         yield StringCommand("sh", "-c", shlex.quote(env_marker_command(settings, plan, env.get("target"))))
         return
+    # said without -v, before the build's minutes (the operation's name was chosen before this decision)
+    host.log_styled(f"verl-lab env: building a new env generation beside the current one: {why}", log_func=logger.info)
     yield StringCommand("echo", shlex.quote(f"verl-lab: building a new env generation: {why}"))
     yield StringCommand("bash", shlex.quote(script))
 
@@ -559,4 +561,6 @@ def install_env(settings: LabSettings, gpu: HostTarget, force_rebuild: bool = Fa
         if action == "ok":
             host.noop(f"{name}: {why}")
             return
+        # the quick re-check failed: the operation's name (printed while the build runs, minutes) says why
+        name = f"Python env: {'rebuilt' if action == 'build' else 'marker rewritten'} ({why})"
     env_generation(name=name, settings=settings, plan=plan, script=script, force=force_rebuild)
