@@ -74,11 +74,11 @@ if provisioned and "tensorboard" in settings.tracking.trackers:
 if provisioned:
     collect_offline_runs(settings)
 
+# what this deploy placed and the settings no longer ask for on this box: the hub's unit and served copy, the
+# copy's programs; before a new hub starts (every box's undo runs before any box's hub operations)
+undo_unwanted(settings, ("hub", "copy"), True, False, hosts)
 if is_hub:
     install_tracking_hub(settings)
-# what this deploy placed and the settings no longer ask for on this box: the hub's unit and served copy, the
-# copy's programs
-undo_unwanted(settings, ("hub", "copy"), True, False, hosts)
 # once a run, on the first box that answered: every box's cached offline runs, those of boxes gone too
 known = {h.name: settings_for(h) for h in inventory}
 syncer = next(h.name for h in inventory if h in state.active_hosts)

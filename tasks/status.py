@@ -308,7 +308,8 @@ def nothing_to_report(rows: list[dict]) -> str | None:
                                  ("the preflight", any(r.get("verdict") for r in rows))) if printed]
     return (f"status: no training run to report on {boxes(len(rows))} ({words}). Start one with "
             "--data train_unit_state=started on a box with a GPU"
-            + (f"; {' and '.join(said)} above say what stops a box" if said else ""))
+            + (f"; {' and '.join(said)} above say{'s' if said == ['the preflight'] else ''} what stops a box"
+               if said else ""))
 
 
 def render(run: RunLog, name: str) -> str:

@@ -4,8 +4,8 @@
 ``/opt/verl-lab``), ``/usr/local`` and ``/etc/systemd/system`` (its type, mode, owner and group; a file's sha256, a
 link's target), ``/etc/hosts``' bytes, the users (``/etc/passwd``: name, uid, home, shell) and every unit of the
 lab (``verl-lab-*``, loaded or only on disk: enabled and active). ``listing_diff`` names what differs between
-two listings, one line a path. Paths under ``skip`` (prefixes) are left out, for a folder the test itself filled
-(a venv it installed) whose files other processes may touch.
+two listings, one line a path. Paths under ``skip`` (``skipped``) are left out, for a folder whose files differ
+for reasons the test names (e.g. a copy whose file names hold the time it was made).
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ done | sort
 """
 
 
+def skipped(path: str, prefix: str) -> bool:
+    """``prefix`` ending in ``/``: what is inside that folder (the folder itself is listed); else the path and
+    what is inside it."""
+    return path.startswith(prefix) if prefix.endswith("/") else path == prefix or path.startswith(prefix + "/")
+
+
 def box_listing(box, roots=ROOTS, skip=()) -> dict[str, dict]:
     """``{"paths": {path: "f 644 root root <sha256>" | "d 755 root root" | "l -> target"}, "hosts": sha256,
     "users": [...], "units": [...]}`` of ``box`` (tests/lab/box.py) now."""
@@ -55,7 +61,7 @@ def box_listing(box, roots=ROOTS, skip=()) -> dict[str, dict]:
     for path, digest in shas.items():
         if path in paths:
             paths[path] += f" {digest}"
-    paths = {p: v for p, v in paths.items() if not any(p == s or p.startswith(s.rstrip("/") + "/") for s in skip)}
+    paths = {p: v for p, v in paths.items() if not any(skipped(p, s) for s in skip)}
     return {"paths": paths, "hosts": "".join(rest["hosts"]), "users": rest["users"], "units": rest["units"]}
 
 

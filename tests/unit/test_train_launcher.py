@@ -413,3 +413,47 @@ def test_plan_option_reads_another_plan(box, tmp_path):
     out = run_launcher(box, "--print-overrides", "--against-plan", "--plan", str(elsewhere))
     assert out.returncode == 1 and "differ" in out.stderr
     assert run_launcher(box, "--check", "--plan").returncode == 2
+
+
+def test_resume_check_refuses_a_save_of_the_other_finetune_and_keeps_it(tmp_path):
+    """After workload.finetune changed (LoRA -> full, or back), the latest save is kept (a deploy never deletes a
+    trained model) and the preflight says verl cannot resume it, with the fix (issue 44; mutation: `saved ==
+    wanted` made always true: the full plan's preflight passes over a LoRA save)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "launcher_mod", Path(__file__).resolve().parents[2] / "verl_lab_box" / "train_launcher.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ckpt = tmp_path / "checkpoints"
+
+    class Rep:
+        def __init__(self):
+            self.lines = []
+
+        def ok(self, name, text):
+            self.lines.append(("ok", name, text))
+
+        def fail(self, name, text):
+            self.lines.append(("fail", name, text))
+
+    class Launch:
+        checkpoints = {"dir": str(ckpt)}
+        overrides = ["actor_rollout_ref.model.lora_rank=0"]
+
+    def check(overrides):
+        Launch.overrides = overrides
+        rep = Rep()
+        mod.preflight_module().check_resume(rep, Launch())
+        return rep.lines[0]
+
+    assert check([]) == ("ok", "resume", f"no save in {ckpt} to resume: the run starts at step 1")
+    (ckpt / "global_step_5" / "actor" / "lora_adapter").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("5")
+    full = check(["actor_rollout_ref.model.lora_rank=0"])
+    assert full[0] == "fail" and "is a LoRA run's and this plan trains with full fine-tuning" in full[2], full
+    assert f"mv {ckpt} {ckpt}.lora-step5" in full[2] and "are kept" in full[2]
+    assert check(["actor_rollout_ref.model.lora_rank=32"]) == ("ok", "resume", "from step 5 (LoRA, as the plan trains)")
+    (ckpt / "global_step_5" / "actor" / "lora_adapter").rmdir()
+    assert check(["actor_rollout_ref.model.lora_rank=32"])[0] == "fail"
+    assert check([])[0] == "ok"
