@@ -42,6 +42,11 @@ def stage_words(stage: str, ops: list[tuple[bool | None, bool | None]]) -> str:
     return f"{stage} changed {changed}" if changed else f"{stage} checked"
 
 
+def visible_words(stages: list[tuple[str, list]]) -> list[str]:
+    """Each stage's word (``stage_words``), in order; a QUIET_STAGES one only where it queued something."""
+    return [stage_words(name, ops) for name, ops in stages if ops or name not in QUIET_STAGES]
+
+
 def host_line(name: str, gpu: str, stages: list[str], changed: int, plan: str | None, unit: str,
               failed: bool) -> str:
     what = "FAILED (see above)" if failed else (f"changed {changed} operation{'s' if changed != 1 else ''}"
@@ -112,8 +117,8 @@ def lines(state) -> list[str]:
                     failed_stage = stage_name
                     message = " ".join(line.strip() for line in meta.stderr_lines[-3:] if line.strip())
             total += sum(1 for c, _ in ops if c)
-            if ops or stage_name not in QUIET_STAGES:
-                words.append(stage_words(stage_name, ops))
+            words.append((stage_name, ops))
+        words = visible_words(words)
         line = host_line(name, rec.get("gpu", "?"), words, total, rec.get("plan"), rec.get("unit", "?"),
                          h in state.failed_hosts)
         out.append(line)

@@ -31,51 +31,32 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.lab import BoxSpec
 from tests.lab.box import free_port
+from tests.lab.env_venv import install_env
 from tests.lab.listing import box_listing, listing_diff
 
 B1, B2 = "b1", "b2"
 ADDRESS = {B2: "127.0.0.13", B1: "127.0.0.14"}
 ROOT = "/opt/verl-lab"
-ENV = f"{ROOT}/envs/verl"
 RAY, TB = "verl-lab-ray.service", "verl-lab-tensorboard.service"
 KEYS = f"{ROOT}/train/tracking-keys.env"
 DROPIN = "/etc/systemd/system/verl-lab-train.service.d/cluster.conf"
 SERVED = f"{ROOT}/tracking-lab"
-WHEELS = {"ray", "attrs", "certifi", "charset_normalizer", "click", "filelock", "idna", "jsonschema",
-          "jsonschema_specifications", "msgpack", "packaging", "protobuf", "pyyaml", "referencing", "requests",
-          "rpds_py", "typing_extensions", "urllib3", "tensorboard", "tensorboard_data_server", "absl_py", "grpcio",
-          "markdown", "numpy", "pillow", "setuptools", "werkzeug", "markupsafe"}
 # the served copy's files are named by the time the controller wrote them (the lab's summary events): its
 # contents differ from one hub to the next by design; the folder itself is compared
 SKIP = (f"{SERVED}/",)
 STATE: dict = {}
 
 
-def install_env(box, wheels) -> None:
-    dest = box.root / "var/tmp/env-wheels"
-    dest.mkdir(parents=True, exist_ok=True)
-    for whl in wheels:
-        shutil.copy(whl, dest / whl.name)
-    box.ssh(f"python3 -m venv {ENV} && {ENV}/bin/pip install -q --no-index --find-links /var/tmp/env-wheels "
-            "ray==2.46.0 tensorboard==2.20.0 && rm -rf /var/tmp/env-wheels", timeout=900)
-
-
 @pytest.fixture(scope="module")
 def lab(lab_factory, tmp_path_factory):
-    from tests.fixtures.standins.env import wheelhouse
-
     lab = lab_factory([BoxSpec(B1, gpu="p40"), BoxSpec(B2, gpu="t4")])
-    wheels = [w for w in wheelhouse().glob("*.whl") if w.name.split("-")[0].lower() in WHEELS]
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda b: install_env(lab.box(b), wheels), (B1, B2)))
+    install_env([lab.box(B1), lab.box(B2)], "ray==2.46.0", "tensorboard==2.20.0")
     keys = tmp_path_factory.mktemp("keys") / "trackers.env"
     keys.write_text("WANDB_API_KEY=" + "0123456789abcdef" * 2 + "01234567\n")
     keys.chmod(0o600)
@@ -249,8 +230,16 @@ def turned_off(lab, offline):
     managed, _ = hosts_file(lookup, "10.254.0.14")      # what the cluster stage writes for a non-loopback node
     b1.ssh("cat > /etc/hosts", input=managed)
     STATE["planted_hosts"] = managed
+    # b2's train user plants links in Ray's folder (its own) to a root-only file and to /root: root's `rm -rf` of
+    # the folder removes the links, never what they point at (docs/architecture.md, "Security", rule c)
+    b2 = lab.box(B2)
+    b2.ssh("umask 077; echo keep > /root/verl44-target")
+    b2.ssh(f"ln -s /root/verl44-target {ROOT}/ray/file-link && ln -s /root {ROOT}/ray/dir-link && "
+           f"mkdir -p {ROOT}/ray/tmp/deep && ln -s /root {ROOT}/ray/tmp/deep/up", user="verl")
     runs = converge(lab, off())
     wait_serving(lab.box(B1), STATE["port"])
+    assert b2.read_text("/root/verl44-target") == "keep\n" and b2.exists("/root/.ssh/authorized_keys")
+    b2.ssh("rm -f /root/verl44-target")
     return runs
 
 
@@ -285,3 +274,65 @@ def test_off_again_changes_nothing(lab, turned_off):
         res = deploy(lab, name, off())
         assert res.ok and res.changed == 0, f"{name}: {res.tail()}"
         assert "removed" not in " ".join(line for line in res.output.splitlines() if "Starting operation" in line)
+
+
+# ------------------------------------------------------------------ the words of issue 44's item 5
+
+
+def test_a_keys_file_set_but_missing_or_readable_by_others_gets_the_true_message(lab, tmp_path):
+    loose = tmp_path / "loose.env"
+    loose.write_text("WANDB_API_KEY=" + "f" * 40 + "\n")
+    loose.chmod(0o644)
+    for path, says in ((tmp_path / "nope.env", "does not exist on the controller"),
+                       (loose, "can be read by others (mode 644)")):
+        settings = {"data": {"tracking": {"port": STATE["port"], "trackers": ["wandb"], "keys_file": str(path)}},
+                    "per_host": {}}
+        res = deploy(lab, "deploy/train.py", settings)
+        assert res.rc != 0 and not res.ran_operations, res.tail()
+        assert says in res.output, res.tail()
+        assert "no keys_file is set" not in res.output and "has none" not in res.output, res.tail()
+
+
+def test_status_points_only_at_a_serving_hub(lab, turned_off):
+    b1 = lab.box(B1)
+    b1.ssh(f"systemctl stop {TB}")
+    try:
+        res = deploy(lab, "deploy/status.py", off())
+    finally:
+        b1.ssh(f"systemctl start {TB}")
+    assert res.ok, res.tail()
+    line = next(ln for ln in res.output.splitlines() if ln.startswith("The lab's TensorBoard"))
+    assert line.startswith(f"The lab's TensorBoard: not serving on b1 ({TB} is not running there); ") and \
+        "deploy/tracking.py" in line, line
+    assert "ssh -N -L" not in res.output and "http://127.0.0.1" not in line
+
+
+def test_status_words_are_true_of_what_it_printed(lab, turned_off):
+    """Its last line refers to the `why:` lines only where it printed one; a refused deploy/full.py's record
+    (as tasks/run_summary.py writes it for a box its checks refused) is said of that run, not of the box now:
+    deploy/tracking.py has made folders on these boxes since."""
+    from tasks.base import refused_hosts
+    from tasks.run_summary import record_run
+    from tasks.settings import SettingsError
+    why = refused_hosts([SettingsError(B2, "workload", "bad", "fix")], [B1, B2], {}, False)[B2]
+    record_run(str(lab.controller_cache), B2, ok=False, stage="checks", message=f"verl-lab checks: {why}", line="")
+    res = deploy(lab, "deploy/status.py", off())
+    assert res.ok, res.tail()
+    assert ("why: cuda, env, data not installed: the last deploy/full.py (" in res.output and
+            ") was refused by its checks and changed nothing on this box then: its 1 problem (workload)" in res.output), \
+        res.tail()
+    assert "nothing on this box was changed" not in res.output
+    # every stage proven (the markers as the stages write them) and no run: no `why:` line, none referred to
+    markers = {name: lab.box(name).ssh(f"ls {ROOT}/markers").stdout.split() for name in (B1, B2)}
+    for name in (B1, B2):
+        lab.box(name).ssh(f"cd {ROOT}/markers && for s in cuda env data; do [ -e $s.done ] || "
+                          "printf 'stage=%s\\n' $s > $s.done; done")
+    try:
+        res = deploy(lab, "deploy/status.py", off())
+    finally:
+        for name in (B1, B2):
+            lab.box(name).ssh(f"cd {ROOT}/markers && ls | grep -vxF -e {' -e '.join(markers[name])} | xargs -r rm -f")
+    assert res.ok, res.tail()
+    last = next(ln for ln in res.output.splitlines() if ln.startswith("status: no training run to report"))
+    assert "    why: " not in res.output and "`why:`" not in last, res.tail()
+    assert last.endswith("the preflight above says what stops a box"), last    # never ran: its verdict printed

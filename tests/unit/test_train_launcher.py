@@ -299,28 +299,37 @@ def test_mixed_box_plan_accepts_its_own_gpus_only(box):
     assert "FAIL  gpu: the plan is for Tesla P40, Tesla T4, nvidia-smi lists Tesla T4" in out.stdout
 
 
-def test_host_ram_check_fails_a_box_too_small_for_the_offloaded_states(tmp_path):
-    """The CPU-offload rung keeps the model's states in host RAM: the preflight compares the plan's
-    figure with /proc/meminfo's MemTotal (here a written copy)."""
+class Rep:
+    """The preflight's report, its lines kept: (status, check, text)."""
+
+    def __init__(self):
+        self.lines = []
+
+    def ok(self, name, text):
+        self.lines.append(("ok", name, text))
+
+    def fail(self, name, text):
+        self.lines.append(("fail", name, text))
+
+    def skip(self, name, text):
+        self.lines.append(("skip", name, text))
+
+
+def preflight_part():
+    """verl_lab_box/preflight.py as the launcher loads it (its ``launcher`` handed in)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "launcher_mod", Path(__file__).resolve().parents[2] / "verl_lab_box" / "train_launcher.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod.preflight_module()
 
-    class Rep:
-        def __init__(self):
-            self.lines = []
 
-        def ok(self, name, text):
-            self.lines.append(("ok", name, text))
-
-        def fail(self, name, text):
-            self.lines.append(("fail", name, text))
-
-        def skip(self, name, text):
-            self.lines.append(("skip", name, text))
+def test_host_ram_check_fails_a_box_too_small_for_the_offloaded_states(tmp_path):
+    """The CPU-offload rung keeps the model's states in host RAM: the preflight compares the plan's
+    figure with /proc/meminfo's MemTotal (here a written copy)."""
+    preflight = preflight_part()
 
     class Launch:
         predicted_host_ram_mib = 49_000
@@ -328,15 +337,15 @@ def test_host_ram_check_fails_a_box_too_small_for_the_offloaded_states(tmp_path)
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       32768000 kB\nMemFree:        1000 kB\n")
     rep = Rep()
-    mod.preflight_module().check_host_ram(rep, Launch(), str(meminfo))
+    preflight.check_host_ram(rep, Launch(), str(meminfo))
     assert rep.lines == [("fail", "host ram", "the plan keeps 49000 MiB of model states in host RAM (CPU offload), "
                           "the box has 32000 MiB in all: train a smaller model (workload.model) or add RAM")]
     meminfo.write_text("MemTotal:       65536000 kB\n")
     rep = Rep()
-    mod.preflight_module().check_host_ram(rep, Launch(), str(meminfo))
+    preflight.check_host_ram(rep, Launch(), str(meminfo))
     assert rep.lines[0][0] == "ok"
     rep = Rep()
-    mod.preflight_module().check_host_ram(rep, Launch(), str(tmp_path / "missing"))
+    preflight.check_host_ram(rep, Launch(), str(tmp_path / "missing"))
     assert rep.lines[0][0] == "skip"
 
 
@@ -419,23 +428,8 @@ def test_resume_check_refuses_a_save_of_the_other_finetune_and_keeps_it(tmp_path
     """After workload.finetune changed (LoRA -> full, or back), the latest save is kept (a deploy never deletes a
     trained model) and the preflight says verl cannot resume it, with the fix (issue 44; mutation: `saved ==
     wanted` made always true: the full plan's preflight passes over a LoRA save)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "launcher_mod", Path(__file__).resolve().parents[2] / "verl_lab_box" / "train_launcher.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    preflight = preflight_part()
     ckpt = tmp_path / "checkpoints"
-
-    class Rep:
-        def __init__(self):
-            self.lines = []
-
-        def ok(self, name, text):
-            self.lines.append(("ok", name, text))
-
-        def fail(self, name, text):
-            self.lines.append(("fail", name, text))
 
     class Launch:
         checkpoints = {"dir": str(ckpt)}
@@ -444,7 +438,7 @@ def test_resume_check_refuses_a_save_of_the_other_finetune_and_keeps_it(tmp_path
     def check(overrides):
         Launch.overrides = overrides
         rep = Rep()
-        mod.preflight_module().check_resume(rep, Launch())
+        preflight.check_resume(rep, Launch())
         return rep.lines[0]
 
     assert check([]) == ("ok", "resume", f"no save in {ckpt} to resume: the run starts at step 1")
