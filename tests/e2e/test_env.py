@@ -17,6 +17,7 @@ of tests/e2e/test_drills.py uses after this module.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -143,7 +144,10 @@ def test_broken_env_is_rebuilt_and_the_old_one_kept(lab):
     ssh(lab, f"{PY} -m pip uninstall -y -q torch")
     broken = proofs(lab)
     assert not broken["healthy"] and "torch" in broken["broken"]
-    deploy(lab, "deploy/rebuild.py", hosts=[BOX]).assert_ok()
+    res = deploy(lab, "deploy/rebuild.py", hosts=[BOX]).assert_ok()
+    # its line per host (tasks/run_summary.py), as deploy/full.py's (issue 44)
+    assert re.search(rf"^verl-lab: {BOX} \(1 x Tesla P40, from nvidia-smi\): base proven, env changed \d+; changed \d+ "
+                     r"operations?; plan none; unit untouched", res.output, re.M), res.tail()
     new = link(lab, ENV)
     assert new.startswith("verl.gen") and new != "verl.gen1"
     assert link(lab, f"{ENV}.prev") == "verl.gen1" and lab.box(BOX).exists(f"{ENV}.gen1")
@@ -152,3 +156,15 @@ def test_broken_env_is_rebuilt_and_the_old_one_kept(lab):
     # the stage itself now finds a healthy env built from its plan: nothing to do
     deploy(lab).assert_idempotent()
     print("timings (s):", {k: round(v) for k, v in TIMINGS.items()})
+
+
+def test_an_env_the_quick_check_finds_broken_is_rebuilt_saying_why(lab):
+    """deploy/env.py (as deploy/full.py runs it), not deploy/rebuild.py: the quick re-check finds the uninstalled
+    package at prepare time, and the rebuild's operation, printed while its minutes run, names why (issue 44)."""
+    before = link(lab, ENV)
+    ssh(lab, f"{PY} -m pip uninstall -y -q torch")
+    res = deploy(lab, hosts=[BOX]).assert_ok()
+    started = next((ln for ln in res.output.splitlines() if "Starting operation" in ln and "Python env" in ln), "")
+    assert "Python env: rebuilt (the env is broken (" in started and "torch" in started, res.tail()
+    assert link(lab, ENV) != before and proofs(lab)["healthy"]
+    deploy(lab).assert_idempotent()
