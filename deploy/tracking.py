@@ -45,7 +45,8 @@ if "tensorboard" in settings.tracking.trackers and hub not in hosts:
 is_hub, copied, _ = hub_role(settings, hosts)
 
 user, modules, run, exports = ask(
-    (PasswdEntry, {"user": settings.train_user}), (PythonModules, {"python": settings.env_python, "modules": ["tensorboard"]}),
+    (PasswdEntry, {"user": settings.train_user}),
+    (PythonModules, {"python": settings.env_python, "modules": ["tensorboard"]}),
     (TrainingRun, {"unit": TRAIN_UNIT, "markers": {s: settings.marker(s) for s in STAGES},
                    "plan_path": f"{settings.train_dir}/plan.json", "launcher": f"{settings.train_dir}/train-launcher",
                    "user": settings.train_user, "python": settings.launcher_python}),

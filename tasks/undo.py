@@ -4,21 +4,33 @@ Each optional part verl-lab places is there only while a setting asks for it. Wh
 the deploy that places the part removes, stops or restores it in the same run, with an operation whose name
 says what was undone and why (pyinfra prints it without ``-v``):
 
-| part | placed by | while | undone by | how |
-|---|---|---|---|---|
-| ``verl-lab-ray.service``, ``ray.env``, ``cluster-check``, ``cluster-gather``, ``<lab_root>/ray`` | the cluster stage | ``cluster`` names the box | deploy/full.py, deploy/cluster.py | stopped, disabled, removed; files and Ray's folder removed |
-| the training unit's drop-in ``cluster.conf`` | the cluster stage | the same | the same and deploy/train.py | removed, systemd reloaded; the train stage restarts a started unit |
-| ``/etc/hosts``' managed line | the cluster stage | the same | deploy/full.py, deploy/cluster.py | the line removed, the lines it commented out restored |
-| ``tracking-keys.env`` (the training unit's and the Ray head's keys) | the train stage | an online tracker with a key, not on a Ray worker | deploy/full.py, deploy/train.py | removed |
-| each tracker's folder, ``<lab_root>/tracking`` | the train stage | ``tracking.trackers`` names it | the same | removed while empty; one holding a run's files is kept, and said |
-| ``verl-lab-tensorboard.service``, ``<lab_root>/tracking-lab`` | deploy/tracking.py | the box is the hub | deploy/full.py, deploy/tracking.py | stopped, disabled, removed; the served copy removed (the controller's cache keeps the curves) |
-| the copy's programs and staging (``<lab_root>/libexec/tracking``, ``<lab_root>/cache/tracking``) | deploy/tracking.py | a tracker of the box is copied, or it is the hub | the same | removed |
+Each part, who places it, while what asks for it, which deploys undo it, and how:
+
+- the Ray unit ``verl-lab-ray.service``, ``ray.env``, ``cluster-check``, ``cluster-gather``, ``<lab_root>/ray``:
+  the cluster stage, while ``cluster`` names the box; deploy/full.py and deploy/cluster.py stop, disable and remove
+  the unit, remove the files and Ray's folder;
+- the training unit's drop-in ``cluster.conf``: the cluster stage, the same; the same and deploy/train.py remove it
+  and reload systemd (the train stage then restarts a started unit);
+- ``/etc/hosts``' managed line: the cluster stage, the same; deploy/full.py and deploy/cluster.py remove it and
+  restore the lines it commented out;
+- ``tracking-keys.env`` (the training unit's keys and the Ray head's): the train stage, while an online tracker has a
+  key and the box is no Ray worker; deploy/full.py and deploy/train.py remove it;
+- each tracker's folder and ``<lab_root>/tracking``: the train stage, while ``tracking.trackers`` names it; the same
+  remove it while empty, keep one holding a run's files and say so;
+- ``verl-lab-tensorboard.service`` and ``<lab_root>/tracking-lab``: deploy/tracking.py, while the box is the hub;
+  deploy/full.py and deploy/tracking.py stop, disable and remove the unit and remove the served copy (the
+  controller's cache keeps the curves);
+- the copy's programs and staging (``<lab_root>/libexec/tracking``, ``<lab_root>/cache/tracking``):
+  deploy/tracking.py, while a tracker of the box is copied or it is the hub; the same remove them.
 
 **A run's outputs are never removed**: checkpoints, exports (a LoRA run's ``hf/lora_adapter`` too), GSM8K scores,
 a tracker's event files and offline runs. They are what hours of GPU time made, a setting says how the *next*
 run trains (not that the last one's model is unwanted), and a deploy cannot know whether they were copied
 elsewhere: a settings edit (or a typo) must never be able to delete a trained model. What stays costs disk, which
-the checks count. A tracker's folder that holds a run's files is kept and said so on every deploy.
+the checks count. A tracker's folder that holds a run's files is kept and said so on every deploy. After
+``workload.finetune`` changed, the earlier run's saves are kept too, and verl could not resume them (a LoRA save
+holds the PEFT-wrapped model's weights under other names): the launcher's preflight refuses to start on one and
+names the command that moves the folder aside (verl_lab_box/preflight.py ``check_resume``).
 
 Root's work here is on root's own paths under root-only folders (docs/architecture.md, "Security", rule a):
 units and drop-ins in ``/etc/systemd/system``, files in ``<train_dir>`` and ``<lab_root>``; the train user's
@@ -92,7 +104,8 @@ def cluster_undo(settings: LabSettings, states: dict, ray_unit: dict | None, hos
     if "dropin" in parts and states.get(TRAIN_DROPIN) is not None:
         folder = shlex.quote(str(Path(TRAIN_DROPIN).parent))
         out.append(Undo("dropin", f"Unit {TRAIN_UNIT}: the cluster's drop-in {TRAIN_DROPIN} removed ({why})", (
-            f"rm -f {shlex.quote(TRAIN_DROPIN)} && rmdir --ignore-fail-on-non-empty {folder} && systemctl daemon-reload",)))
+            f"rm -f {shlex.quote(TRAIN_DROPIN)} && rmdir --ignore-fail-on-non-empty {folder} && "
+            "systemctl daemon-reload",)))
     if "ray" not in parts:
         return out
     files = [p for p in (ray_env_file(settings), f"{settings.train_dir}/cluster-check",
@@ -187,7 +200,8 @@ def copy_undo(settings: LabSettings, states: dict, entries: dict) -> list[Undo]:
         return []
     libexec = f"{settings.lab_root}/libexec"
     commands = [f"rm -rf {' '.join(shlex.quote(p) for p in there)}"]
-    if [n for n in entries.get(libexec) or [] if f"{libexec}/{n}" not in there] == [] and entries.get(libexec) is not None:
+    others = [n for n in entries.get(libexec) or [] if f"{libexec}/{n}" not in there]
+    if entries.get(libexec) is not None and not others:
         commands.append(f"rmdir --ignore-fail-on-non-empty {shlex.quote(libexec)}")
     return [Undo("copy", f"The tracking copy's programs and staging removed: {', '.join(there)} (no tracker of this "
                          "box is copied by deploy/tracking.py and it is not the hub)", tuple(commands))]

@@ -99,7 +99,8 @@ def listings(lab) -> dict:
 
 def unit(box, name: str) -> tuple[str, str]:
     """(is-enabled, is-active); "" where systemctl prints nothing (no such unit file)."""
-    return tuple(box.ssh(f"systemctl {what} {name}", check=False).stdout.strip() for what in ("is-enabled", "is-active"))
+    return tuple(box.ssh(f"systemctl {what} {name}", check=False).stdout.strip()
+                 for what in ("is-enabled", "is-active"))
 
 
 def wait_serving(box, port: int, timeout: float = 90) -> None:
@@ -318,9 +319,9 @@ def test_status_words_are_true_of_what_it_printed(lab, turned_off):
     record_run(str(lab.controller_cache), B2, ok=False, stage="checks", message=f"verl-lab checks: {why}", line="")
     res = deploy(lab, "deploy/status.py", off())
     assert res.ok, res.tail()
-    assert ("why: cuda, env, data not installed: the last deploy/full.py (" in res.output and
-            ") was refused by its checks and changed nothing on this box then: its 1 problem (workload)" in res.output), \
-        res.tail()
+    assert "why: cuda, env, data not installed: the last deploy/full.py (" in res.output, res.tail()
+    assert ") was refused by its checks and changed nothing on this box then: its 1 problem (workload)" \
+        in res.output, res.tail()
     assert "nothing on this box was changed" not in res.output
     # every stage proven (the markers as the stages write them) and no run: no `why:` line, none referred to
     markers = {name: lab.box(name).ssh(f"ls {ROOT}/markers").stdout.split() for name in (B1, B2)}

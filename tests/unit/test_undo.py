@@ -76,7 +76,8 @@ def test_the_keys_file_goes_with_the_reason(tmp_path):
              ({"artifact_mode": "direct", "tracking": {"trackers": ["tensorboard"]}}, True, "no tracker with a server")]
     for data, worker, why in cases:
         steps, kept = undo.tracker_undo(load_settings("box1", data), {keys: FILE}, {}, worker)
-        assert [s.name for s in steps] == [f"Tracker keys {keys} removed ({undo.keys_why(load_settings('box1', data).tracking, worker)})"]
+        said = undo.keys_why(load_settings("box1", data).tracking, worker)
+        assert [s.name for s in steps] == [f"Tracker keys {keys} removed ({said})"]
         assert why in steps[0].name and steps[0].commands == (f"rm -f {keys}",) and kept == []
     assert undo.tracker_undo(ALONE, {}, {}, False) == ([], [])
 
