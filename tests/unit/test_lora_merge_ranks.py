@@ -15,9 +15,9 @@ The ranks see different MemAvailable (a stand-in /proc/meminfo per rank, read by
 What is measured: the actor's log-probs of a fixed batch before any rollout and after each (bit for bit), each
 rank's shards after both rollouts (bit for bit), and the CPU allocator's peak growth during one more merge and
 restore (torch's profiler with ``profile_memory``). Under FSDP1 that peak is one decoder layer's gathered flat
-parameter twice (gloo stages an all-gather's output in a temporary of the same size; NCCL writes in place) plus the
-merge's fp32 delta: 296,960 bytes, where the model is 461,056. Summoning the whole model for the merge (the
-release's way, by hand) measured 593,152 and fails the bound. Nothing is gathered when nothing is merged: 4 bytes
+parameter twice (a gloo all_gather_into_tensor allocates its output's size once more while it runs; NCCL gathers
+into the output): 296,960 bytes, where the model is 461,056. Summoning the whole model for the merge (0013's first
+version's way, by hand) measured 593,152 and fails the bound. Nothing is gathered when nothing is merged: 4 bytes
 (the vote).
 
 About 40 s a run on this machine (2 cores), four runs: the two-rank check that used to live in
