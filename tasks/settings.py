@@ -66,6 +66,9 @@ DEFAULTS: dict[str, Any] = {
     "model_artifact": "qwen_model",
     "dataset_artifact": "gsm8k",
     "train_steps": None,               # a step cap (a smoke test: e.g. 20); None: workload.epochs over GSM8K
+    # the longest run the checks let start: a plan whose speed-model step time makes the run longer is refused,
+    # with the faster plan (tasks/run_bounds.py)
+    "max_run_days": 7,
     # what to train (checked by _workload; the plan: tasks/plan/, docs/plan.md)
     "workload": {},
     # plan for this GPU instead of the box's own (a build box without a GPU, or a box whose
@@ -140,6 +143,7 @@ class LabSettings:
     driver_update: bool = False
     checkpoints: Mapping[str, int] = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
     tracking: Tracking = field(default_factory=Tracking)
+    max_run_days: float = 7
 
     @property
     def marker_dir(self) -> str:
@@ -259,6 +263,13 @@ def _train_steps(host: str, steps: Any) -> int | None:
                             "set e.g. train_steps = 20 (a smoke test), or leave it unset to train workload.epochs")
     return steps
 
+def _max_run_days(host: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise SettingsError(host, "max_run_days", f"{value!r} is not a positive number of days",
+                            "set e.g. max_run_days = 14 (the default 7: a week)")
+    return value
+
+
 def _driver_flag(host: str, key: str, value: Any, driver: str) -> bool:
     if _flag(host, key, value) and driver != "install":
         raise SettingsError(host, key, f"True does nothing with driver = {driver!r}",
@@ -326,6 +337,7 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         driver_update=p.check(_driver_flag, "driver_update", merged["driver_update"], merged["driver"], default=False),
         checkpoints=p.check(_checkpoints, merged["checkpoints"], default=dict(CHECKPOINT_DEFAULTS)),
         tracking=p.check(_tracking, merged["tracking"], merged["artifact_mode"], default=Tracking()),
+        max_run_days=p.check(_max_run_days, merged["max_run_days"], default=DEFAULTS["max_run_days"]),
     )
     p.check(_ssh_key, data.get("ssh_key"))
     p.raise_any()
