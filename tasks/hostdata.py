@@ -136,10 +136,13 @@ def unmatched_limits(inventory, limit=(), exclude=(), run=None) -> str | None:
     or with none), or a run left with no host. ``run``: pyinfra's ``State.limit_hosts`` (None: no limit)."""
     from fnmatch import fnmatch
     names = [h.name for h in inventory]
-    groups = sorted(g for g in getattr(inventory, "groups", {}) if g != "all")
+    every = set(names)          # pyinfra names a group after the inventory file too: one of every host, not listed
+    groups = sorted(g for g, members in getattr(inventory, "groups", {}).items()
+                    if g != "all" and {h.name for h in members} != every)
     for option, patterns in (("--limit", limit), ("--exclude", exclude)):
         for pattern in patterns or ():
-            if pattern not in groups and pattern != "all" and not any(fnmatch(n, pattern) for n in names):
+            if pattern not in getattr(inventory, "groups", {}) and pattern != "all" \
+                    and not any(fnmatch(n, pattern) for n in names):
                 close = difflib.get_close_matches(pattern, names + groups, n=1, cutoff=0.5)
                 return (f"verl-lab: {option} {pattern!r} matches no host or group of the inventory; nothing was "
                         f"changed on any host. " + (f"Did you mean {close[0]!r}? " if close else "")
