@@ -6,8 +6,9 @@ Every default lives here, once (a nested setting's keys: beside its checker, e.g
 ``settings_workload.WORKLOAD_DEFAULTS``); ``inventory/group_data/all.py`` only sets site choices.
 The checkers of a topic live in a module of their own: ``settings_catalog`` (catalog, mirrors,
 artifact names), ``settings_workload`` (workload, workload.model, gpu_override),
-``settings_cluster`` (the cluster setting, and ``check_clusters`` across hosts); the errors and
-their collector in ``settings_errors``. This module wires them together in ``load_settings``.
+``settings_cluster`` (the cluster setting, and ``check_clusters`` across hosts); which keys are read and
+which refused (dotted keys, a nested setting's key at the top, a key nothing reads) in ``settings_keys``;
+the errors and their collector in ``settings_errors``. This module wires them together in ``load_settings``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@
   and so is everything those and verl itself need (each one's ``Requires-Dist``, with its extras and markers,
   read from the installed metadata), at a version it accepts.
 * ``import_problems``: every module verl's trainer imports when it loads (the module-level imports of
-  ``verl.trainer.main_ppo``, ``verl.trainer.ppo.ray_trainer`` and the workers they start, followed through
-  verl's own modules by reading their source) is found on the env's path.
+  ``verl.trainer.main_ppo``, ``verl.trainer.ppo.ray_trainer``, the FSDP workers and the HF rollout, followed
+  through verl's own modules by reading their source) is found on the env's path.
 
 Both read files only: the dist-info folders on ``sys.path`` and verl's ``.py`` files (``ast``). Requirements
 and markers are read with ``packaging`` (the env's own, else the copy inside pip: both are pinned in the lock).
@@ -21,10 +21,10 @@ import re
 import sys
 
 # what verl 0.5.0's trainer loads on every plan: the entry point, the trainer, its FSDP workers and the HF
-# rollout (vLLM's rollout module joins where the env has vLLM)
+# rollout. verl's vLLM rollout imports vLLM's own needs (pyzmq...): those are vLLM's Requires-Dist, which the
+# lock check follows from the vllm distribution
 TRAINER_MODULES = ("verl.trainer.main_ppo", "verl.trainer.ppo.ray_trainer", "verl.workers.fsdp_workers",
                    "verl.workers.rollout.hf_rollout")
-VLLM_MODULES = ("verl.workers.rollout.vllm_rollout",)
 SHOWN = 6             # problems named in full; the rest counted
 
 

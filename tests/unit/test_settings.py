@@ -38,6 +38,8 @@ def test_mirror_url_override_reaches_artifact_urls():
     ({"train_steps": 0}, "train_steps", "positive"),
     ({"hf_token_file": "/nonexistent/token"}, "hf_token_file", "chmod 600"),
     ({"model_artifact": "llama"}, "model_artifact", "files/catalog.toml"),
+    ({"max_run_days": 0}, "max_run_days", "positive number of days"),
+    ({"max_run_days": "a week"}, "max_run_days", "max_run_days = 14"),
 ])
 def test_bad_values_name_host_key_and_fix(data, key, fix):
     with pytest.raises(SettingsError) as err:
