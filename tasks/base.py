@@ -182,7 +182,7 @@ def refused_hosts(problems: list[SettingsError], in_run: list[str], clusters: di
 def run_report() -> tuple[str | None, dict[str, str]]:
     """The report of the run's checks (None: no problem) and the hosts it refuses, with why."""
     from pyinfra import state
-    from tasks.hostdata import _CACHE, _IN_RUN, check_inventory
+    from tasks.hostdata import _CACHE, _IN_RUN, check_inventory, warning_report
 
     inventory = check_inventory(stop=False)
     hosts = [h for h in state.inventory.get_active_hosts() if h.name in _CACHE and _data_planned(_CACHE[h.name])]
@@ -217,14 +217,6 @@ def run_report() -> tuple[str | None, dict[str, str]]:
         f"(inventory values, then what each box told: GPU, driver, disk, RAM, the plan and its length, verl's own "
         f"checks); {outcome}"))
     return (text + ("\n" + warning_report(warnings, list(_IN_RUN)) if warnings else "")), refused
-
-
-def warning_report(warnings: list[SettingsError], in_run: list[str]) -> str:
-    """What the checks warn of, refusing nothing: each host's together, in the run's order."""
-    from tasks.hostdata import report
-    order = {name: i for i, name in enumerate(in_run)}
-    warnings = sorted(warnings, key=lambda p: order.get(p.host, len(order)))
-    return report(warnings, header=f"verl-lab: {plural(len(warnings), 'warning')} (nothing refused for them):")
 
 
 def _data_planned(settings: LabSettings) -> bool:
@@ -285,6 +277,7 @@ def ask_every_host(hosts) -> dict[str, list]:
 def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> list[SettingsError]:
     """Every problem the boxes' answers show (pure: settings and answers in, problems out)."""
     from tasks.hostdata import cluster_for
+    from tasks.run_bounds import fit_problems
     targets, found = {}, []
     for name, got in answers.items():
         if isinstance(got, Exception):
@@ -315,7 +308,8 @@ def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> 
             found.append(problem)
             continue
         found += checkpoint_problems(s, target, members, ckpt_disk)
-        found += fit_problems(s, target, members, memory)
+        found += [(BoxWarning if warning else BoxProblem)(name, key, text)      # tasks/run_bounds.py
+                  for key, text, warning in fit_problems(s, target.target, members, memory)]
     return found
 
 
@@ -393,21 +387,6 @@ def disk_problems(settings: LabSettings, model_stamp, data_stamp, free) -> list[
             if not (stamp and stamp.get("digest") == spec.digest)]
     short = disk_shortfall(todo, free if todo else None, plan.model_dir)
     return [BoxProblem(settings.host, "disk (model and data)", short)] if short else []
-
-
-def fit_problems(settings: LabSettings, target: HostTarget, members, memory) -> list[SettingsError]:
-    """The plan's host RAM against the box's, and the run's length against max_run_days (tasks/run_bounds.py):
-    a refusal names the faster plan; RAM other processes hold now is a warning."""
-    from tasks.plan import PlanError
-    from tasks.run_bounds import fit_problems as run_fit
-    from tasks.validation import training_plan
-    try:
-        plan = training_plan(settings, target.target, members)
-    except PlanError:
-        return []
-    problems, warnings = run_fit(settings, plan, target.target, members, memory)
-    return ([BoxProblem(settings.host, key, text) for key, text in problems]
-            + [BoxWarning(settings.host, key, text) for key, text in warnings])
 
 
 def checkpoint_problems(settings: LabSettings, target: HostTarget, members, disk) -> list[SettingsError]:

@@ -197,6 +197,14 @@ def report(problems, header: str = HEADER) -> str:
     return header + "\n  " + "\n  ".join(str(p) for p in problems)
 
 
+def warning_report(warnings, in_run: list[str]) -> str:
+    """What the run's checks warn of, refusing nothing: each host's together, in the run's order."""
+    order = {name: i for i, name in enumerate(in_run)}
+    warnings = sorted(warnings, key=lambda p: order.get(p.host, len(order)))
+    count = f"{len(warnings)} warning{'s' if len(warnings) != 1 else ''}"
+    return report(warnings, header=f"verl-lab: {count} (nothing refused for them):")
+
+
 def every_host_once_all_answered(key: str, value) -> dict | None:
     """A deploy file runs once per host, side by side: keep this host's ``value`` on pyinfra's run
     state under ``key``; the last host to answer gets every host's value (by host name, sorted),

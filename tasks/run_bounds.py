@@ -176,11 +176,16 @@ def smaller_models(catalog, model_artifact: str) -> tuple[tuple[str, str], ...]:
     return tuple((n, catalog.artifact(n).repo) for n in later)
 
 
-def fit_problems(settings, plan: TrainingPlan, target, members, memory: dict | None):
+def fit_problems(settings, target, members, memory: dict | None) -> list[tuple[str, str, bool]]:
     """The run's checks for one host (``settings``: its LabSettings; ``target``/``members``: the GPU and its
-    cluster's, as its plan was made): (problems, warnings), each a list of (key, words)."""
+    cluster's, as its plan is made; ``memory``: HostMemory's answer): (key, words, a warning only) each; none
+    where the host has no plan (the plan's own problem is reported instead)."""
     from dataclasses import replace
     from tasks.validation import training_plan
+    try:
+        plan = training_plan(settings, target, members)
+    except PlanError:
+        return []
 
     def other(change: dict) -> TrainingPlan:
         workload = {**settings.workload, **change}
@@ -189,4 +194,4 @@ def fit_problems(settings, plan: TrainingPlan, target, members, memory: dict | N
 
     fit = check_run_fit(plan, memory, settings.max_run_days, other,
                         smaller_models(settings.catalog, settings.model_artifact))
-    return list(fit.problems), list(fit.warnings)
+    return [(k, text, False) for k, text in fit.problems] + [(k, text, True) for k, text in fit.warnings]

@@ -26,7 +26,7 @@ BOX = REPO / "verl_lab_box"
 def dist(site: Path, name: str, version: str, *requires: str) -> None:
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True)
-    lines = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
     (info / "METADATA").write_text("\n".join(lines) + "\n\nRequires-Dist: not-a-header\n")
 
 
