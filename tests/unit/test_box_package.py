@@ -24,6 +24,7 @@ LATE_IMPORTS = {
     "cluster_check": {"ray"},                                # the env's Ray, on the head
     "cluster_gather": {"ray", "verl_lab_checkpoints"},      # the env's Ray, on the head; checkpoints.py beside it
     "env_prove": {"torch", "vllm", "xformers", "verl"},      # the env's python proves its env
+    "env_lock": {"packaging", "pip"},                        # the env's packaging (or pip's copy): its lock
     "export_proof": {"torch", "transformers", "safetensors", "accelerate"},   # the env's python: the export's proof
     "gpu": {"pynvml"},                                       # read_nvml, in the training env
     "nvidia_driver": {"ctypes"},                             # cuInit, where the driver is proven
