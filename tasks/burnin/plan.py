@@ -9,7 +9,7 @@ override of plan.json) with these changes, each with its reason in the file (doc
   and trains to ``total_steps``, saving again (the export is made from that save);
 * the reward: the burn-in's reward manager (verl_lab_box/burnin_reward.py: the share of response tokens whose input
   embedding's coordinate ``REWARD_COORDINATE`` is above its median), which a model with random weights climbs too;
-* its own learning rate (``BURNIN_LR``), larger than the run's: the run's (verl's 1e-6 for full fine-tuning) moves
+* its own learning rate (``burnin_lr``), larger than the run's: the run's (verl's 1e-6 for full fine-tuning) moves
   the policy too little in four steps for any test to see;
 * optionally fewer prompts a step (``BurninSpec.prompts``; the micro-batches and the HF chunk stay the plan's, so
   each phase runs at its planned shapes as long as a step holds a whole chunk).
@@ -33,11 +33,13 @@ RECORD = "burnin.json"                 # in the burn-in's folder (the train user
 BURNIN_UNIT = "verl-lab-burnin.service"
 MANAGER = "verl_lab_burnin"            # verl_lab_box/burnin_reward.py MANAGER
 REWARD_COORDINATE = 0
-# The burn-in's learning rates (docs/burnin.md "The learning rate"): a full fine-tune's Adam step moves each weight
-# by about the learning rate, and the reward rises by moving the last hidden state along one axis; at verl's 1e-6
-# four steps move nothing measurable. LoRA trains a few adapters only (its B matrices start at zero): ten times a
-# full fine-tune's, as the LoRA rungs' own rate is ten times verl's (tasks/plan/lora.py, "LoRA Without Regret").
-BURNIN_LR = {"full": 1e-4, "lora": 1e-3}
+# The burn-in's learning rate (docs/burnin.md "The learning rate"): Adam moves each weight by about the rate a step
+# whatever its gradient's size, and the reward rises as the last hidden state moves along one axis, a sum over the
+# hidden width of such moves: the rate that moves it as far in a few steps is inversely proportional to the width
+# (``BURNIN_LR_WIDTH / hidden_size``: 3e-4 for the 0.5B's 896). verl's 1e-6 (the run's, full fine-tuning) moves the
+# policy 300 times less far. LoRA trains the adapters alone, which start at zero: ten times a full fine-tune's, as
+# the LoRA rungs' own rate is ten times verl's (tasks/plan/lora.py, "LoRA Without Regret").
+BURNIN_LR_WIDTH = {"full": 0.2688, "lora": 2.688}
 # The test of "rises" (verl_lab_box/burnin_judge.py reward_test): the last ``last`` steps' mean score minus the
 # first step's, at least ``z`` standard errors (one-sided normal tail 3.2e-5 at 4) and at least ``floor``.
 RISES = {"z": 4.0, "floor": 0.01, "last": 2}
@@ -63,6 +65,13 @@ def burnin_paths(train_dir: str) -> dict[str, str]:
     PYTHONPATH), its plan beside plan.json, its record in its folder."""
     return {"folder": f"{train_dir}/burnin", "probe": f"{train_dir}/burnin-probe",
             "plan": f"{train_dir}/{BURNIN_PLAN}", "record": f"{train_dir}/burnin/{RECORD}"}
+
+
+def burnin_lr(plan: TrainingPlan) -> float:
+    """The burn-in's learning rate for the plan's model (``BURNIN_LR_WIDTH`` over its hidden width), 3 digits."""
+    kind = "lora" if plan.workload.lora else "full"
+    width = int((plan.workload.model_config or {}).get("hidden_size") or 896)
+    return float(f"{BURNIN_LR_WIDTH[kind] / width:.3g}")
 
 
 def _value(plan: TrainingPlan, key: str):
@@ -105,7 +114,7 @@ def overrides(plan: TrainingPlan, train_dir: str, host: str, spec: BurninSpec) -
          "the class is read from this model's input embedding"),
         ("+reward_model.reward_kwargs.records", f"{paths['folder']}/records", "each step's scores per prompt"),
         ("+reward_model.reward_kwargs.coordinate", str(REWARD_COORDINATE), "the embedding coordinate of the class"),
-        ("actor_rollout_ref.actor.optim.lr", str(BURNIN_LR[kind]),
+        ("actor_rollout_ref.actor.optim.lr", str(burnin_lr(plan)),
          f"the burn-in's learning rate for {'LoRA adapters' if kind == 'lora' else 'full fine-tuning'} "
          f"(the run's: {_value(plan, 'actor_rollout_ref.actor.optim.lr') or '1e-06, verl default'}): four steps "
          "must move the reward"),
@@ -155,7 +164,7 @@ def burnin_plan(plan: TrainingPlan, train_dir: str, host: str, spec: BurninSpec 
         "critic": plan.workload.uses_critic,
         "overrides": [o["override"] for o in overrides(plan, train_dir, host, spec)],
         "override_reasons": overrides(plan, train_dir, host, spec),
-        "lr": {"burnin": BURNIN_LR[kind], "kind": kind,
+        "lr": {"burnin": burnin_lr(plan), "kind": kind,
                "run": float(_value(plan, "actor_rollout_ref.actor.optim.lr") or 1e-6)},
         "reward": {"manager": MANAGER, "coordinate": REWARD_COORDINATE},
         "rises": dict(RISES),
