@@ -262,7 +262,9 @@ def burnin(launch, extra=(), keep=False):
             {"id": "preflight", "ok": False, "words": f"this box cannot train now: {words}"}]}, keep)
     env = launcher.ray_env(launch) if any(o.startswith("trainer.nnodes=") and o != "trainer.nnodes=1"
                                           for o in launch.overrides) else None
-    runs, started = [], []
+    runs, started, saves = [], [], {}
+    saved = bp["saved_step"]
+    roles = ["actor"] + (["critic"] if bp.get("critic") else [])
     for run in bp["runs"]:
         overrides = merged(launch.overrides, bp["overrides"] + run["overrides"]) + list(extra)
         cmd = [launch.env_python, launcher.box_file(DRIVER), "--probe", bp["probe"], "--records", records, "--",
@@ -274,16 +276,16 @@ def burnin(launch, extra=(), keep=False):
         runs.append({"name": run["name"], "rc": rc, "seconds": round(time.monotonic() - t0, 1)})
         if rc != 0:
             break
+        if len(runs) == 1:           # the next run replaces this save (one kept): checked before it starts
+            saves["save"] = saved_check(ckpt, saved, roles)
+            if not saves["save"]["ok"]:
+                break
     phases, metrics_lines = jsonl(records, "phases"), jsonl(records, "metrics")
     metrics = {m["step"]: m["data"] for m in metrics_lines}
     rewards = [[r for r in jsonl(records, "reward") if start <= r["t"] < end]
                for start, end in zip(started, started[1:] + [float("inf")])]
     result = {"runs": runs, "metrics": metrics, "rewards": rewards, "phases": phases,
-              "first_steps": [r["first_step"] for r in bp["runs"][:len(runs)]]}
-    saved = bp["saved_step"]
-    roles = ["actor"] + (["critic"] if bp.get("critic") else [])
-    if runs and runs[0]["rc"] == 0:
-        result["save"] = saved_check(ckpt, saved, roles)
+              "first_steps": [r["first_step"] for r in bp["runs"][:len(runs)]], **saves}
     if len(runs) > 1 and runs[1]["rc"] == 0:
         result["resume"] = resume_check(phases, metrics, saved, started[1])
     last = bp["runs"][-1]["last_step"]
@@ -293,6 +295,8 @@ def burnin(launch, extra=(), keep=False):
         weights = weights_check(launch, os.path.join(ckpt, f"global_step_{step}", "actor"))
         record["versions"] = weights.pop("versions", None)
         result["weights"] = weights
-    verdict = judge.judge(result, bp)
+    rows = launcher.after_run_module().marker_value(launch.data_marker, "train_rows")
+    configured = launcher.checkpoints_module().planned_last_step(launch.run_overrides(), rows)
+    verdict = judge.judge(result, {**bp, "speed_model": {**bp["speed_model"], "configured_steps": configured}})
     record["runs"] = runs
     return finish(record, folder, verdict, keep)

@@ -186,7 +186,7 @@ def part(names, module_name):
     module.launcher = types.SimpleNamespace(
         path=os.path.abspath(__file__), SHARE_KEY=SHARE_KEY, box_file=box_file, box_module=box_module,
         run_child=run_child, ray_env=ray_env, gpu_module=gpu_module, vllm_share_module=vllm_share_module,
-        checkpoints_module=checkpoints_module, preflight_module=preflight_module)
+        checkpoints_module=checkpoints_module, preflight_module=preflight_module, after_run_module=after_run_module)
     return module
 
 

@@ -48,7 +48,7 @@ RISES = {"z": 4.0, "floor": 0.01, "last": 2}
 @dataclass(frozen=True)
 class BurninSpec:
     first_steps: int = 2             # the first verl run's steps; it ends in a save
-    total_steps: int = 4             # the resumed run trains on to this step, and saves
+    total_steps: int = 5             # the resumed run trains on to this step, and saves
     prompts: int | None = None       # prompts a step (None: the plan's data.train_batch_size)
 
     def __post_init__(self):
