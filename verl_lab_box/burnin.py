@@ -109,7 +109,8 @@ def saved_check(ckpt, step, roles):
         sizes[role] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(role_dir) for f in fs)
     missing = [r for r, size in sizes.items() if not size]
     if tracked != step or missing:
-        why = f"verl's tracker says {tracked}" if tracked != step else f"no files in {', '.join(missing)}"
+        why = (f"no files in {', '.join(missing)}" if tracked == step else
+               f"verl's tracker file names step {tracked}" if tracked is not None else f"no {TRACKER}")
         return {"id": "save-failed", "ok": False, "words": f"no whole save of step {step} in {folder}: {why}",
                 "bytes": sizes}
     return {"id": "save", "ok": True, "words": f"step {step} saved: " + ", ".join(
