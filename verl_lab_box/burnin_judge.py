@@ -119,8 +119,10 @@ def memory(phases: list[dict], predicted: dict) -> tuple[dict, list[dict]]:
         held += [p["process_mib"] for p in calls if p.get("process_mib") is not None]
         if calls:
             planned = (predicted.get("phases_mib") or {}).get(key)
+            mine = [p["process_mib"] for p in calls if p.get("process_mib") is not None]
             rows.append({"phase": phase, "calls": len(calls), "measured_mib": max(peaks) if peaks else None,
-                         "planned_mib": planned, "over_plan": bool(peaks and planned and max(peaks) > planned)})
+                         "process_mib": max(mine) if mine else None, "planned_mib": planned,
+                         "over_plan": bool(peaks and planned and max(peaks) > planned)})
     cap, peak = predicted.get("cap_mib"), predicted.get("peak_mib")
     top = max(held) if held else None
     if top is None:
@@ -160,6 +162,7 @@ def speed(metrics: dict[int, dict], first_steps: list[int], model: dict, expecte
     steps = (model or {}).get("configured_steps")
     eta = round(configured["step"] * ratio * steps) if ratio and configured.get("step") and steps else None
     out = {"seconds_per_step": round(per_step, 2), "steps_timed": warm,
+           "step_seconds": {str(s): metrics[s]["timing_s/step"] for s in sorted(metrics) if "timing_s/step" in metrics[s]},
            "phases_s": {k: round(v, 2) for k, v in phases.items()},
            "model_s": burnin_model, "measured_over_model": None if ratio is None else round(ratio, 3),
            "configured_step_s": None if ratio is None or not configured.get("step") else round(configured["step"] * ratio, 1),

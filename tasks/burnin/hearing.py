@@ -45,8 +45,10 @@ def _advice_for(row: dict, record: dict, plan: dict | None) -> str | None:
     micro = ((record.get("plan") or {}).get("micro_batches") or (plan or {}).get("micro_batches") or {})
     override, micro_key = MICRO_BATCH[key]
     m = micro.get(micro_key)
-    process = predicted.get("process_peak_mib")
-    context = process - measured if process is not None else 0
+    process = row.get("process_mib")
+    if process is None:
+        process = predicted.get("process_peak_mib")
+    context = max(0.0, process - measured) if process is not None else 0.0
     if measured > planned:
         words = f"{row['phase']}: measured {measured:.0f} MiB, the plan {planned:.0f} MiB (short by {measured - planned:.0f})"
         if budget and process is not None and process <= budget:
@@ -56,7 +58,7 @@ def _advice_for(row: dict, record: dict, plan: dict | None) -> str | None:
         return words + f"; over the plan's budget {budget} MiB: {fix}"
     static = ((plan or {}).get("breakdown") or {}).get(STATIC[key]) or 0
     if measured < ROOM * planned and m and budget:
-        doubled = measured + (measured - static) + context
+        doubled = measured + max(0.0, measured - static) + context
         if doubled <= budget:
             return (f"{row['phase']}: measured {measured:.0f} MiB of the plan's {planned:.0f}: a micro-batch of {2 * m} "
                     f"(`{override}={2 * m}`) would peak near {doubled:.0f} MiB, under the budget {budget} MiB (the card: "
@@ -131,7 +133,7 @@ def status_lines(record: dict | None, unit_state: str | None = None) -> list[str
     if not record:
         return ["burn-in: never run (pyinfra -y inventory/lab.py deploy/burnin.py)"]
     state = record.get("state")
-    if state == "running" and unit_state not in (None, "running"):
+    if state == "running" and unit_state != "running":
         state = "interrupted"
     head = f"burn-in: {state} {_when(record)}"
     if state in ("running", "interrupted"):
