@@ -209,6 +209,7 @@ def write_record(folder, record):
     part = os.path.join(folder, RECORD + ".part")
     with open(part, "w") as fh:
         json.dump(record, fh, indent=1, sort_keys=True)
+        fh.write("\n")
     os.replace(part, os.path.join(folder, RECORD))
 
 
@@ -256,6 +257,7 @@ def burnin(launch, extra=(), keep=False):
                                                                                "rises", "prompts")}}
     write_record(folder, record)
     judge = launcher.box_module(JUDGE, "verl_lab_burnin_judge")
+    os.makedirs(ckpt, exist_ok=True)         # the preflight checks it is writable
     rc, failed = preflight(launch, bp, extra)
     if rc != 0:
         words = "; ".join(failed) or "the preflight failed (its output is above)"

@@ -14,8 +14,9 @@ modules are imported, it
 * copies each step's metrics as verl's trainer logs them (``Tracking.log``) into ``metrics-<pid>.jsonl``,
   a value that is NaN or infinite as the string ``"nan"``/``"inf"``.
 
-It changes nothing verl computes. A hook that fails says so on stderr and leaves the import as it was.
-Standard library only at import.
+It changes nothing verl computes. A hook that fails says so on stderr and leaves the import as it was. The next
+``sitecustomize.py`` on the path runs after this one (``next_sitecustomize``), and another finder's hooks of the
+same modules run too (``AfterImport`` asks the finders after it first). Standard library only at import.
 """
 
 from __future__ import annotations
@@ -137,12 +138,22 @@ HOOKS = {"verl.workers.fsdp_workers": on_workers, "verl.utils.tracking": on_trac
 
 
 class AfterImport:
-    """A meta-path finder that lets the path finder find each hooked module, then runs its hook once the
-    module's own code has run."""
+    """A meta-path finder that asks the finders after it for each hooked module (another probe's hook, then the
+    path finder), then runs its hook once the module's own code (and the other's hook) has run."""
+
+    finding: set = set()         # names being found now: a finder that asks this one back gets None
 
     def find_spec(self, name, path=None, target=None):
         hook = HOOKS.get(name)
-        spec = importlib.machinery.PathFinder.find_spec(name, path) if hook else None
+        if hook is None or name in self.finding:
+            return None
+        later = sys.meta_path[sys.meta_path.index(self) + 1:] if self in sys.meta_path else []
+        self.finding.add(name)
+        try:
+            spec = next((s for s in (f.find_spec(name, path, target) for f in later if hasattr(f, "find_spec"))
+                         if s is not None), None) or importlib.machinery.PathFinder.find_spec(name, path)
+        finally:
+            self.finding.discard(name)
         if spec is None or spec.loader is None:
             return None
         run = spec.loader.exec_module
@@ -162,5 +173,23 @@ class AfterImport:
         pass
 
 
+def next_sitecustomize() -> None:
+    """This file shadows any other ``sitecustomize`` (Python imports the first on its path): the next one on
+    ``sys.path`` (the env's own, a harness's) runs after it, as it would have without this one."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        candidate = os.path.join(os.path.abspath(entry or os.curdir), "sitecustomize.py")
+        if os.path.dirname(candidate) != here and os.path.isfile(candidate):
+            spec = importlib.util.spec_from_file_location("verl_lab_next_sitecustomize", candidate)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:  # noqa: BLE001 - as site.py treats a failing sitecustomize
+                print(f"verl-lab burn-in probe: {candidate} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return
+
+
 if RECORDS and not any(isinstance(f, AfterImport) for f in sys.meta_path):
     sys.meta_path.insert(0, AfterImport())
+next_sitecustomize()

@@ -117,7 +117,8 @@ def wait_for_burnin(state, host, settings: LabSettings, plan: dict, seconds: flo
     if record.get("state") == "passed":
         host.log_styled(f"verl-lab burn-in passed\n{words}", log_func=logger.info)
         return True
-    host.log_styled(f"verl-lab burn-in FAILED: {', '.join(record.get('failed') or [])}\n{words}", fg="red",
+    fails = "\n".join(f"  FAIL {c['id']}: {c['words']}" for c in record.get("checks") or [] if c.get("ok") is False)
+    host.log_styled(f"verl-lab burn-in FAILED: {', '.join(record.get('failed') or [])}\n{fails}\n{words}", fg="red",
                     log_func=logger.error)
     return False
 

@@ -27,7 +27,7 @@ class BurninRecord(FactBase[dict]):
             f"echo '{SECTION}unit'",
             f"systemctl show -p LoadState -p ActiveState -p SubState -p Result -p ExecMainStatus {q(unit)} 2>/dev/null",
             f"echo '{SECTION}record'",
-            f"if id -u {q(user)} >/dev/null 2>&1; then runuser -u {q(user)} -- cat {q(record)} 2>/dev/null; fi; true"])
+            f"if id -u {q(user)} >/dev/null 2>&1; then runuser -u {q(user)} -- cat {q(record)} 2>/dev/null; fi; echo"])
 
     def process(self, output) -> dict:
         sections = _sections(output)
