@@ -235,8 +235,9 @@ def finish(record, folder, verdict, keep):
     return 0 if verdict["passed"] else 1
 
 
-def burnin(launch, extra=(), keep=False):
-    """The whole burn-in; its exit status."""
+def burnin(launch, extra=(), keep=False, preflight_first=True):
+    """The whole burn-in; its exit status (``preflight_first`` False: ``--no-preflight``, a run on another card
+    than the plan's, as the GPU harness makes on its H200)."""
     try:
         bp = load_burnin_plan(launch)
     except ValueError as exc:
@@ -258,7 +259,7 @@ def burnin(launch, extra=(), keep=False):
     write_record(folder, record)
     judge = launcher.box_module(JUDGE, "verl_lab_burnin_judge")
     os.makedirs(ckpt, exist_ok=True)         # the preflight checks it is writable
-    rc, failed = preflight(launch, bp, extra)
+    rc, failed = preflight(launch, bp, extra) if preflight_first else (0, [])
     if rc != 0:
         words = "; ".join(failed) or "the preflight failed (its output is above)"
         return finish(record, folder, {"passed": False, "failed": ["preflight"], "checks": [

@@ -32,7 +32,7 @@ plan's share as it is).
                                        e.g. `-- trainer.total_training_steps=5 trainer.save_freq=-1`)
     train-launcher --plan PATH [...]   read another plan.json than the one beside the launcher
     train-launcher --burnin [--keep]   the burn-in (verl_lab_burnin.py, docs/burnin.md): a few steps of this plan in
-                                       its own folder, a save, a resume and an export, judged; never beside the unit
+                   [--no-preflight]    its own folder, a save, a resume and an export, judged; never beside the unit
 
 Runs with the system's Python (standard library only; the systemd unit names the interpreter,
 ``settings.launcher_python``); the env's Python is asked about torch, verl and NVIDIA's NVML in
@@ -341,7 +341,8 @@ def main(argv):
     if "--check" in argv:
         return preflight_module().preflight(launch, extra)
     if "--burnin" in argv:
-        return part(BURNIN, "verl_lab_burnin").burnin(launch, extra, keep="--keep" in argv)
+        return part(BURNIN, "verl_lab_burnin").burnin(launch, extra, keep="--keep" in argv,
+                                                      preflight_first="--no-preflight" not in argv)
     if "--export" in argv:
         after = after_run_module()
         return after.after_run(launch, final=after.finished_step(launch) == after.latest_checkpoint(launch),
