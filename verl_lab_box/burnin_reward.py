@@ -12,7 +12,7 @@ class when coordinate ``coordinate`` of its embedding row is above that coordina
 (so about half the vocabulary). Why that class: a model raises the class's share by moving its final hidden state
 along one axis of the hidden space, which every linear layer can do (LoRA's adapters included, with the embedding
 frozen); a class drawn at random from the vocabulary has no such direction in a model with random weights, and
-its share then rises only token by token (tests/unit/test_burnin_reward.py measures both on CPU).
+its share then rises only token by token (docs/burnin.md, "The task").
 
 The score is per sequence, in [0, 1], placed on its last response token as verl's own managers place theirs. Each
 call appends one JSON line to ``records/reward-<pid>.jsonl``: the batch's mean score, the number of sequences,

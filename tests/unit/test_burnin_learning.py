@@ -6,10 +6,12 @@ The plan is the Tesla P40's with GRPO (the grpo rung: its KL loss and ref, FSDP1
 overrides (tasks/burnin/plan.py, merged as the box's burn-in
 merges them: verl_lab_box/burnin.py ``merged``) and its sizes shrunk for the tiny model on one gloo rank. The
 mutations are test-only patches of the verl tree (tests/fixtures/burnin/mutations/): the advantage's sign flipped
-(``reward-fell``), the optimizer step skipped (``reward-flat`` and ``weights-unmoved``).
+(``reward-fell``), the optimizer step skipped (``reward-flat`` and ``weights-unmoved``); and the same plan with LoRA
+(grpo-lora) for two steps, whose second rollout merges a non-zero adapter (patch 0013): with its restore taken out
+(``lora-base-moved``).
 
 What this does not show (a GPU does: bench/gpu/run_burnin.sh): the 0.5B's learning at the burn-in's rate, memory,
-speed, the save/resume/export path through verl's trainer, the LoRA merge's mutation on the HF rollout.
+speed, the save/resume/export path through verl's trainer.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "tests" / "fixtures" / "burnin_worker_run.py"
 MUTATIONS = REPO / "tests" / "fixtures" / "burnin" / "mutations"
 PROMPTS, STEPS = 16, 5
+LORA_STEPS = 2       # the LoRA runs check the weights: step 2's rollout is the first to merge a non-zero adapter
 # the tiny run: 16 prompts x 4 samples, 48 response tokens, mini-batches of 4 prompts (4 updates a step, as the GRPO
 # plans' 64/16), five steps (the burn-in's default); the burn-in's rate at the tiny model's width (64): 4.2e-3
 SHRINK = {"data.train_batch_size": PROMPTS, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
@@ -43,12 +46,12 @@ SHRINK = {"data.train_batch_size": PROMPTS, "actor_rollout_ref.actor.ppo_mini_ba
           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 64, "data.max_response_length": 48}
 
 
-def burnin_run_overrides(model_dir: Path, folder: Path) -> list[str]:
+def burnin_run_overrides(model_dir: Path, folder: Path, finetune: str = "full") -> list[str]:
     workload = Workload(model_path=str(model_dir), train_files="/unused/train.parquet", val_files="/unused/val.parquet",
                         checkpoint_dir="/unused/ckpt", model_config=load_model_config(), total_training_steps=1,
-                        finetune="full")
+                        finetune=finetune)
     plan = make_plan(GpuTarget("Tesla P40", "6.1", 24576), replace(workload, algorithm="grpo"))
-    assert plan.rung == "grpo"
+    assert plan.rung == ("grpo" if finetune == "full" else "grpo-lora")
     base = [o for o in plan.override_lines if o.split("=", 1)[0] not in SHRINK]
     # the burn-in's rate for the model that trains here: the same rule at the tiny model's width
     tiny = replace(plan, workload=replace(plan.workload, model_config=json.loads((model_dir / "config.json").read_text())))
@@ -79,11 +82,14 @@ def runs(verl_python, tmp_path_factory):
     model = tiny_model(tmp / "model")
     patches = verl_source.patch_files()
     found = {}
-    for name in ("baseline", *sorted(p.stem for p in MUTATIONS.glob("*.diff") if "lora" not in p.stem)):
+    runs_of = {"baseline": ("full", STEPS), "lora": ("lora", LORA_STEPS),
+               **{p.stem: ("lora" if "lora" in p.stem else "full", LORA_STEPS if "lora" in p.stem else STEPS)
+                  for p in MUTATIONS.glob("*.diff")}}
+    for name, (finetune, steps) in runs_of.items():
         tree = _tree(tmp / f"tree-{name}", patches)
-        if name != "baseline":
+        if (MUTATIONS / f"{name}.diff").is_file():
             subprocess.run(["git", "apply", str(MUTATIONS / f"{name}.diff")], cwd=tree, check=True)
-        spec = {"overrides": burnin_run_overrides(model, tmp / name), "prompts": PROMPTS, "steps": STEPS,
+        spec = {"overrides": burnin_run_overrides(model, tmp / name, finetune), "prompts": PROMPTS, "steps": steps,
                 "rises": RISES}
         found[name] = _run(verl_python, tree, spec, tmp / name)
     return found
@@ -116,3 +122,15 @@ def test_the_optimizer_step_skipped_fails_it_as_reward_flat_and_weights_unmoved(
     found = _ok(runs, "optimizer-step-skipped")
     assert found["test"]["ok"] is False and found["test"]["id"] == "reward-flat", found["test"]
     assert found["weights"]["id"] == "weights-unmoved" and found["weights"]["ok"] is False, found["weights"]
+
+
+def test_a_lora_burnin_moves_the_adapter_and_leaves_the_base(runs):
+    found = _ok(runs, "lora")
+    assert found["lora"] and found["weights"]["ok"] is True, found["weights"]
+
+
+def test_the_lora_merge_not_restored_fails_it_as_lora_base_moved(runs):
+    """Patch 0013 merges the adapter into the weights for the rollout and puts the saved base back after it; without
+    the putting back, the save's frozen base differs from the model folder."""
+    found = _ok(runs, "lora-merge-not-restored")
+    assert (found["weights"]["id"], found["weights"]["ok"]) == ("lora-base-moved", False), found["weights"]
