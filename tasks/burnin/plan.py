@@ -104,8 +104,6 @@ def overrides(plan: TrainingPlan, train_dir: str, host: str, spec: BurninSpec) -
         ("trainer.experiment_name", f"burnin-{host}", "not the run's experiment"),
         ("trainer.test_freq", "-1", "no validation: GSM8K's score is not the burn-in's"),
         ("trainer.val_before_train", "False", "no validation"),
-        ("trainer.save_freq", str(spec.first_steps), f"the first run saves at step {spec.first_steps}; each run "
-                                                     "also saves at its last step"),
         ("trainer.max_actor_ckpt_to_keep", "1", "one save on the disk at a time"),
         ("trainer.max_critic_ckpt_to_keep", "1", "one save on the disk at a time"),
         ("reward_model.reward_manager", MANAGER, "the burn-in's reward: the share of one class of tokens, which any "
@@ -129,10 +127,13 @@ def overrides(plan: TrainingPlan, train_dir: str, host: str, spec: BurninSpec) -
 
 
 def runs(spec: BurninSpec) -> list[dict]:
+    """The two verl runs: each saves at its last step alone (verl saves at the last step and every save_freq)."""
     return [{"name": "first", "first_step": 1, "last_step": spec.first_steps,
-             "overrides": [f"trainer.total_training_steps={spec.first_steps}", "trainer.resume_mode=disable"]},
+             "overrides": [f"trainer.total_training_steps={spec.first_steps}", "trainer.resume_mode=disable",
+                           f"trainer.save_freq={spec.first_steps}"]},
             {"name": "resumed", "first_step": spec.first_steps + 1, "last_step": spec.total_steps,
-             "overrides": [f"trainer.total_training_steps={spec.total_steps}", "trainer.resume_mode=auto"]}]
+             "overrides": [f"trainer.total_training_steps={spec.total_steps}", "trainer.resume_mode=auto",
+                           f"trainer.save_freq={spec.total_steps}"]}]
 
 
 def speed_model(plan: TrainingPlan, spec: BurninSpec) -> dict:

@@ -77,7 +77,7 @@ def test_verls_config_composes_it(verl_config_dir, card):  # noqa: F811
     assert OmegaConf.to_container(cfg.reward_model.reward_kwargs) == {
         "model_path": plan.workload.model_path, "records": f"{TRAIN}/burnin/records", "coordinate": 0}
     assert cfg.trainer.default_local_dir == f"{TRAIN}/burnin/checkpoints" and list(cfg.trainer.logger) == ["console"]
-    assert (cfg.trainer.total_training_steps, cfg.trainer.resume_mode, cfg.trainer.save_freq) == (5, "auto", 2)
+    assert (cfg.trainer.total_training_steps, cfg.trainer.resume_mode, cfg.trainer.save_freq) == (5, "auto", 5)
     assert cfg.trainer.test_freq == -1 and cfg.trainer.val_before_train is False
     assert cfg.actor_rollout_ref.actor.optim.lr == bp["lr"]["burnin"]
     assert cfg.data.train_batch_size == 16
