@@ -8,10 +8,8 @@ the training unit runs; never touches the run's checkpoints or tracker runs. dep
 last burn-in, deploy/doctor.py reads a failed one.
 """
 
-from pyinfra import host
-
 from tasks.base import base_layout
-from tasks.burnin.stage import run_burnin
+from tasks.burnin.stage import burnin_on_worker, run_burnin
 from tasks.cluster import training_in
 from tasks.hostdata import check_inventory, cluster_for, settings_for
 
@@ -22,7 +20,7 @@ cluster = cluster_for()
 gpu = base_layout(settings)
 if not gpu.refused:
     if cluster is not None and cluster.role(settings.host) != "head":
-        host.noop(f"a worker of the Ray cluster {cluster.name}: its burn-in runs from the head")
+        burnin_on_worker(settings)        # the head runs the cluster's burn-in; its ranks here save into this folder
     else:
         burnin_settings, targets = training_in(cluster, settings, gpu)
         run_burnin(burnin_settings, gpu, targets)

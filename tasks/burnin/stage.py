@@ -12,7 +12,8 @@ launcher or the training unit runs or restarts; then the burn-in's files, each r
 * ``verl-lab-burnin.service``: the training unit's template rendered with the same user, environment and
   sandbox, ``train-launcher --burnin`` as its command, its folder writable, no restart, never enabled.
 
-At execute time the unit is started and waited for (``BURNIN_WAIT_S`` at most; a longer burn-in goes on and
+A cluster's worker gets its part (``burnin_on_worker``: the folder its ranks save into, the probe); the head runs the
+cluster's burn-in. At execute time the unit is started and waited for (``BURNIN_WAIT_S`` at most; a longer burn-in goes on and
 deploy/status.py shows it); its record is kept in the controller's cache (``burnin/<host>.json`` and the card's
 history, ``burnin/history.jsonl``) and the plan's hearing is printed. A failed burn-in fails that box, with its
 reasons; the other boxes go on.
@@ -121,6 +122,19 @@ def wait_for_burnin(state, host, settings: LabSettings, plan: dict, seconds: flo
     host.log_styled(f"verl-lab burn-in FAILED: {', '.join(record.get('failed') or [])}\n{fails}\n{words}", fg="red",
                     log_func=logger.error)
     return False
+
+
+@deploy("verl-lab burn-in: a Ray cluster worker's part")
+def burnin_on_worker(settings: LabSettings):
+    """A cluster worker's part of its head's burn-in: the folder its ranks save their shards and records into (the
+    train user's; the train dir is root's) and the probe its Ray workers import, at the head's paths."""
+    paths = burnin_paths(settings.train_dir)
+    user = settings.train_user
+    place([wanted_dir(paths["folder"], f"Directory {paths['folder']} (the burn-in's, the train user's)", mode="750",
+                      user=user, group=user),
+           wanted_dir(paths["probe"], "Directory of the burn-in's probe", mode="750", group=user),
+           *(wanted_file(f"{paths['probe']}/{name}", f"Burn-in probe {name}", (BOX_PACKAGE / src).read_bytes(),
+                         mode="640", group=user) for name, src in IN_PROBE.items())])
 
 
 @deploy("verl-lab burn-in")
