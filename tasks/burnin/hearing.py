@@ -35,19 +35,29 @@ STATIC = {"phase_rollout": "actor_states", "phase_actor_logprob": "actor_states"
           "phase_actor_update": "actor_states"}
 
 
+MEMORY_CHECKS = ("memory", "oom", "over-cap")
+
+
+def _memory_check(record: dict) -> dict:
+    return next((c for c in record.get("checks") or [] if c["id"] in MEMORY_CHECKS), {})
+
+
+def _plan_value(key: str, plan: dict | None, record: dict):
+    """A plan figure: the plan given (the box's plan.json now) first, else the record's copy of the one it ran."""
+    return (plan or {}).get(key) or (record.get("plan") or {}).get(key)
+
+
 def _advice_for(row: dict, record: dict, plan: dict | None) -> str | None:
     key = PROBE_TO_PLAN.get(row["phase"])
     measured, planned = row.get("measured_mib"), row.get("planned_mib")
     if key is None or measured is None or not planned:
         return None
-    predicted = (record.get("checks_by_id") or {}).get("memory") or {}
-    budget = ((record.get("burnin_plan") or {}).get("budget_mib") or (plan or {}).get("budget_mib"))
-    micro = ((record.get("plan") or {}).get("micro_batches") or (plan or {}).get("micro_batches") or {})
-    override, micro_key = MICRO_BATCH[key]
-    m = micro.get(micro_key)
+    budget = _plan_value("budget_mib", plan, record)
+    m = (_plan_value("micro_batches", plan, record) or {}).get(MICRO_BATCH[key][1])
+    override = MICRO_BATCH[key][0]
     process = row.get("process_mib")
     if process is None:
-        process = predicted.get("process_peak_mib")
+        process = _memory_check(record).get("process_peak_mib")
     context = max(0.0, process - measured) if process is not None else 0.0
     if measured > planned:
         words = f"{row['phase']}: measured {measured:.0f} MiB, the plan {planned:.0f} MiB (short by {measured - planned:.0f})"
@@ -56,7 +66,7 @@ def _advice_for(row: dict, record: dict, plan: dict | None) -> str | None:
         fix = f"`train-launcher -- {override}={max(1, m // 2)}` halves its micro-batch" if m else \
             "a smaller workload.train_batch_size lowers it"
         return words + f"; over the plan's budget {budget} MiB: {fix}"
-    static = ((plan or {}).get("breakdown") or {}).get(STATIC[key]) or 0
+    static = (_plan_value("breakdown", plan, record) or {}).get(STATIC[key]) or 0
     if measured < ROOM * planned and m and budget:
         doubled = measured + max(0.0, measured - static) + context
         if doubled <= budget:
@@ -68,10 +78,8 @@ def _advice_for(row: dict, record: dict, plan: dict | None) -> str | None:
 
 def hearing(record: dict, plan: dict | None = None) -> dict:
     """The record's figures beside the prediction, and the advice (``plan``: the box's plan.json, for its budget,
-    micro-batches and breakdown; the record's own copy is used where it is absent)."""
+    micro-batches and breakdown; the record's own copy of the plan it ran where it is absent)."""
     checks = {c["id"]: c for c in record.get("checks") or []}
-    record = {**record, "checks_by_id": {**checks, "memory": next(
-        (c for c in record.get("checks") or [] if c["id"] in ("memory", "oom", "over-cap")), {})}}
     rows = record.get("memory_phases") or []
     advice = [a for a in (_advice_for(r, record, plan) for r in rows) if a]
     speed = record.get("speed") or {}
@@ -81,8 +89,7 @@ def hearing(record: dict, plan: dict | None = None) -> dict:
         advice.append(f"this box runs the plan at {ratio:.2f} x the speed model's H200 seconds"
                       + (f": the configured run's ETA is {eta / 3600:.1f} h ({speed.get('configured_step_s')} s a "
                          "step)" if eta else ""))
-    slow = checks.get("too-slow")
-    if slow:
+    if "too-slow" in checks:
         advice.append("slower than earlier burn-ins of this card: look at its clocks and throttling (nvidia-smi -q -d "
                       "PERFORMANCE), its PCIe link (nvidia-smi -q -d PCIE) and what else runs on the host's CPUs")
     for reason, words in (("reward-flat", "the update did not move the reward: the doctor names why"),
@@ -90,7 +97,7 @@ def hearing(record: dict, plan: dict | None = None) -> dict:
         if reason in checks:
             advice.append(words)
     return {"host": record.get("host"), "state": record.get("state"), "memory": rows,
-            "process_peak_mib": (record["checks_by_id"]["memory"] or {}).get("process_peak_mib"),
+            "process_peak_mib": _memory_check(record).get("process_peak_mib"),
             "planned_peak_mib": (record.get("plan") or {}).get("predicted_peak_mib"),
             "cap_mib": (record.get("gpu") or {}).get("memory_mib"), "speed": speed,
             "reward": record.get("reward") or {}, "advice": advice}
@@ -139,7 +146,7 @@ def status_lines(record: dict | None, unit_state: str | None = None) -> list[str
     if state in ("running", "interrupted"):
         return [head + (" (the burn-in unit is not running: it was stopped or killed)" if state == "interrupted" else "")]
     rw, sp = record.get("reward") or {}, record.get("speed") or {}
-    mem = next((c for c in record.get("checks") or [] if c["id"] in ("memory", "oom", "over-cap")), {})
+    mem = _memory_check(record)
     bits = []
     if rw.get("first") is not None and rw.get("last") is not None:
         bits.append(f"reward {rw['first']:.3f}->{rw['last']:.3f}")

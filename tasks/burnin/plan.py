@@ -177,5 +177,7 @@ def burnin_plan(plan: TrainingPlan, train_dir: str, host: str, spec: BurninSpec 
         "plan_summary": {"rung": plan.rung, "train_dtype": d["train_dtype"], "rollout": d["rollout"],
                          "lora": d["lora"], "gpu": d["gpu"], "micro_batches": d["micro_batches"],
                          "offload": d["offload"], "predicted_peak_mib": d["predicted_peak_mib"],
+                         "budget_mib": d["budget_mib"],
+                         "breakdown": {k: v for k, v in breakdown.items() if k.endswith("_states")},
                          "overrides_sha256": hashlib.sha256(json.dumps(d["overrides"]).encode()).hexdigest()},
     }

@@ -43,7 +43,7 @@ def test_over_the_plan_under_the_budget_changes_nothing():
 def test_over_the_budget_halves_that_phases_micro_batch():
     h = hearing(with_memory([row("update_actor", 10100, 9064)], process=11500), PLAN)
     (advice,) = [a for a in h["advice"] if a.startswith("update_actor")]
-    assert "`train-launcher -- actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2` halves" in advice  # the P40 plan: 4
+    assert "`train-launcher -- actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4` halves" in advice
 
 
 def test_room_is_offered_only_where_the_doubled_peak_stays_under_the_budget():
@@ -54,6 +54,12 @@ def test_room_is_offered_only_where_the_doubled_peak_stays_under_the_budget():
     tight = hearing(with_memory([row("update_actor", 6000, 9064, process=9500)], process=9500),
                     {**PLAN, "breakdown": {"actor_states": 4000}})
     assert not [a for a in tight["advice"] if a.startswith("update_actor")]
+
+
+def test_without_the_boxs_plan_the_records_own_copy_serves():
+    h = hearing(with_memory([row("update_actor", 24000, 21087)], process=24300, gpu_mib=24576))
+    (advice,) = [a for a in h["advice"] if a.startswith("update_actor")]
+    assert "over the plan's budget" in advice and "ppo_micro_batch_size_per_gpu=2` halves" in advice   # the P40's 4
 
 
 def test_speed_says_the_cards_factor_and_the_runs_eta():
