@@ -34,6 +34,10 @@ LATE_IMPORTS = {
     "lora_export": {"torch", "safetensors", "transformers", "peft"},        # the env's python: a LoRA export
     "hf_snapshot": {"huggingface_hub", "tqdm"},              # fetch: controller, or the env's python
     "preflight": {"torch", "verl"},                          # the launcher's --probe-env, under the env's python
+    "burnin_driver": {"ray", "verl"},                        # the burn-in's verl run, under the env's python
+    "burnin_probe": {"pynvml"},                              # sitecustomize of the burn-in's processes (the env's)
+    "burnin_reward": {"torch", "safetensors"},               # verl's reward manager in the burn-in's TaskRunner
+    "burnin_weights": {"torch", "safetensors"},              # the env's python: the saved weights against the model
 }
 
 
