@@ -7,9 +7,10 @@ function making another plan in, the problem's words out.
 
 * **Host RAM.** What the plan puts in the box's RAM, each against ``MemTotal`` (the most it can ever have:
   more refuses the box) and ``MemAvailable`` now (less than the need warns: other processes hold the rest):
-  the CPU-offload rung's model states (``predicted_host_ram_mib``: params, gradients, AdamW states, the ref),
-  the export after the run (``checkpoints.export_host_ram``: verl's merger and the proof, the GPU free),
-  and LoRA's host copy of the adapted weights where the plan states it (``LORA_HOST_COPY``, read if present).
+  training's host memory (``predicted_host_ram_mib``, per box: the CPU-offload rung's params, gradients, AdamW
+  states and ref, vLLM's weights asleep, and LoRA's host copy of the adapted weights, ``LORA_HOST_COPY``, all
+  held at once), then the export after the run (``checkpoints.export_host_ram``: verl's merger and the proof,
+  the GPU free).
 * **Time.** The speed model's seconds of a step (tasks/speed.py: seconds on the device's H200 box, a ranking
   and not a forecast; a card slower than an H200 takes longer) times the run's steps (``train_steps``, else
   the epochs over the train split): a run longer than ``max_run_days`` is refused. The plan's rollout in vLLM
@@ -24,8 +25,8 @@ from typing import Callable
 from tasks.plan import PlanError, TrainingPlan
 
 # the key of plan.json's plan under which LoRA's host copy of the adapted weights (patch 0013's merge during
-# generation) is stated, in MiB, once the memory model predicts it; read where present
-LORA_HOST_COPY = "lora_host_copy_mib"
+# generation, per box) is stated in MiB (tasks/plan/terms.py); it is also inside ``predicted_host_ram_mib``
+LORA_HOST_COPY = "predicted_lora_merge_host_mib"
 DAY_S = 86400.0
 GIB = 1024
 
@@ -41,15 +42,15 @@ class RunFit:
 def host_ram_needs(plan: dict) -> list[tuple[str, int]]:
     """(what, MiB) of each thing the plan (plan.json's ``plan``) holds in the box's RAM."""
     needs = []
-    if plan.get("predicted_host_ram_mib"):
-        needs.append(("training's model states offloaded to the CPU (params, gradients, AdamW states, the ref)",
-                      int(plan["predicted_host_ram_mib"])))
+    training = int(plan.get("predicted_host_ram_mib") or 0)        # held together while training: one need
+    copy = int(plan.get(LORA_HOST_COPY) or 0)                       # ... of which LoRA's host copy
+    if training:
+        parts = [f"model states offloaded to the CPU or asleep, {training - copy} MiB"] if training > copy else []
+        parts += [f"LoRA's host copy of the adapted weights (patch 0013), {copy} MiB"] if copy else []
+        needs.append((f"training's host memory ({'; '.join(parts)})", training))
     export = ((plan.get("checkpoints") or {}).get("export_host_ram") or {}).get("gpu_free_mib")
     if export:
         needs.append(("the export after the run (verl's model merger, then the proof)", int(export)))
-    copy = plan.get(LORA_HOST_COPY, (plan.get("breakdown") or {}).get(LORA_HOST_COPY))
-    if copy:
-        needs.append(("LoRA's host copy of the adapted weights (patch 0013)", int(copy)))
     return needs
 
 

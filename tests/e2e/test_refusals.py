@@ -187,8 +187,8 @@ def test_the_3b_on_the_gtx_1080_names_lora_as_the_fix():
     more host RAM than the box has: refused in the first report, LoRA (on the 0.5B: the 3B's LoRA rung does not fit
     8 GiB) as the fix."""
     text = "\n".join(next(r["printed"] for r in ROWS if r["row"] == GTX_3B[0]))
-    assert "host gtx1080: run: training's model states offloaded to the CPU (params, gradients, AdamW states, the " \
-           "ref) needs 57.5 GiB, the box has" in text, text
+    assert "host gtx1080: run: training's host memory (model states offloaded to the CPU or asleep, " in text, text
+    assert "MiB) needs 57.5 GiB, the box has" in text, text
     assert "the export after the run (verl's model merger, then the proof) needs 30.9 GiB" in text, text
     assert "Fix: LoRA on this model does not fit the GPU (short by " in text, text
     assert "a smaller model: workload.model = 'Qwen/Qwen2.5-0.5B-Instruct' (grpo-lora, LoRA rank 32, ~" in text, text

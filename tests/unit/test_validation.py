@@ -146,7 +146,7 @@ def test_the_3b_on_a_gtx_1080_is_refused_for_host_ram_with_lora_on_a_smaller_mod
     found = box_problems(settings, {"gtx": _answers(_gpu("NVIDIA GeForce GTX 1080", "6.1", 8192))})
     assert [(p.host, p.key) for p in found] == [("gtx", "run")], found
     text = str(found[0])
-    assert "training's model states offloaded to the CPU (params, gradients, AdamW states, the ref) needs 57.5 GiB, " \
+    assert "training's host memory (model states offloaded to the CPU or asleep, 58860 MiB) needs 57.5 GiB, " \
            "the box has 23.5 GiB in all (MemTotal)" in text, text
     assert "the export after the run (verl's model merger, then the proof) needs 30.9 GiB" in text, text
     assert "Fix: LoRA on this model does not fit the GPU (short by" in text, text
