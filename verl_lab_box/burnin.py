@@ -251,6 +251,7 @@ def burnin(launch, extra=(), keep=False, preflight_first=True):
     folder = bp["folder"]
     ckpt, records = os.path.join(folder, "checkpoints"), os.path.join(folder, "records")
     clean(folder)
+    os.makedirs(folder, exist_ok=True)      # the stage makes it on a box; the GPU harness's lab_root has none
     record = {"format": 1, "host": launch.host, "state": "running", "started": now(), "started_epoch": time.time(),
               "gpu": {"name": launch.gpu_name, "count": launch.gpu_count, "memory_mib": launch.gpu_memory_mib,
                       **gpu_words()},

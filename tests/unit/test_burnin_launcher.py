@@ -143,6 +143,16 @@ def test_it_runs_verl_twice_resumes_exports_and_passes(burnin):
     assert (Path(layout.checkpoint_dir) / "latest_checkpointed_iteration.txt").read_text() == "7"
 
 
+def test_it_makes_its_folder_where_nothing_placed_it(burnin):
+    """The GPU harness's lab_root has no burn-in folder (the stage makes it on a box): the burn-in makes it itself
+    (GPU call 17's first try failed at its first record write). Mutation: the makedirs dropped: FileNotFoundError."""
+    launch, calls, paths, layout = burnin
+    shutil.rmtree(paths["folder"])
+    out = launch()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _record(paths)["state"] == "passed"
+
+
 def test_keep_leaves_its_saves(burnin):
     launch, _, paths, _ = burnin
     assert launch("--keep").returncode == 0
