@@ -16,17 +16,20 @@ class DriverState(FactBase[dict]):
     installer, the installed NVIDIA packages (name, source package, version, installed, held), the
     stage's apt pin (``pin``), the loaded module (/proc/driver/nvidia/version), nouveau, the module
     built for the running kernel (modinfo) and DKMS's status, the NVIDIA display controllers on
-    the PCI bus (lspci, or sysfs ids) and its NVSwitches, whether the training unit (``unit``) is
-    active, the processes holding /dev/nvidia*, the kernel's lockdown mode, the Origin of each apt
+    the PCI bus (lspci, or sysfs ids) and its NVSwitches, the state of ``units`` (the training and
+    Ray units) and of the stage's apt job unit, the stage's own masks of ``units``, the processes
+    holding /dev/nvidia* (with the cgroup each runs in), the kernel's lockdown mode, the Origin of each apt
     list, the archive's versions (``apt-cache madison``) of ``watch`` and of every installed NVIDIA
     DKMS package, and the text of each apt sources file but ``skip_sources`` (the stage's own)::
 
         {"kernel": "6.1.0-26-amd64", "secure_boot": {"state": "disabled", "said": "SecureBoot disabled"},
          "runfile": {"uninstaller": None, "installer_version": None, "libs": {path: owner package or None}},
-         "packages": [{"name", "source", "version", "installed", "held"}], "pin": {"packages", "version"} | None,
+         "packages": [{"name", "source", "version", "installed", "held", "status": "ii"}],
+         "pin": {"packages", "version"} | None,
          "loaded": "535.261.03" | None, "nouveau": False, "built": {"module", "version"} | None,
          "dkms": [lines], "pci": [{"slot", "name", "device"}], "nvswitches": [{"slot", "name", "device"}],
-         "unit_active": False, "busy": [[pid, comm]], "lockdown": "integrity" | None,
+         "units": {unit: {"load", "active", "sub", "file"}}, "masks": [unit],
+         "busy": [[pid, comm, cgroup]], "lockdown": "integrity" | None,
          "origins": {"deb.debian.org_debian_dists_bookworm": "Debian"},
          "archive": {package: [{"version", "from"}]}, "sources": {path: text}}
 
@@ -37,8 +40,9 @@ class DriverState(FactBase[dict]):
     def default() -> dict:
         return parse_fact_output("")
 
-    def command(self, pin: str, unit: str, skip_sources: str = "", watch: list[str] | tuple[str, ...] = ()) -> str:
-        return fact_command(pin, unit, skip_sources, tuple(watch))
+    def command(self, pin: str, units: list[str] | tuple[str, ...], skip_sources: str = "",
+                watch: list[str] | tuple[str, ...] = ()) -> str:
+        return fact_command(pin, tuple(units), skip_sources, tuple(watch))
 
     def process(self, output) -> dict:
         return parse_fact_output("\n".join(output))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from tests.unit.test_driver import (DEBIAN, NOBLE, UBUNTU22, UBUNTU24, UBUNTU_SOURCES, case, facts, loaded,
+from tests.unit.test_driver import (DEBIAN, NOBLE, UBUNTU22, UBUNTU24, UBUNTU_SOURCES, case, facts, loaded, with_units,
                                     want)
 from tasks.driver_plan import plan_driver
 from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
@@ -119,8 +119,10 @@ def test_a_newer_build_is_taken_only_on_purpose_and_only_on_an_idle_box():
     plan = plan_driver(want(driver_update=True), facts(state, marker=marker))
     assert plan.action == "update" and plan.box_plan["update"] is True
     assert "535.261.03-1 -> 535.309.01-0+deb12u1" in plan.reason
-    busy = plan_driver(want(driver_update=True), facts(dict(state, unit_active=True), marker=marker))
-    assert busy.action == "refuse" and "verl-lab-train.service is active" in busy.problems[0]
+    for unit in ("train", "ray"):
+        busy = plan_driver(want(driver_update=True),
+                           facts(with_units(state, **{unit: ("activating", "auto-restart")}), marker=marker))
+        assert busy.action == "refuse" and "is activating (auto-restart): the driver stage" in busy.problems[0]
     # taken: the newest is installed; nothing newer, nothing to do
     taken = copy.deepcopy(state)
     for p in taken["packages"]:
