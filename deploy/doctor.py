@@ -18,6 +18,7 @@ from pyinfra import host
 from tasks.cluster import RAY_UNIT
 from tasks.doctor import FINE, RUNNING, STOPPED, diagnose, never_ran, render, verdict
 from tasks.facts.bundle import ask
+from tasks.facts.driver import DriverMasks
 from tasks.facts.logs import BoxLogs, TrainingRun
 from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
 from tasks.settings import TRAIN_UNIT
@@ -32,12 +33,14 @@ def hosts_words(n: int) -> str:
 
 check_inventory()
 settings = settings_for()
-logs, run = ask(
+logs, run, masks = ask(
     (BoxLogs, {"log_glob": f"{settings.lab_root}/logs/*.log", "units": [RAY_UNIT]}),
     (TrainingRun, {"unit": TRAIN_UNIT, "markers": {st: settings.marker(st) for st in STAGES}, "plan_path": f"{settings.train_dir}/plan.json",
                    "launcher": f"{settings.train_dir}/train-launcher", "user": settings.train_user,
                    "python": settings.launcher_python, "steps": False}),
+    (DriverMasks, {"units": [TRAIN_UNIT, RAY_UNIT]}),      # what a driver change that ended badly left masked
 )
+logs = {**(logs or {}), **(masks or {})}
 unit_state, unit_words = unit_summary(run["unit"], run["history"])
 if unit_state == "never-ran":
     # nothing failed yet: what would stop it is what the preflight says now

@@ -24,8 +24,10 @@ The order, and what each step guards:
 
 Any failure in 5 or 6 (apt, dpkg's maintainer scripts such as DKMS's build, apt-mark, the pin, an
 interruption) ends in ``secure``: apt changed no driver package -> the previous hold and pin are
-back; it did -> every driver package dpkg has is held and pinned at the version dpkg has now, and
-the message says which packages dpkg left unconfigured and what the loaded module is.
+back; it did -> every driver package dpkg has is held, and pinned at the version the transaction was
+taking it to (so a re-run finishes it: the packages dpkg left unconfigured are named to apt with the
+rest), and the message says which packages dpkg left unconfigured and what the loaded module is.
+A job killed outright (SIGKILL, the OOM killer) gets the same from its unit's ExecStopPost.
 """
 
 from __future__ import annotations
@@ -79,8 +81,11 @@ def _change(plan: dict, log, read, headers_only: bool) -> None:
     fm = plan.get("fabricmanager")
     wanted = list(plan["headers"]) if headers_only else \
         [*plan["packages"], *([fm["package"]] if fm else []), *plan["headers"]]
-    if plan.get("update") and not headers_only:   # every installed package of the branch moves together
-        wanted += sorted({p["name"] for p in box_state.installed_from(state, plan["source"])} - set(wanted))
+    here = present(state, plan)
+    if not headers_only and (plan.get("update") or any(unconfigured(s) for _, s in here.values())):
+        # every package of the branch dpkg has moves together: an update, or the finish of a change that
+        # stopped part-way (a package left behind at the old version, held, would keep apt from resolving)
+        wanted += sorted(set(here) - set(wanted))
     moves_pin = not headers_only and old is not None and (
         plan.get("update") or box_state.branch_of(old["version"]) != plan["branch"])
     opts = ["-o", f"Dir::Etc::PreferencesParts={prefs_without(plan['pin'])}"] if moves_pin else []
@@ -101,17 +106,19 @@ def _change(plan: dict, log, read, headers_only: bool) -> None:
         units.check(plan, read, log, "right before apt-get install")
     again = simulate(exact, opts, log)
     if again.returncode != 0 or not apt.same_transaction(sim.stdout, again.stdout):
+        gone = ("are gone (" + errors(again.stdout + again.stderr, 240) + ")") if again.returncode else \
+            "now bring another transaction"
         raise Failed(f"the archive changed between apt's simulation and the install (a list refresh, such as "
-                     f"apt-daily's): the approved versions {('are gone: ' + errors(again.stdout + again.stderr)) if again.returncode else 'now bring another transaction'}; "
+                     f"apt-daily's): the approved versions {gone}; "
                      f"nothing was installed ({kept}). Re-run the driver stage: it simulates and checks what the "
                      "archive has now")
     would = {**apt.simulated(sim.stdout), **apt.removed(sim.stdout)}
     held = sorted(p["name"] for p in state.get("packages", ()) if p["held"] and p["name"] in would)
     unpinned = moves_pin and old is not None     # else the pin stays: a package comes back at the pinned version
-    before = {"pin": text, "held": held, "versions": present(state, plan)}
+    before = {"pin": text, "held": held, "versions": here, "target": apt.simulated(sim.stdout)}
     if plan.get("job_status"):          # what the job's ExecStopPost puts back if this process is killed
         job.write_status(plan, restore=before)
-    auto = set(log.run(["apt-mark", "showauto"], check=False).stdout.split())
+    auto = set(subprocess.run(["apt-mark", "showauto"], capture_output=True, text=True).stdout.split())
     try:
         if held:
             log.run(["apt-mark", *LOCK_WAIT, "unhold", *held])
@@ -177,7 +184,9 @@ def candidate_json(package: str, version: str, log) -> tuple[list[dict], str]:
         res = log.run(["apt-get", "download", f"{package}={version}"], check=False, env=APT_ENV, cwd=work)
         debs = sorted(glob.glob(os.path.join(work, "*.deb")))
         if res.returncode != 0 or not debs:
-            raise Failed(f"could not download {package} {version} to read its supported-GPU list; nothing was installed")
+            raise Failed(f"could not download {package} {version}, the version apt's simulation chose, to read its "
+                         f"supported-GPU list ({errors(res.stdout + res.stderr)}); nothing was installed. If the archive "
+                         "changed since the simulation (a list refresh), re-run the driver stage")
         log.run(["dpkg-deb", "-x", debs[0], os.path.join(work, "x")])
         found = sorted(glob.glob(os.path.join(work, "x", "**", "supported-gpus.json*"), recursive=True))
         if not found:
@@ -253,15 +262,21 @@ def present(state: dict, plan: dict) -> dict[str, list[str]]:
             if (p["source"] == plan["source"] or p["name"] == fm) and (p.get("status") or "ii")[1:2] not in ABSENT}
 
 
+def unconfigured(status: str) -> bool:
+    """dpkg's status (``${db:Status-Abbrev}``) says unpacked, half-configured or half-installed."""
+    return status[1:2] in ("U", "F", "H")
+
+
 def secure(plan: dict, before: dict, log, read) -> str:
-    """After a failure past apt: apt changed no driver package -> the hold and the pin as they were;
-    it did -> every driver package dpkg has held and pinned at the version dpkg has now. Returns
-    what the box is left with and what fixes it."""
+    """After a failure past apt (``before``: what the job recorded before releasing anything): apt
+    changed no driver package -> the hold and the pin as they were; it did -> every driver package
+    dpkg has held, and pinned at the version the transaction was taking it to. Returns what the
+    box is left with and what fixes it."""
     state = read()
     now = present(state, plan)
     was = {n: v[0] for n, v in (before.get("versions") or {}).items()}
     changed = sorted(n for n in set(now) | set(was) if was.get(n) != (now.get(n) or [None])[0])
-    half = sorted(n for n, (_, status) in now.items() if status[1:2] != "i")
+    half = sorted(n for n, (_, status) in now.items() if unconfigured(status))
     if not changed and not half:
         if before.get("held"):
             hold_packages(before["held"], log)
@@ -271,26 +286,34 @@ def secure(plan: dict, before: dict, log, read) -> str:
     if not now:
         return "apt removed the driver's packages: nothing is left to hold"
     hold_packages(sorted(now), log)
+    # pinned where the transaction was going (its approved versions), so a re-run finishes it; a
+    # package it did not touch stays at the version it has
+    target = before.get("target") or {}
     groups: dict[str, list[str]] = {}
     for name, (version, _) in now.items():
-        groups.setdefault(version, []).append(name)
-    module = (now.get(plan["module_package"]) or [None])[0]
+        groups.setdefault(target.get(name, version), []).append(name)
+    module = target.get(plan["module_package"]) or (now.get(plan["module_package"]) or [None])[0]
     stanzas = sorted(((sorted(n), v) for v, n in groups.items()), key=lambda s: s[1] != module)
     write_pin(plan["pin"], pin_text(stanzas, plan))
-    said = (f"The box is left with the driver's packages as apt left them, held and pinned there "
-            f"({'; '.join(f'{v}: {len(n)} packages' for n, v in stanzas)})")
+    versions = "; ".join(f"{v}: {len(n)} packages" for n, v in stanzas)
+    if not half and all(target.get(n, v) == v for n, (v, _) in now.items()):
+        return f"apt finished the install: the driver's packages are held and pinned at {versions}"
+    said = (f"apt stopped part-way: the driver's packages are held, and pinned at the versions the install was "
+            f"taking ({versions})")
     if half:
         said += (f"; dpkg left {', '.join(f'{n} ({now[n][1]})' for n in half)} not configured (a maintainer script "
-                 "failed or was stopped: DKMS's build of the kernel module is the usual one, see "
-                 f"/var/lib/dkms/*/*/build/make.log)")
+                 "failed, DKMS's build of the kernel module most often (its make.log under /var/lib/dkms), or apt "
+                 "was stopped)")
     loaded = state.get("loaded")
     newest = box_state.upstream(module) if module else None
-    if newest and loaded != newest:
-        said += (f"; the loaded kernel module is {loaded or 'none'} while the packages are {newest}: new CUDA and "
+    if newest and loaded and loaded != newest:
+        said += (f"; the loaded kernel module is {loaded} while the user-space libraries are {newest}: new CUDA and "
                  "NVML programs fail ('Driver/library version mismatch') until the module of the installed version "
-                 "is built and loaded")
-    return said + (". Fix the cause above, then re-run the driver stage: it installs the held version again and "
-                   "dpkg configures what it left (by hand: `dpkg --configure -a`)")
+                 "is built and loaded (a reboot, once DKMS built it)")
+    elif newest and not loaded:
+        said += f"; no nvidia kernel module is loaded: the module {newest} must be built (DKMS) and loaded"
+    return said + (". Fix the cause above, then re-run the driver stage: it finishes the install at those versions "
+                   "and apt configures what dpkg left (by hand: `dpkg --configure -a`, then `apt-get -f install`)")
 
 
 def hold_packages(names: list[str], log) -> None:

@@ -138,8 +138,10 @@ def parse_fact_output(text: str) -> dict:
         fields = line.split("\t")
         if len(fields) == 4 and fields[0]:
             name, source, version, status = fields
+            # installed: configured (i), or with triggers pending (t) or awaited (W): dpkg has configured it
             packages.append({"name": name, "source": source or name, "version": version,
-                             "installed": status[1:2] == "i", "held": status[:1] == "h", "status": status.strip()})
+                             "installed": status[1:2] in ("i", "t", "W"), "held": status[:1] == "h",
+                             "status": status.strip()})
     built = (lines("built") or [""])[0].split()
     return {
         "kernel": (lines("kernel") or [None])[0],

@@ -88,9 +88,9 @@ def busy_reasons(state: dict, units, policy: str) -> list[str]:
 def busy_fix(units, policy: str) -> str:
     names = " ".join(units)
     if policy == "stop":
-        return ("stop the processes named (they run in none of the units the stage may stop), then re-run the "
+        return ("Stop the processes named (they run in none of the units the stage may stop), then re-run the "
                 "driver stage")
-    return (f"stop training first: set train_unit_state = 'stopped' and re-run the train stage (or `systemctl stop "
+    return (f"Stop training first: set train_unit_state = 'stopped' and re-run the train stage (or `systemctl stop "
             f"{names}`), then re-run the driver stage; or set driver_busy = 'stop' to let the driver stage stop "
             f"{names} itself (masked for the change, so nothing restarts them)")
 

@@ -6,9 +6,11 @@ the box the same way when its ``verdict`` runs there); this module is the pyinfr
 
 from __future__ import annotations
 
+import shlex
+
 from pyinfra.api import FactBase
 
-from verl_lab_box.nvidia_driver_state import fact_command, parse_fact_output
+from verl_lab_box.nvidia_driver_state import JOB_UNIT, MASK_DIR, fact_command, parse_fact_output
 
 
 class DriverState(FactBase[dict]):
@@ -46,3 +48,27 @@ class DriverState(FactBase[dict]):
 
     def process(self, output) -> dict:
         return parse_fact_output("\n".join(output))
+
+
+class DriverMasks(FactBase[dict]):
+    """For the doctor: each of ``units`` the driver stage masked (a ``/dev/null`` link in
+    ``/run/systemd/system.control``), as systemd reports it, and whether the stage's apt job still
+    runs: ``{"driver masks": text}`` (``systemctl is-enabled``'s word, the job's state, and
+    ``systemctl status``'s Loaded line, all real systemd output), or {} where none is masked."""
+
+    default = dict
+
+    def command(self, units: list[str] | tuple[str, ...]) -> str:
+        q = shlex.quote
+        parts = []
+        for unit in units:
+            u = q(unit)
+            parts.append(f"if [ \"$(readlink {q(MASK_DIR + '/' + unit)})\" = /dev/null ]; then "
+                         f"echo \"{unit}: $(systemctl is-enabled {u} 2>&1) ({MASK_DIR}/{unit} -> /dev/null), the driver "
+                         f"job {JOB_UNIT} $(systemctl is-active {JOB_UNIT} 2>&1)\"; "
+                         f"systemctl status --no-pager {u} 2>&1 | grep -m1 'Loaded:'; fi")
+        return "; ".join(parts) + "; true"
+
+    def process(self, output) -> dict:
+        text = "\n".join(line for line in output if line.strip())
+        return {"driver masks": text} if text else {}
