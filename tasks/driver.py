@@ -136,6 +136,8 @@ def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
         logger.warning(f"[{settings.host}] verl-lab {note}")
     if plan.action == "install":
         server.shell(name=f"NVIDIA driver: install {plan.choice.reason}", commands=[run.format("install")])
+    elif plan.action == "follow":                  # the box program follows the running job (it starts none)
+        server.shell(name=f"NVIDIA driver: {plan.reason}", commands=[run.format("install")])
     elif plan.action == "update":
         server.shell(name=f"NVIDIA driver: update {plan.reason}", commands=[run.format("install")])
     elif plan.action == "headers":

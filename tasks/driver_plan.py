@@ -84,7 +84,7 @@ class DriverFacts:
 
 @dataclass(frozen=True)
 class DriverPlan:
-    action: str                             # refuse | done | install | headers | update | hold | settle
+    action: str                             # refuse | done | install | headers | update | hold | settle | follow
     reason: str
     problems: tuple[str, ...] = ()
     choice: BranchChoice | None = None
@@ -241,8 +241,8 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
                   sources=sources_to_add(entries, distro.components, state.get("origins") or {}, distro.origin),
                   unmask=() if running else tuple(state.get("masks") or ()))
     if running:                             # an earlier run's apt goes on: follow it, judge nothing under it
-        return DriverPlan("install", f"a driver change started earlier is still running on the box ({JOB_UNIT}): "
-                                     "following it to its end", **common)
+        return DriverPlan("follow", f"a driver change started earlier is still running on the box ({JOB_UNIT}): "
+                                    "following it to its end", **common)
 
     pkgs = installed_from(state, branch.source)
     module = next((p for p in pkgs if p["name"] == branch.module_package), None)
@@ -287,7 +287,7 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
 def initramfs_rebuild(placed: Mapping[str, str | None], action: str) -> bool:
     """The nouveau blacklist was (re)placed this run and no install rebuilds the initramfs after it:
     rebuild it here, or nouveau still binds the GPUs first at the next boot."""
-    return bool(placed.get(BLACKLIST_FILE)) and action not in ("install", "update")
+    return bool(placed.get(BLACKLIST_FILE)) and action not in ("install", "update", "follow")
 
 
 def refusal_text(host_name: str, problems: Sequence[str]) -> str:

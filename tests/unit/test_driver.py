@@ -351,7 +351,7 @@ def test_a_running_job_is_followed_and_leftover_masks_are_removed():
     state = dict(state, masks=[TRAIN_UNIT])
     marker = {"stage": "driver", "branch": "535", "version": "535.261.03"}
     plan = plan_driver(want(), facts(state, marker=marker))
-    assert plan.action == "install" and "still running on the box (verl-lab-driver-apt.service)" in plan.reason
+    assert plan.action == "follow" and "still running on the box (verl-lab-driver-apt.service)" in plan.reason
     assert plan.unmask == ()
     left = dict(state, units={})
     assert plan_driver(want(), facts(left, marker=marker)).unmask == (TRAIN_UNIT,)
