@@ -66,8 +66,8 @@ def do_install(plan: dict, log, read, headers_only: bool = False) -> None:
     (nvidia_driver_state's fact). The units stay masked until this returns or raises."""
     if headers_only:                    # the driver, its hold and the loaded module stay as they are
         return _change(plan, log, read, headers_only=True)
-    units.take(plan, read, log)
     try:
+        units.take(plan, read, log)     # refused before masking: nothing to unmask; after: unmasked below
         _change(plan, log, read, headers_only=False)
     finally:
         units.unmask(log)

@@ -70,9 +70,10 @@ def outcome(status: dict) -> str:
     return "it succeeded" if rc == 0 else f"it failed (exit {rc}): {status.get('message') or 'see the log'}"
 
 
-def start(plan: dict, plan_path: str, command: str, program: str, out=sys.stdout) -> int:
+def start(plan: dict, plan_path: str, command: str, program: str, out=None) -> int:
     """Run ``program command --here`` as JOB_UNIT and follow it; a job already running is followed
     instead (whatever it does: its outcome is this call's)."""
+    out = out or sys.stdout
     if running():
         status = read_status(plan)
         _print(out, f"verl-lab driver: a driver {status.get('command', 'change')} started {status.get('started', '?')} "
@@ -105,8 +106,9 @@ def start(plan: dict, plan_path: str, command: str, program: str, out=sys.stdout
     return follow(plan, out, offset)
 
 
-def follow(plan: dict, out=sys.stdout, offset: int | None = None) -> int:
+def follow(plan: dict, out=None, offset: int | None = None) -> int:
     """Print the stage log's new lines until the job's status says done; return its exit status."""
+    out = out or sys.stdout
     status = read_status(plan)
     offset = status.get("log_offset", 0) if offset is None else offset
     gone = None

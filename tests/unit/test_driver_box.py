@@ -78,7 +78,8 @@ class FakeBox:
 
     def __init__(self, states, simulate=(0, SIMULATE), smi: tuple[int, str] = (0, ""), install_rc: int = 0,
                  download=None, versions: dict | None = None, units="", rc: dict | None = None,
-                 changed_on_failure: bool = False, initramfs: bool = False):
+                 changed_on_failure: bool = False, initramfs: bool = False, then=(), job: str = "inactive",
+                 raises: dict | None = None):
         states = [states] if isinstance(states, str) else list(states)
         self.before, self.after = states[0], states[-1]
         self.simulate = list(simulate) if isinstance(simulate, list) else [simulate]
@@ -87,6 +88,9 @@ class FakeBox:
         self.versions, self.rc = HEADERS_INSTALLED if versions is None else versions, rc or {}
         self.changed_on_failure, self.initramfs = changed_on_failure, initramfs
         self.installed = False
+        self.then = list(then)             # [(word, state)]: after the first call holding word, reads see state
+        self.now = None
+        self.job, self.raises = job, raises or {}
         self.calls: list[list[str]] = []
         self.inputs: dict[str, str] = {}
 
@@ -96,9 +100,12 @@ class FakeBox:
     def __call__(self, argv, capture_output=True, text=True, env=None, cwd=None, input=None, **kw):
         self.calls.append(list(argv))
         out, rc = "", 0
-        words = " ".join(argv[:2]) + (" hold" if argv[0] == "apt-mark" and "hold" in argv else "")
+        words = "apt-mark hold" if argv[0] == "apt-mark" and "hold" in argv else " ".join(argv[:2])
+        for word, exc in self.raises.items():
+            if word in argv:
+                raise exc
         if argv[:2] == ["sh", "-c"] and "verl-lab-driver" in argv[2]:
-            out = self.after if self.installed else self.before
+            out = self.after if self.installed else (self.now or self.before)
         elif argv[:2] == ["sh", "-c"]:
             rc = 0 if self.initramfs else 1          # command -v update-initramfs: not in a lab box
         elif "--simulate" in argv:
@@ -122,6 +129,10 @@ class FakeBox:
             rc, out = self.smi
         elif argv[:2] == ["dpkg", "--set-selections"]:
             self.inputs["selections"] = input
+        elif argv[:3] == ["systemctl", "show", "-p"] and argv[-1] == st.JOB_UNIT:
+            out = self.job
+        if self.then and self.then[0][0] in argv:
+            self.now = self.then.pop(0)[1]
         rc = self.rc.get(words, self.rc.get(argv[0], rc))
         return subprocess.CompletedProcess(argv, rc, out, "")
 
