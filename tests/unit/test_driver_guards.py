@@ -7,6 +7,7 @@ PCI fallback). The plan's helpers are tests/unit/test_driver.py's."""
 from __future__ import annotations
 
 import copy
+import datetime
 from pathlib import Path
 
 from tests.unit.test_driver import (DEBIAN, NOBLE, UBUNTU22, UBUNTU24, UBUNTU_SOURCES, case, facts, loaded, with_units,
@@ -149,6 +150,24 @@ def test_status_says_newer_build_and_end_of_life():
     assert driver_notes(dict(state, pin=None), DEBIAN, datetime.date(2027, 1, 1)) == []  # nothing held by the stage
     row = dict(box_status("box1", {}, {}, "", None), driver_notes=after)
     assert after[1] in render_rows([row])
+
+
+def test_status_says_a_driver_change_runs_or_left_the_units_masked():
+    from tasks.driver_status import driver_notes
+
+    state, _ = proven_with_newer_build()
+    state["archive"] = {}
+    left = dict(state, masks=["verl-lab-train.service"])
+    notes = driver_notes(left, DEBIAN, datetime.date(2026, 5, 1))
+    assert notes == ["driver: verl-lab-train.service masked by a driver change that did not end "
+                     "(/run/systemd/system.control), and no driver change runs: the unit cannot start. Re-run the "
+                     "driver stage (it removes the masks it left), or `rm /run/systemd/system.control/"
+                     "verl-lab-train.service && systemctl daemon-reload`"]
+    running = with_units(left, job=("active", "running"))
+    assert driver_notes(running, DEBIAN, datetime.date(2026, 5, 1)) == [
+        "driver: a driver change is running (verl-lab-driver-apt.service, active): verl-lab-train.service masked until "
+        "it ends; `journalctl -fu verl-lab-driver-apt.service` follows it"]
+    assert driver_notes(dict(running, pin=None), DEBIAN)[0].startswith("driver: a driver change is running")
 
 
 # ---------------------------------------------------------------- the smaller items (issue 36)
