@@ -249,13 +249,21 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
     names = {p["name"] for p in pkgs}
     fm = next((p for p in state.get("packages", ()) if switches and p["name"] == branch.fabricmanager
                and p["installed"]), None)
-    if (module is None or branch_of(module["version"]) != branch.branch or not set(branch.packages) <= names
-            or {p["version"] for p in pkgs} != {module["version"]}
+    # a change that stopped part-way (dpkg's maintainer script failed, apt or the job killed): packages
+    # of the branch unpacked but not configured; the install finishes it at the versions pinned then
+    unfinished = sorted(f"{p['name']} ({p.get('status')})" for p in state.get("packages", ())
+                        if (p["source"] == branch.source or p["name"] == branch.fabricmanager)
+                        and (p.get("status") or "ii")[1:2] in ("U", "F", "H"))
+    if (unfinished or module is None or branch_of(module["version"]) != branch.branch
+            or not set(branch.packages) <= names or {p["version"] for p in pkgs} != {module["version"]}
             or (switches and (fm is None or upstream(fm["version"]) != upstream(module["version"])))):
         have = module["version"] if module else "none"
         busy = busy_problem(state, want)
         if busy:
             return DriverPlan("refuse", "the GPUs are in use", (busy,), choice, distro)
+        if unfinished:
+            return DriverPlan("install", f"dpkg left {', '.join(unfinished)} of {branch.source} not configured (a "
+                                         "driver change that stopped part-way): finishing it", **common)
         return DriverPlan("install", f"R{branch.branch} from {distro.name}'s {branch.source} (installed now: {have})",
                           **common)
     if not state.get("headers_installed"):

@@ -357,6 +357,10 @@ def write_pin(path: str, text: str) -> None:
 
 def do_hold(plan: dict, log, read) -> None:
     state = read()
+    half = sorted(n for n, (_, status) in present(state, plan).items() if unconfigured(status))
+    if half:                            # a hold of the configured part alone would leave these out of the pin
+        raise Failed(f"dpkg left {', '.join(half)} not configured: a driver change stopped part-way; re-run the "
+                     "driver stage to finish it (nothing was held here)")
     pkgs = box_state.installed_from(state, plan["source"])
     versions = sorted({p["version"] for p in pkgs})
     if len(versions) != 1:

@@ -343,6 +343,21 @@ def test_headers_alone_are_no_driver_change():
     assert plan_driver(want(), facts(dict(held, headers_installed=True))).action == "settle"
 
 
+def test_a_change_dpkg_left_unconfigured_is_finished_not_held():
+    """A job killed mid-dpkg, `dpkg --configure -a` run by hand: the configured packages at one
+    version, held and pinned, four left unconfigured. Before, the plan judged the configured ones
+    alone and said "hold": the four stayed out of the pin and unconfigured."""
+    state = copy.deepcopy(loaded(case("debian12_held_no_module")))
+    for p in state["packages"][:4]:
+        p.update(status="iU", installed=False)
+    marker = {"stage": "driver", "branch": "535", "version": "535.261.03"}
+    plan = plan_driver(want(), facts(state, marker=marker))
+    assert plan.action == "install" and plan.reason.startswith("dpkg left ") and "(iU)" in plan.reason
+    assert "not configured (a driver change that stopped part-way): finishing it" in plan.reason
+    busy = plan_driver(want(), facts(with_units(state, train=("active", "running")), marker=marker))
+    assert busy.action == "refuse"
+
+
 def test_a_running_job_is_followed_and_leftover_masks_are_removed():
     """A run that lost its connection left apt running in the job unit: a re-run follows it instead of
     judging a box under a running apt (the packages half-installed look like a fresh install), and

@@ -479,3 +479,11 @@ def test_the_supported_gpu_check_never_skips_silently(monkeypatch, tmp_path, pla
     assert run_main(monkeypatch, tmp_path, {**plan, **change}, fake, "install", gpu_list=True) == 1
     assert not [c for c in fake.calls if c[:3] == ["apt-get", "-y", "install"]]
     assert said in capsys.readouterr().err
+
+
+def test_hold_refuses_a_half_done_change(monkeypatch, tmp_path, plan, capsys):
+    """Holding the configured packages alone would leave the unconfigured ones out of the pin."""
+    fake = FakeBox(half_done({"nvidia-driver": UPDATED}, {"nvidia-driver": "iU "}))
+    assert run_main(monkeypatch, tmp_path, plan, fake, "hold") == 1
+    assert not [c for c in fake.calls if is_hold(c)] and not Path(plan["pin"]).exists()
+    assert "dpkg left nvidia-driver (iU) not configured: a driver change stopped part-way" in capsys.readouterr().err
