@@ -279,6 +279,9 @@ def test_an_interruption_during_apt_puts_the_hold_and_pin_back_and_unmasks(monke
     assert "the driver job was stopped by SIGTERM. apt changed no driver package: the previous hold and pin are back" in err
     status = json.loads(Path(plan["job_status"]).read_text())
     assert status["state"] == "done" and status["rc"] == 1 and "stopped by SIGTERM" in status["message"]
+    # what the unit's ExecStopPost puts back were this process killed outright: written before the hold went
+    assert status["restore"]["held"] == list(MOVING) and status["restore"]["pin"] == pin
+    assert status["restore"]["target"] == {p: UPDATED for p in MOVING}
 
 
 def test_the_job_turns_sigterm_sighup_and_sigint_into_that_failure(monkeypatch, tmp_path, plan):
