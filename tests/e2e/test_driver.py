@@ -291,7 +291,7 @@ def unmasked(box) -> bool:
     ("running", f"{TRAIN} is active (running)"),
     ("ray", f"{RAY} is active (running)"),                          # a cluster member's Ray node
 ])
-def test_a_driver_update_while_a_unit_is_busy_changes_nothing_and_says_why(lab, kind, said):
+def test_a_driver_update_while_a_unit_is_busy_changes_nothing_and_says_why(lab, converged, kind, said):
     """Before: only exactly "active" of the training unit stopped the stage (and `systemctl is-active`
     the reboot); a unit restarting after a crash passed, and the Ray unit was named by no check."""
     box = lab.box("deb12")
@@ -316,7 +316,7 @@ def test_a_driver_update_while_a_unit_is_busy_changes_nothing_and_says_why(lab, 
 GPU_HOLDER = "verl-lab-test-gpu-holder.service"
 
 
-def test_a_process_that_opens_the_gpu_during_the_change_stops_it_before_apt_get_install(lab):
+def test_a_process_that_opens_the_gpu_during_the_change_stops_it_before_apt_get_install(lab, converged):
     """The units are masked for the change, but any process may open /dev/nvidia*: the check right
     before apt-get install finds it (here one opening a stand-in device node right after apt's
     simulation), and nothing is installed."""
@@ -338,7 +338,7 @@ def test_a_process_that_opens_the_gpu_during_the_change_stops_it_before_apt_get_
     assert unmasked(box)
 
 
-def test_a_failed_simulation_keeps_the_hold_and_the_pin(lab):
+def test_a_failed_simulation_keeps_the_hold_and_the_pin(lab, converged):
     """nvidia-smi removed and the kernel's headers gone: the stage plans an install, apt's
     simulation fails (no archive has the headers), and the hold and the pin are as they were
     (before: both were released before apt-get update and never put back)."""
@@ -352,7 +352,7 @@ def test_a_failed_simulation_keeps_the_hold_and_the_pin(lab):
     assert pinned(box) == pin and holds - {"nvidia-smi"} <= held(box)
 
 
-def test_a_missing_package_comes_back_at_the_held_version_not_the_newer_build(lab):
+def test_a_missing_package_comes_back_at_the_held_version_not_the_newer_build(lab, converged):
     """The same box, the headers now installable (a local repository): the install puts nvidia-smi
     back at the pinned version although the security suite carries a newer build."""
     box = lab.box("deb12")
@@ -363,7 +363,7 @@ def test_a_missing_package_comes_back_at_the_held_version_not_the_newer_build(la
     assert pinned(box) == pin and "nvidia-smi" in held(box), res.tail(40)
 
 
-def test_headers_alone_leave_the_driver_and_its_hold_and_a_vanished_version_stops_them(lab):
+def test_headers_alone_leave_the_driver_and_its_hold_and_a_vanished_version_stops_them(lab, converged):
     """A new kernel (here: its headers removed) gets its headers alone: before, the install released
     the hold and apt upgraded the driver itself to the security suite's build. The first run meets a
     list refresh that takes the simulated headers (1.0) out of the archive for 1.1: it stops,
@@ -397,7 +397,7 @@ def test_headers_alone_leave_the_driver_and_its_hold_and_a_vanished_version_stop
 def back_to_bookworm(box) -> None:
     """The driver back at bookworm's build, held and pinned by the stage's own `hold` (a newer build in
     the archive again, for the next test's update)."""
-    box.ssh(f"rm -f {PIN} && apt-mark unhold $(apt-mark showhold) >/dev/null && "
+    box.ssh(f"rm -f {PIN} && apt-mark showhold | xargs -r apt-mark unhold >/dev/null && "
             "DEBIAN_FRONTEND=noninteractive apt-get install -y -q --allow-downgrades --no-install-recommends "
             f"$(dpkg-query -W -f='${{Package}} ${{source:Package}}\\n' | awk '$2 == \"nvidia-graphics-drivers\" "
             f"{{print $1 \"={BOOKWORM}\"}}') >/dev/null 2>&1", timeout=900)
@@ -414,7 +414,7 @@ def unconfigured(box) -> list[str]:
     return box.ssh("dpkg -l | awk '$1 ~ /^.[UFH]/ {print $2}'").stdout.split()
 
 
-def test_a_dkms_failure_midway_leaves_everything_held_and_pinned_and_a_rerun_finishes(lab):
+def test_a_dkms_failure_midway_leaves_everything_held_and_pinned_and_a_rerun_finishes(lab, converged):
     """The update meets a real DKMS build failure (headers whose build tree fails): Debian's
     nvidia-kernel-dkms postinst fails, dpkg stops part-way with the new user-space libraries
     unpacked. Before, nothing was held after that and nothing said what the box was left with."""
@@ -459,7 +459,7 @@ def throttled(check, every: float = 2.0):
     return trigger
 
 
-def test_a_dropped_connection_does_not_stop_apt_and_a_rerun_follows_it(lab):
+def test_a_dropped_connection_does_not_stop_apt_and_a_rerun_follows_it(lab, converged):
     """The controller dies with every SSH session it had in the box (killed with all they run) while
     apt installs: apt runs in the job's own unit, so it goes on; a re-run finds the job running and
     follows it to its end (before, apt ran inside the session: killed with it, dpkg half-way)."""
@@ -487,7 +487,7 @@ def test_a_dropped_connection_does_not_stop_apt_and_a_rerun_follows_it(lab):
     assert unmasked(box)
 
 
-def test_a_killed_job_leaves_the_hold_and_pin_and_unmasks(lab):
+def test_a_killed_job_leaves_the_hold_and_pin_and_unmasks(lab, converged):
     """The job's main process is killed (SIGKILL, as the OOM killer would) while apt installs: its
     unit's ExecStopPost holds and pins the driver's packages where apt was taking them and unmasks the
     units; a re-run finishes the install."""
@@ -522,7 +522,7 @@ def test_a_killed_job_leaves_the_hold_and_pin_and_unmasks(lab):
     assert source_packages(box) <= held(box) and f"\nPin: version {newer}\nPin-Priority: 1001\n" in pinned(box)
 
 
-def test_the_stop_policy_masks_and_stops_the_units_and_each_failure_after_apt_leaves_the_hold_and_pin(lab):
+def test_the_stop_policy_masks_and_stops_the_units_and_each_failure_after_apt_leaves_the_hold_and_pin(lab, converged):
     """driver_busy = 'stop' with the training and Ray units running: both are masked and stopped; a
     start of the training unit while apt works is refused by systemd ("masked"); apt-mark hold fails
     (dpkg's lock held past the wait): dpkg's selections hold the packages; update-initramfs fails: the
@@ -554,7 +554,7 @@ def test_the_stop_policy_masks_and_stops_the_units_and_each_failure_after_apt_le
     assert source_packages(box) <= held(box) and f"\nPin: version {newer}\nPin-Priority: 1001\n" in pinned(box)
 
 
-def test_with_nothing_newer_an_update_on_purpose_changes_nothing(lab):
+def test_with_nothing_newer_an_update_on_purpose_changes_nothing(lab, converged):
     box = lab.box("deb12")
     after = installed_version(box, "nvidia-driver")
     again = deploy(lab, hosts=["deb12"], driver_update=True)
