@@ -419,7 +419,7 @@ def test_a_dkms_failure_midway_leaves_everything_held_and_pinned_and_a_rerun_fin
     nvidia-kernel-dkms postinst fails, dpkg stops part-way with the new user-space libraries
     unpacked. Before, nothing was held after that and nothing said what the box was left with."""
     box = lab.box("deb12")
-    standin.install_headers(box, standin.broken_headers_deb(lab.dir))
+    standin.install_headers(box, standin.kernel_headers_deb(lab.dir, version="2.0", broken=True))
     newer = re.findall(r"^\s+(535\.\S+) 500\s*$", box.ssh("apt-cache policy nvidia-driver").stdout, re.M)[0]
     res = deploy(lab, hosts=["deb12"], driver_update=True)
     assert res.failed_hosts == ["deb12"]

@@ -10,6 +10,8 @@ import copy
 import datetime
 from pathlib import Path
 
+import pytest
+
 from tests.unit.test_driver import (DEBIAN, NOBLE, UBUNTU22, UBUNTU24, UBUNTU_SOURCES, case, facts, loaded, with_units,
                                     want)
 from tasks.driver_plan import plan_driver
@@ -263,3 +265,27 @@ def test_the_sysfs_fallback_reads_nvidia_devices_without_lspci(tmp_path, monkeyp
     state = st.parse_fact_output(out.stdout)
     assert state["pci"] == [{"slot": "0000:3b:00.0", "name": None, "device": "1b38"}]
     assert state["nvswitches"] == [{"slot": "0000:05:00.0", "name": None, "device": "22a3"}]
+
+
+def test_the_driver_busy_setting():
+    from tasks.settings import SettingsErrors, load_settings
+
+    assert load_settings("box1", {"driver": "install"}).driver_busy == "refuse"
+    assert load_settings("box1", {"driver": "install", "driver_busy": "stop"}).driver_busy == "stop"
+    for data, said in (({"driver": "install", "driver_busy": "kill"}, "'kill' is not one of refuse, stop"),
+                       ({"driver_busy": "stop"}, "'stop' does nothing with driver = 'check'")):
+        with pytest.raises(SettingsErrors) as err:
+            load_settings("box1", data)
+        assert said in str(err.value) and "driver_busy" in str(err.value)
+
+
+def test_the_doctors_mask_fact_reads_the_stages_own_links():
+    from tasks.facts.driver import DriverMasks
+
+    cmd = DriverMasks().command(["verl-lab-train.service", "verl-lab-ray.service"])
+    assert "readlink /run/systemd/system.control/verl-lab-train.service" in cmd
+    assert "readlink /run/systemd/system.control/verl-lab-ray.service" in cmd
+    assert "systemctl is-active verl-lab-driver-apt.service" in cmd and "grep -m1 'Loaded:'" in cmd
+    assert DriverMasks().process(["", " "]) == {}
+    seen = (Path(__file__).parents[1] / "fixtures" / "doctor" / "driver-units-masked.log").read_text().splitlines()
+    assert DriverMasks().process(seen) == {"driver masks": "\n".join(seen)}     # the recorded output, as the doctor reads it
