@@ -58,7 +58,7 @@ from tasks.target import HostTarget
 BOX_PACKAGE = REPO_ROOT / "verl_lab_box"
 # the box program's sibling modules, placed beside it under their own names
 BOX_MODULES = ("nvidia_driver_state.py", "nvidia_driver_apt.py", "nvidia_driver_log.py", "nvidia_driver_units.py",
-               "nvidia_driver_job.py", "nvidia_driver_install.py")
+               "nvidia_driver_job.py", "nvidia_driver_install.py", "nvidia_driver_hold.py")
 
 
 # ---------------------------------------------------------------- pyinfra

@@ -41,6 +41,7 @@ import subprocess
 import sys
 
 try:
+    from verl_lab_box import nvidia_driver_hold as hold
     from verl_lab_box import nvidia_driver_install as inst
     from verl_lab_box import nvidia_driver_job as job
     from verl_lab_box import nvidia_driver_state as box_state
@@ -48,6 +49,7 @@ try:
     from verl_lab_box.nvidia_driver_log import Failed, Interrupted, Log
 except ImportError:                     # on a box: the modules lie side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import nvidia_driver_hold as hold
     import nvidia_driver_install as inst
     import nvidia_driver_job as job
     import nvidia_driver_state as box_state
@@ -101,7 +103,7 @@ def release(plan: dict, log: Log) -> None:
         if status.get("state") not in ("done", None):
             what = f"the driver job ended before it finished ({job.exit_words()})"
             if status.get("restore"):
-                what += ". " + inst.secure(plan, status["restore"], log, lambda: read_box(plan))
+                what += ". " + hold.secure(plan, status["restore"], log, lambda: read_box(plan))
             else:
                 what += "; it had released no hold and no pin yet: the box is as it was"
             job.write_status(plan, state="done", rc=1, message=what)
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("install", "headers"):
             return run_here(plan, args.command, log)
         if args.command == "hold":
-            inst.do_hold(plan, log, lambda: read_box(plan))
+            hold.do_hold(plan, log, lambda: read_box(plan))
         elif args.command == "verdict":
             print(json.dumps(box_state.verdict(read_box(plan), plan["module_package"])))
         elif args.command == "load":

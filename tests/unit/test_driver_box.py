@@ -55,7 +55,7 @@ def test_versions():
 
 def test_pin_text_reads_back():
     plan = {"branch": 535, "source": "nvidia-graphics-drivers", "chosen_for": "Tesla P40 (6.1)"}
-    text = box.inst.pin_text([(["libcuda1", "nvidia-driver"], "535.261.03-1")], plan)
+    text = box.hold.pin_text([(["libcuda1", "nvidia-driver"], "535.261.03-1")], plan)
     assert st.parse_pin(text) == {"packages": ["libcuda1", "nvidia-driver"], "version": "535.261.03-1",
                                   "stanzas": [{"packages": ["libcuda1", "nvidia-driver"], "version": "535.261.03-1"}]}
     assert "set driver_update = True" in text and "re-run the driver stage to change" not in text
@@ -227,7 +227,7 @@ def held_state(pin_version="535.261.03-1") -> str:
 
 
 def write_old_pin(plan, version="535.261.03-1"):
-    text = box.inst.pin_text([(["libcuda1", "nvidia-driver", "nvidia-kernel-dkms"], version)], plan)
+    text = box.hold.pin_text([(["libcuda1", "nvidia-driver", "nvidia-kernel-dkms"], version)], plan)
     Path(plan["pin"]).write_text(text)
     return text
 

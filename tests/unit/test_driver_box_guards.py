@@ -18,6 +18,7 @@ import pytest
 
 from tests.unit.test_driver_box import (SIMULATE, UPDATE, FakeBox, apt_calls, box, held_names, held_state,  # noqa: F401
                                         is_hold, plan, recorded, run_main, st, unit_lines, write_old_pin)
+from verl_lab_box import nvidia_driver_hold as hold
 from verl_lab_box import nvidia_driver_install as inst
 from verl_lab_box import nvidia_driver_job as job
 from verl_lab_box import nvidia_driver_units as units
@@ -312,7 +313,7 @@ def test_release_after_a_kill_secures_the_hold_and_pin_and_unmasks(monkeypatch, 
     for u in (TRAIN, RAY):
         (Path(units.MASK_DIR) / u).symlink_to("/dev/null")
     before = {"pin": Path(plan["pin"]).read_text(), "held": ["libcuda1", "nvidia-driver", "nvidia-kernel-dkms"],
-              "versions": inst.present(st.parse_fact_output(held_state()), plan),
+              "versions": hold.present(st.parse_fact_output(held_state()), plan),
               "target": {p: UPDATED for p in ("libcuda1", "nvidia-driver", "nvidia-kernel-dkms")}}
     Path(plan["job_status"]).write_text(json.dumps({"state": "running", "restore": before, "command": "install"}))
     monkeypatch.setenv("SERVICE_RESULT", "signal")
