@@ -18,10 +18,8 @@ as the real ones do.
 What cannot run here: a kernel module. The boxes share the test machine's kernel, so DKMS builds
 nothing for it and nothing can be loaded; the stage therefore ends each install with its own
 "no nvidia kernel module ... for the running kernel" failure (asserted below). The reboot step runs
-for real on boxes of its own (systemd's reboot inside the box, the lab starting it again as
-systemd-nspawn@.service would, the stage waiting for the new boot, one box at a time, the real
-reboot guard: a busy unit or a failed update-initramfs keeps the box up), its "reboot" verdict given
-by a stand-in program; a reboot onto a new driver and the proof after it (/proc/driver/nvidia/version,
+for real on boxes of its own (tests/e2e/test_driver_reboot.py), its "reboot" verdict given by a
+stand-in program; a reboot onto a new driver and the proof after it (/proc/driver/nvidia/version,
 nvidia-smi) are proven only at the unit level (tests/unit/test_driver.py and test_driver_box*.py:
 verdicts on recorded box states, the proof's checks).
 """
@@ -248,44 +246,6 @@ def pinned(box) -> str:
     return box.read_text(PIN)
 
 
-UNIT_FILES = {
-    # the training unit's restart settings (files/templates/verl-lab-train.service.j2) at its real path
-    "auto-restart": (TRAIN, "[Unit]\nDescription=stand-in training, failing\n[Service]\nExecStart=/bin/false\n"
-                            "Restart=on-failure\nRestartSec=30\n"),
-    "running": (TRAIN, "[Unit]\nDescription=stand-in training\n[Service]\nExecStart=/bin/sleep infinity\n"
-                       "Restart=on-failure\nRestartSec=30\n"),
-    "ray": (RAY, "[Unit]\nDescription=stand-in Ray node\n[Service]\nExecStart=/bin/sleep infinity\n"),
-}
-
-
-def unit_state(box, unit: str) -> dict[str, str]:
-    out = box.ssh(f"systemctl show -p ActiveState -p SubState -p LoadState -p UnitFileState {unit}").stdout
-    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-
-
-def start_unit(box, kind: str) -> str:
-    unit, text = UNIT_FILES[kind]
-    box.write_text(f"/etc/systemd/system/{unit}", text)
-    box.ssh(f"systemctl daemon-reload && systemctl start {unit}", check=False)
-    want = ("activating", "auto-restart") if kind == "auto-restart" else ("active", "running")
-    for _ in range(30):
-        state = unit_state(box, unit)
-        if (state["ActiveState"], state["SubState"]) == want:
-            return unit
-        time.sleep(0.5)
-    raise AssertionError(f"{unit} never reached {want}: {state}")
-
-
-def remove_units(box) -> None:
-    box.ssh(f"systemctl stop {TRAIN} {RAY}; rm -f /etc/systemd/system/{TRAIN} /etc/systemd/system/{RAY}; "
-            f"systemctl daemon-reload; systemctl reset-failed {TRAIN} {RAY}", check=False)
-
-
-def unmasked(box) -> bool:
-    return not box.ssh(f"ls /run/systemd/system.control/ 2>/dev/null", check=False).stdout.split() and all(
-        unit_state(box, u).get("UnitFileState") != "masked-runtime" for u in (TRAIN, RAY))
-
-
 @pytest.mark.parametrize("kind,said", [
     ("auto-restart", f"{TRAIN} is activating (auto-restart)"),      # crashed, restarting within 30 s
     ("running", f"{TRAIN} is active (running)"),
@@ -296,13 +256,13 @@ def test_a_driver_update_while_a_unit_is_busy_changes_nothing_and_says_why(lab, 
     the reboot); a unit restarting after a crash passed, and the Ray unit was named by no check."""
     box = lab.box("deb12")
     version, pin, holds, log = installed_version(box, "nvidia-driver"), pinned(box), held(box), box.read_text(LOG)
-    unit = start_unit(box, kind)
+    unit = standin.start_unit(box, kind)
     try:
-        before = unit_state(box, unit)
+        before = standin.unit_state(box, unit)
         res = deploy(lab, hosts=["deb12"], driver_update=True)
-        after = unit_state(box, unit)
+        after = standin.unit_state(box, unit)
     finally:
-        remove_units(box)
+        standin.remove_units(box)
     assert res.failed_hosts == ["deb12"]
     assert f"{said}: the driver stage changes no driver package under a running job" in res.output, res.tail(40)
     assert "set train_unit_state = 'stopped'" in res.output and "driver_busy = 'stop'" in res.output
@@ -335,7 +295,7 @@ def test_a_process_that_opens_the_gpu_during_the_change_stops_it_before_apt_get_
                      r"\(right before apt-get install\): no driver package is changed under a running job; nothing "
                      r"was installed", res.output), res.tail(40)
     assert (installed_version(box, "nvidia-driver"), pinned(box), held(box)) == (version, pin, holds)
-    assert unmasked(box)
+    assert standin.unmasked(box)
 
 
 def test_a_failed_simulation_keeps_the_hold_and_the_pin(lab, converged):
@@ -430,7 +390,7 @@ def test_a_dkms_failure_midway_leaves_everything_held_and_pinned_and_a_rerun_fin
         in out and "nvidia-kernel-dkms (iF) not configured" in out
     assert "nvidia-kernel-dkms" in unconfigured(box)
     assert source_packages(box) <= held(box) and f"\nPin: version {newer}\nPin-Priority: 1001\n" in pinned(box)
-    assert unmasked(box)
+    assert standin.unmasked(box)
     found = [f.rule for f in diagnose("deb12", {"driver.log": box.read_text(LOG)}).findings]
     assert "driver-dpkg-half-configured" in found, found
     # the fix: headers that build (here: the stand-in that DKMS skips), then a re-run finishes the install
@@ -484,7 +444,7 @@ def test_a_dropped_connection_does_not_stop_apt_and_a_rerun_follows_it(lab, conv
     assert status["state"] == "done" and status["rc"] == 0 and status["reported"], status
     assert unconfigured(box) == [] and installed_version(box, "nvidia-driver") == newer
     assert source_packages(box) <= held(box) and f"\nPin: version {newer}\nPin-Priority: 1001\n" in pinned(box)
-    assert unmasked(box)
+    assert standin.unmasked(box)
 
 
 def test_a_killed_job_leaves_the_hold_and_pin_and_unmasks(lab, converged):
@@ -511,7 +471,7 @@ def test_a_killed_job_leaves_the_hold_and_pin_and_unmasks(lab, converged):
     assert "the driver job ended before it finished (signal (killed KILL))" in res.output, res.tail(40)
     status = json.loads(box.read_text(STATUS))
     assert status["state"] == "done" and status["rc"] == 1
-    assert unmasked(box)
+    assert standin.unmasked(box)
     assert source_packages(box) <= held(box) and f"Pin: version {newer}" in pinned(box)
     found = [f.rule for f in diagnose("deb12", {"driver.log": box.read_text(LOG)}).findings]
     assert "driver-job-killed" in found, found
@@ -530,17 +490,17 @@ def test_the_stop_policy_masks_and_stops_the_units_and_each_failure_after_apt_le
     box = lab.box("deb12")
     back_to_bookworm(box)
     newer = re.findall(r"^\s+(535\.\S+) 500\s*$", box.ssh("apt-cache policy nvidia-driver").stdout, re.M)[0]
-    start_unit(box, "running")
-    start_unit(box, "ray")
+    standin.start_unit(box, "running")
+    standin.start_unit(box, "ray")
     standin.after_first_simulation(box, f"systemctl start {TRAIN}; echo start $?\n")
     standin.failing_apt_mark_hold(box)
     standin.failing_update_initramfs(box)
     try:
         res = deploy(lab, hosts=["deb12"], driver_update=True, driver_busy="stop")
-        units = {u: unit_state(box, u) for u in (TRAIN, RAY)}
+        units = {u: standin.unit_state(box, u) for u in (TRAIN, RAY)}
     finally:
         standin.remove_standins(box)
-        remove_units(box)
+        standin.remove_units(box)
     assert res.failed_hosts == ["deb12"]
     out = res.output
     assert f"Failed to start {TRAIN}: Unit {TRAIN} is masked." in standin.hook_log(box)
@@ -571,101 +531,3 @@ def test_check_mode_asks_and_changes_nothing(lab):
     lab.deploy("deploy/driver.py", hosts=["plain"]).assert_idempotent()
     assert "NVIDIA driver" not in first.output
     untouched(lab.box("plain"))
-
-
-# ---------------------------------------------------------------- the reboot step, on boxes of its own
-
-SETTLE = "tests/fixtures/driver/settle_deploy.py"
-TEST_DIR = "/opt/verl-lab-test"
-STANDIN_VERDICT = f"""#!/usr/bin/python3
-# STAND-IN for nvidia_driver.py verdict (tests/e2e/test_driver.py): what a box with the new driver
-# installed under an old loaded module answers; a container never holds a kernel module. Every
-# other command is the real box program's (placed beside it), the reboot guard among them.
-import json, os, sys
-if sys.argv[1] != "verdict":
-    os.execv(sys.executable, [sys.executable, "{TEST_DIR}/nvidia_driver.py", *sys.argv[1:]])
-print(json.dumps({{"verdict": "reboot", "installed": "535.261.03",
-                  "reason": "the running kernel still has the nvidia module 535.104.05 loaded: a reboot loads 535.261.03"}}))
-"""
-# what the reboot guard reads of the driver plan (tasks/driver_plan.py box_plan)
-GUARD_PLAN = {"units": [TRAIN, RAY], "busy": "refuse", "pin": PIN, "log": "/opt/verl-lab/logs/driver.log",
-              "job_status": f"{TEST_DIR}/driver-job.json", "unit": TRAIN}
-
-
-@pytest.fixture(scope="module")
-def rebooting(lab_factory):
-    from pathlib import Path
-
-    from tasks.driver import BOX_MODULES
-    lab = lab_factory([BoxSpec("rb1", gpu="p40"), BoxSpec("rb2", gpu="t4")])
-    repo = Path(__file__).resolve().parents[2] / "verl_lab_box"
-    for box in lab.boxes.values():
-        box.write_text(f"{TEST_DIR}/verdict.py", STANDIN_VERDICT, mode="755")
-        for name in ("nvidia_driver.py", *BOX_MODULES):
-            box.write_text(f"{TEST_DIR}/{name}", (repo / name).read_text())
-        box.write_text(f"{TEST_DIR}/verl_lab_gpu.py", (repo / "gpu.py").read_text())
-        box.write_text(f"{TEST_DIR}/driver-plan.json", json.dumps(GUARD_PLAN))
-    return lab
-
-
-def booted_at(box) -> int:
-    """When the box's PID 1 (its systemd) started: a new value after every boot."""
-    return int(box.ssh("stat -c %Y /proc/1").stdout)
-
-
-def test_reboot_needs_driver_reboot(rebooting):
-    before = {name: booted_at(b) for name, b in rebooting.boxes.items()}
-    res = rebooting.deploy(SETTLE, data={"driver": "install"})
-    assert sorted(res.failed_hosts) == ["rb1", "rb2"]
-    assert "rb1: reboot needed: the driver 535.261.03 is installed and held, but the running kernel still has the " \
-           "nvidia module 535.104.05 loaded" in res.output and "set driver_reboot = True" in res.output
-    assert {name: booted_at(b) for name, b in rebooting.boxes.items()} == before
-
-
-def test_a_box_whose_training_or_ray_unit_is_busy_is_not_rebooted(rebooting):
-    """Before: `systemctl is-active` of the training unit alone; one restarting after a crash, or the
-    Ray unit, let the reboot go."""
-    restarting, ray = rebooting.box("rb1"), rebooting.box("rb2")
-    start_unit(restarting, "auto-restart")
-    start_unit(ray, "ray")
-    before = {b.name: booted_at(b) for b in (restarting, ray)}
-    try:
-        res = rebooting.deploy(SETTLE, data={"driver": "install", "driver_reboot": True})
-        states = {restarting.name: unit_state(restarting, TRAIN), ray.name: unit_state(ray, RAY)}
-    finally:
-        remove_units(restarting)
-        remove_units(ray)
-    assert sorted(res.failed_hosts) == ["rb1", "rb2"], res
-    assert (f"rb1: reboot needed for the driver 535.261.03, but not rebooting: {TRAIN} is activating (auto-restart): "
-            "no driver package is changed under a running job") in res.output, res.tail(40)
-    assert f"rb2: reboot needed for the driver 535.261.03, but not rebooting: {RAY} is active (running)" in res.output
-    assert {b.name: booted_at(b) for b in (restarting, ray)} == before
-    assert states["rb1"]["SubState"] == "auto-restart" and states["rb2"]["SubState"] == "running"
-    assert all(s["UnitFileState"] != "masked-runtime" for s in states.values())
-
-
-def test_an_update_initramfs_failure_stops_the_reboot(rebooting):
-    box = rebooting.box("rb1")
-    standin.failing_update_initramfs(box)
-    before = booted_at(box)
-    try:
-        res = rebooting.deploy(SETTLE, hosts=["rb1"], data={"driver": "install", "driver_reboot": True})
-    finally:
-        standin.remove_standins(box)
-    assert res.failed_hosts == ["rb1"]
-    assert ("rb1: reboot needed for the driver 535.261.03, but not rebooting: update-initramfs -u failed (exit 1: "
-            f"update-initramfs: failed for /boot/initrd.img-{KERNEL} with 1.)") in res.output, res.tail(40)
-    assert booted_at(box) == before and unmasked(box)
-
-
-def test_boxes_reboot_one_at_a_time(rebooting):
-    before = {name: booted_at(b) for name, b in rebooting.boxes.items()}
-    res = rebooting.deploy(SETTLE, data={"driver": "install", "driver_reboot": True})
-    res.assert_ok()
-    after = {name: booted_at(b) for name, b in rebooting.boxes.items()}
-    assert all(after[n] > before[n] for n in after)
-    # each reboot waits at least 5 s before the box is polled: run side by side, both boxes would
-    # have booted within the same second or two
-    assert abs(after["rb1"] - after["rb2"]) >= 5, after
-    assert all(b.reboots >= 1 for b in rebooting.boxes.values())
-    assert all(unmasked(b) for b in rebooting.boxes.values())                # the boot ended the masks
