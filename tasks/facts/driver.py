@@ -54,7 +54,8 @@ class DriverMasks(FactBase[dict]):
     """For the doctor: each of ``units`` the driver stage masked (a ``/dev/null`` link in
     ``/run/systemd/system.control``), as systemd reports it, and whether the stage's apt job still
     runs: ``{"driver masks": text}`` (``systemctl is-enabled``'s word, the job's state, and
-    ``systemctl status``'s Loaded line, all real systemd output), or {} where none is masked."""
+    ``systemctl status``'s Loaded line, all real systemd output); the default (no output, none
+    masked): {}."""
 
     default = dict
 
