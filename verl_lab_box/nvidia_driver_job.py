@@ -18,6 +18,7 @@ caller before anything else happens. Standard library only.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
@@ -72,13 +73,22 @@ def outcome(status: dict) -> str:
 
 def start(plan: dict, plan_path: str, command: str, program: str, out=None) -> int:
     """Run ``program command --here`` as JOB_UNIT and follow it; a job already running is followed
-    instead (whatever it does: its outcome is this call's)."""
+    instead (whatever it does: its outcome is this call's). Two callers at once: the second waits
+    on a lock until the first's unit runs, then follows it (its status is never written over)."""
     out = out or sys.stdout
+    with open(plan["job_status"] + ".lock", "a", encoding="utf-8") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        offset = _begin(plan, plan_path, command, program, out)
+    return follow(plan, out, offset)
+
+
+def _begin(plan: dict, plan_path: str, command: str, program: str, out) -> int | None:
+    """Under the lock: the job's unit started (its log offset), or None where one already runs."""
     if running():
         status = read_status(plan)
         _print(out, f"verl-lab driver: a driver {status.get('command', 'change')} started {status.get('started', '?')} "
                     f"is still running here ({JOB_UNIT}): following it (it goes on if this connection drops)")
-        return follow(plan, out)
+        return None
     last = read_status(plan)
     if last.get("state") == "done" and not last.get("reported"):
         _print(out, f"verl-lab driver: the last driver {last.get('command')} (started {last.get('started')}) ended "
@@ -95,15 +105,15 @@ def start(plan: dict, plan_path: str, command: str, program: str, out=None) -> i
             f"--property=ExecStopPost={release}", py, program, command, "--here", "--plan", plan_path]
     res = subprocess.run(argv, capture_output=True, text=True)
     if res.returncode != 0:
-        if "already loaded" in res.stderr or "already exists" in res.stderr:     # another deploy, a moment earlier
-            return follow(plan, out)
+        if "already loaded" in res.stderr or "already exists" in res.stderr:     # one started outside this lock
+            return None
         write_status(plan, state="done", rc=1, message=res.stderr.strip(), reported=True)
         raise Failed(f"`systemd-run` could not start the driver job ({res.stderr.strip()[:300]}): nothing was "
                      "changed. The driver stage runs apt in a transient systemd unit so that a dropped connection "
                      "cannot stop dpkg half-way; it needs a box booted with systemd")
     _print(out, f"verl-lab driver: apt runs in {JOB_UNIT} (systemd-run): a dropped connection does not stop it; a "
                 "re-run follows it")
-    return follow(plan, out, offset)
+    return offset
 
 
 def follow(plan: dict, out=None, offset: int | None = None) -> int:

@@ -491,3 +491,23 @@ def test_hold_refuses_a_half_done_change(monkeypatch, tmp_path, plan, capsys):
     assert run_main(monkeypatch, tmp_path, plan, fake, "hold") == 1
     assert not [c for c in fake.calls if is_hold(c)] and not Path(plan["pin"]).exists()
     assert "dpkg left nvidia-driver not configured: a driver change stopped part-way" in capsys.readouterr().err
+
+
+def test_a_second_caller_waits_for_the_first_ones_unit_and_follows_it(monkeypatch, tmp_path, plan, capsys, quick):
+    """The check for a running job, the status and systemd-run happen under one lock: a second
+    deploy that starts at the same moment cannot write over the first job's status."""
+    import fcntl
+    import threading
+
+    fake = Systemd(plan, finish(plan))
+    Path(plan["log"]).parent.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(job.subprocess, "run", fake)
+    result = {}
+    with open(plan["job_status"] + ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)                          # the first caller, between its check and its unit
+        t = threading.Thread(target=lambda: result.update(rc=job.start(plan, "/p/plan.json", "install", "/p/prog")))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and fake.calls == []                  # waiting: no check, no status, no systemd-run
+    t.join(10)
+    assert result["rc"] == 0 and [c[0] for c in fake.calls].count("systemd-run") == 1
