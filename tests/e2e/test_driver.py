@@ -401,11 +401,13 @@ def test_a_dkms_failure_midway_leaves_everything_held_and_pinned_and_a_rerun_fin
     assert source_packages(box) <= held(box) and f"\nPin: version {newer}\nPin-Priority: 1001\n" in pinned(box)
 
 
-def job_runs_apt(box) -> bool:
-    """The driver job is running apt-get install (its log since its start says so)."""
-    return box.ssh(f"python3 -c \"import json;d=json.load(open('{STATUS}'));print(d['state'], d['log_offset'])\" "
-                   f"| {{ read s o; [ \"$s\" = running ] && tail -c +$((o+1)) {LOG} | grep -q '^+ apt-get -y install'; }}",
-                   check=False).returncode == 0
+def log_size(box) -> int:
+    return int(box.ssh(f"stat -c %s {LOG}").stdout)
+
+
+def apt_installing(box, since: int) -> bool:
+    """The stage log says, past byte ``since``, that apt-get install of the driver change runs."""
+    return box.ssh(f"tail -c +{since + 1} {LOG} | grep -q '^+ apt-get -y install'", check=False).returncode == 0
 
 
 def throttled(check, every: float = 2.0):
@@ -430,9 +432,10 @@ def test_a_dropped_connection_does_not_stop_apt_and_a_rerun_follows_it(lab, conv
     newer = re.findall(r"^\s+(535\.\S+) 500\s*$", box.ssh("apt-cache policy nvidia-driver").stdout, re.M)[0]
     # the job stays in apt-get 60 s after its install: the re-run below finds it running
     standin.after_first_simulation(box, "sleep 60\n", word="-y")
+    since = log_size(box)
     try:
         killed = drill_run(lab, ["deploy/driver.py"], ["deb12"], {"driver": "install", "driver_update": True},
-                           trigger=throttled(lambda: job_runs_apt(box)), timeout=900)
+                           trigger=throttled(lambda: apt_installing(box, since)), timeout=900)
         assert isinstance(killed, Killed), "the run ended before apt started: nothing was dropped"
         assert box.ssh(f"systemctl is-active {JOB}", check=False).stdout.strip() == "active"
         res = deploy(lab, hosts=["deb12"], driver_update=True)
@@ -456,10 +459,10 @@ def test_a_killed_job_leaves_the_hold_and_pin_and_unmasks(lab, converged):
     newer = re.findall(r"^\s+(535\.\S+) 500\s*$", box.ssh("apt-cache policy nvidia-driver").stdout, re.M)[0]
     from tests.e2e.test_drills import run as drill_run
 
-    done = []
+    done, since = [], log_size(box)
 
     def kill_main():                                         # once; the deploy itself goes on to its end
-        if not done and job_runs_apt(box):
+        if not done and apt_installing(box, since):
             time.sleep(3)
             box.ssh(f"systemctl kill --signal=KILL --kill-whom=main {JOB}")
             done.append(True)
