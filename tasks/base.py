@@ -15,10 +15,10 @@ from pyinfra.operations import apt, server
 
 from tasks.facts.bundle import ask
 from tasks.failure import fail_host
-from tasks.facts.files import PasswdEntry, PathStates
+from tasks.facts.files import PasswdEntry, PathStates, RootOnlyChain
 from tasks.facts.gpu import NvidiaGpus
 from tasks.facts.nvidia import CudaHostCompiler
-from tasks.placed import place, wanted_dir
+from tasks.placed import missing_under_shared, place, root_dir_command, root_only_problem, wanted_dir
 from tasks.plan import rollout_refusal
 from tasks.settings import LabSettings, SettingsError
 from tasks.target import HOST_COMPILER_PACKAGES, HostTarget, decide_compiler, decide_gpu
@@ -43,9 +43,17 @@ def base_layout(settings: LabSettings, trains: bool = True) -> HostTarget:
     home = f"{settings.lab_root}/home"
     dirs = [wanted_dir(settings.lab_root), wanted_dir(settings.marker_dir),
             wanted_dir(settings.box_cache, mode="750")]
-    states, entry, gpus, distro, gcc = ask((PathStates, {"paths": [home] + [d.path for d in dirs]}),
-                                           (PasswdEntry, {"user": settings.train_user}), (NvidiaGpus, {}),
-                                           (LinuxDistribution, {}), (CudaHostCompiler, {}))
+    work = root_work(settings)
+    states, entry, gpus, distro, gcc, chains = ask(
+        (PathStates, {"paths": [home] + [d.path for d in dirs]}), (PasswdEntry, {"user": settings.train_user}),
+        (NvidiaGpus, {}), (LinuxDistribution, {}), (CudaHostCompiler, {}), (RootOnlyChain, {"paths": list(work.values())}))
+    unsafe = [f"{key} = {path!r}: {why}" for key, path in work.items()
+              if (why := root_only_problem(path, (chains or {}).get(path)))]
+    if unsafe:       # before anything on this box changes: root would work where someone else can swap names
+        message = (f"host {settings.host}: " + "; ".join(unsafe) + ". Fix: remove what is in the way (after a look "
+                   "at it), or set the key to a folder whose every parent only root can change")
+        fail_host(name="verl-lab folders root works in", stage="base", message=message)
+        return replace(decide_gpu(settings, gpus), refused=message)
     compiler = decide_compiler((distro or {}).get("release_meta") or {}, gcc)
     target = replace(decide_gpu(settings, gpus), compiler=compiler)
     rollout = settings.workload["rollout"]
@@ -77,11 +85,25 @@ def base_layout(settings: LabSettings, trains: bool = True) -> HostTarget:
             create_home=True,
         )
     place(dirs, states or {})
+    shared = missing_under_shared((chains or {})[settings.install_tmpdir])
+    if shared:      # e.g. /var/tmp/verl-lab: anyone can take the name first, so root makes it and checks
+        server.shell(name=f"Directory {settings.install_tmpdir} (root's, in a folder others can write in)",
+                     commands=[root_dir_command(path) for path in shared])
     if compiler.install:
         apt.update(name="apt update (for gcc-11, the newest gcc nvcc 11.8 accepts)")
         apt.packages(name=f"Host compiler for nvcc 11.8 and the Apex build: {compiler.reason}",
                      packages=list(HOST_COMPILER_PACKAGES), no_recommends=True)
     return target
+
+
+def root_work(settings: LabSettings) -> dict[str, str]:
+    """The folders root's stages make and work in, by their setting's name: each must be one only root
+    can change (``tasks.placed.root_only_problem``), or the base stage refuses the box."""
+    work = {"lab_root": settings.lab_root, "install_tmpdir": settings.install_tmpdir,
+            "cuda_prefix": settings.cuda_prefix, "env_prefix": settings.env_prefix}
+    if settings.env_backend == "conda":
+        work["conda_prefix"] = settings.conda_prefix
+    return work
 
 
 def cannot_train(settings: LabSettings, target: HostTarget):
@@ -103,6 +125,10 @@ class BoxProblem(SettingsError):
     def __init__(self, host_name: str, key: str, text: str):
         self.host, self.key, self.problem, self.fix = host_name, key, text, ""
         ValueError.__init__(self, f"host {host_name}: {key}: {text}")
+
+
+class BoxWarning(BoxProblem):
+    """What a box shows that may stop the run later but refuses nothing now (the RAM other processes hold)."""
 
 
 _RUN = {"done": False, "report": None, "refused": {}, "lock": None}
@@ -178,7 +204,7 @@ def refused_hosts(problems: list[SettingsError], in_run: list[str], clusters: di
 def run_report() -> tuple[str | None, dict[str, str]]:
     """The report of the run's checks (None: no problem) and the hosts it refuses, with why."""
     from pyinfra import state
-    from tasks.hostdata import _CACHE, _IN_RUN, check_inventory
+    from tasks.hostdata import _CACHE, _IN_RUN, check_inventory, warning_report
 
     inventory = check_inventory(stop=False)
     hosts = [h for h in state.inventory.get_active_hosts() if h.name in _CACHE and _data_planned(_CACHE[h.name])]
@@ -186,8 +212,10 @@ def run_report() -> tuple[str | None, dict[str, str]]:
     in_run = {h.name: _CACHE[h.name] for h in hosts}
     problems = inventory + box_problems(in_run, answers) + relay_problems(in_run, answers)
     problems = list({str(p): p for p in problems}.values())   # a gpu_override's plan: checked in both passes
+    warnings = [p for p in problems if isinstance(p, BoxWarning)]
+    problems = [p for p in problems if not isinstance(p, BoxWarning)]
     if not problems:
-        return None, {}
+        return (warning_report(warnings, list(_IN_RUN)) if warnings else None), {}
     clusters = {name: (s.cluster or {}).get("name") if s else None for name, s in _CACHE.items()}
     refused = refused_hosts(problems, list(_IN_RUN), clusters, inventory=bool(inventory))
     from tasks.run_summary import record_run
@@ -206,10 +234,11 @@ def run_report() -> tuple[str | None, dict[str, str]]:
         going = [name for name in _IN_RUN if name not in refused]
         outcome = (f"{plural(len(refused), 'host')} refused and left unchanged ({', '.join(sorted(refused))}), "
                    f"the other {len(going)} go on ({', '.join(going)}):")
-    return report(problems, header=(
+    text = report(problems, header=(
         f"verl-lab: {plural(len(problems), 'problem')} on {plural(len(bad), 'host')} of {len(_IN_RUN)} in this run "
-        f"(inventory values, then what each box told: GPU, driver, disk, the plan, verl's own checks); {outcome}")), \
-        refused
+        f"(inventory values, then what each box told: GPU, driver, disk, RAM, the plan and its length, verl's own "
+        f"checks); {outcome}"))
+    return (text + ("\n" + warning_report(warnings, list(_IN_RUN)) if warnings else "")), refused
 
 
 def _data_planned(settings: LabSettings) -> bool:
@@ -228,14 +257,16 @@ def plural(n: int, word: str) -> str:
 
 def box_facts(settings: LabSettings) -> list[tuple[type, dict]]:
     """What the run's checks read on one box, in one bundle: its GPUs and driver, the model and
-    data already there and the free disk for the rest, the disk under the checkpoint folder."""
+    data already there and the free disk for the rest, the disk under the checkpoint folder, its RAM."""
     from tasks.data_plan import data_plan
     from tasks.facts.data import SnapshotStamp
     from tasks.facts.disk import CheckpointDisk, FreeDisk
     from tasks.facts.endpoint import EndpointServes, api_url
+    from tasks.facts.memory import HostMemory
     plan = data_plan(settings)
     facts = [(NvidiaGpus, {}), (SnapshotStamp, {"dest": plan.model_dir}), (SnapshotStamp, {"dest": plan.source_dir}),
-             (FreeDisk, {"path": plan.model_dir}), (CheckpointDisk, {"path": f"{settings.train_dir}/checkpoints"})]
+             (FreeDisk, {"path": plan.model_dir}), (CheckpointDisk, {"path": f"{settings.train_dir}/checkpoints"}),
+             (HostMemory, {})]
     if plan.mode == "direct":     # the box downloads: whether the endpoint serves it, asked from the box
         facts += [(EndpointServes, {"url": api_url(plan.endpoint, spec.repo_type, spec.repo, spec.revision),
                                     "python": settings.launcher_python, "dest": dest, "digest": spec.digest})
@@ -268,6 +299,7 @@ def ask_every_host(hosts) -> dict[str, list]:
 def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> list[SettingsError]:
     """Every problem the boxes' answers show (pure: settings and answers in, problems out)."""
     from tasks.hostdata import cluster_for
+    from tasks.run_bounds import fit_problems
     targets, found = {}, []
     for name, got in answers.items():
         if isinstance(got, Exception):
@@ -275,7 +307,7 @@ def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> 
             continue
         targets[name] = decide_gpu(settings[name], got[0])
     for name, target in targets.items():
-        s, (gpus, model_stamp, data_stamp, free, ckpt_disk, *probes) = settings[name], answers[name]
+        s, (gpus, model_stamp, data_stamp, free, ckpt_disk, memory, *probes) = settings[name], answers[name]
         found += driver_problems(s, target)
         found += served_problems(s, (model_stamp, data_stamp), probes)
         rollout = s.workload["rollout"]
@@ -298,6 +330,8 @@ def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> 
             found.append(problem)
             continue
         found += checkpoint_problems(s, target, members, ckpt_disk)
+        found += [(BoxWarning if warning else BoxProblem)(name, key, text)      # tasks/run_bounds.py
+                  for key, text, warning in fit_problems(s, target.target, members, memory)]
     return found
 
 

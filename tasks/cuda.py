@@ -58,6 +58,11 @@ TMPDIR_NEED_MIB = 10240
 PREFIX_NEED_MIB = 8192
 INSTALLER_TMP_LOG = "/tmp/cuda-installer.log"   # stale copies crash the runfile
 INSTALLER_LOG = "/var/log/cuda-installer.log"
+# NVIDIA's runfile writes INSTALLER_TMP_LOG as root, at that fixed path whatever --tmpdir says: in a /tmp anyone can
+# write, a link planted there under that name (by the train user's Ray unit, by any local user) would be written
+# through. The runfile runs with a /tmp of its own (a mount namespace, a fresh tmpfs); its log stays in /var/log.
+PRIVATE_TMP = ("unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+               'mount -t tmpfs -o mode=1777,nosuid,nodev verl-lab-runfile-tmp /tmp && exec "$@"', "runfile")
 RUNFILE_FLAGS = ("--silent", "--toolkit", "--no-opengl-libs", "--no-man-page", "--no-drm", "--override")
 SYSTEM_DIRS = {"/", "/usr", "/usr/local", "/opt", "/var", "/home", "/root", "/etc", "/tmp", "/var/tmp"}
 
@@ -307,8 +312,11 @@ def runfile_command(want: CudaWant) -> list[str]:
 
 
 def script_values(want: CudaWant, plan: CudaPlan, *, cuda_link: str = CUDA_LINK,
-                  installer_tmp_log: str = INSTALLER_TMP_LOG, installer_log: str = INSTALLER_LOG) -> dict:
-    """The variables of files/templates/cuda-install.sh.j2 (``q`` holds shell-quoted ones)."""
+                  installer_tmp_log: str = INSTALLER_TMP_LOG, installer_log: str = INSTALLER_LOG,
+                  private_tmp: bool = True) -> dict:
+    """The variables of files/templates/cuda-install.sh.j2 (``q`` holds shell-quoted ones). ``private_tmp``:
+    the runfile with a /tmp of its own (``PRIVATE_TMP``); off only for a script whose files lie under /tmp
+    (tests/unit/test_cuda_script.py's rig)."""
     mode = "install" if plan.action == "install" else "adopt"
     remove_after = [want.runfile_path, want.runfile_path + ".sha256",
                     want.cudnn_path, want.cudnn_path + ".sha256"] if plan.action == "install" else []
@@ -336,6 +344,7 @@ def script_values(want: CudaWant, plan: CudaPlan, *, cuda_link: str = CUDA_LINK,
         "prefix": want.prefix,
         "runfile_log": installer_log,
         "runfile_command": shlex.join(runfile_command(want)),
+        "run_runfile": shlex.join([*(PRIVATE_TMP if private_tmp else ()), *runfile_command(want)]),
         "write_marker": marker_command(want.marker, [
             ("stage", "cuda"), ("cuda_version", want.cuda_version), ("nvcc_version", OnBox("$nvcc_version")),
             ("cudnn_version", want.cudnn_version), ("cudnn_header", OnBox("$cudnn_found")),

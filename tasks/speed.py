@@ -16,11 +16,21 @@ Pure Python, plain values. What it rests on (docs/plan.md, "Speed on the CPU-off
   reduces once per mini-batch; patch 0009 (``optim.fused``) changes the AdamW step's cost;
 * GPU compute is counted as FLOPs (2 per parameter per token forward, twice that backward, one more
   forward with gradient checkpointing) at one throughput: it only separates configurations that
-  differ in recomputation; the micro-batch size's effect on GPU efficiency is left out.
+  differ in recomputation;
+* with the models on the GPU (``gpu_step_seconds``) an update micro-batch also costs a fixed time per decoder
+  layer whatever its size (``MICRO_LAYER_S``: kernel launches, the modules' Python, FSDP's hooks), which is why
+  small micro-batches are slow there: bound by launches and Python, not FLOPs. The offload rung's update is
+  bound by its copies instead, and its model has no such term (its constants were measured with it in them).
 
-The constants are seconds on the device's H200 (PCIe to its host, its 16 CPUs, torch 2.11): a real
-card's box differs in all of them, so the seconds are a ranking, not a forecast. Where each was
-measured (or, until the speed runs measure it, inferred) is written beside it.
+The constants are seconds on the device's H200 and H100 (PCIe to their host, 16 CPUs, torch 2.11; the same GH100
+compute): a real card's box differs in all of them, so the seconds are a ranking, not a forecast. Where each was
+measured (or, until the speed runs measure it, inferred) is written beside it. What that means on a real card: an
+older card's FLOPs are slower (a GTX 1080's fp32 peak is 8.9 TFLOPS, a P40's 11.8, against the 33 measured here)
+while launches and Python cost about the same host time, so there the FLOPs weigh 3-5x more against the
+per-micro-batch cost, and checkpointing (one more forward) buys a larger micro-batch at a higher price. By this
+model at the GTX 1080's peak rate the 0.5B's LoRA update costs, ms a sequence: micro-batch 2 194, 8 with
+checkpointing 191 (a tie; 66 against 111 at the H100's rate); at a sustained 6.6 TFLOPS micro-batch 2 wins (234
+against 250). The plan ranks by the balance that was measured, the H100's.
 """
 
 from __future__ import annotations
@@ -56,6 +66,17 @@ COMPUTE_S_PER_TFLOP = {"fp32": 0.030, "bf16": 0.015, "fp16": 0.015}
 # 29.8 s with their gathers), call 13 (RTX 2080 Ti plan, fp16 autocast: 39.1 s gathered once); what a step
 # spends it on is to be profiled
 DECODE_STEP_S = {"same": 0.07, "autocast": 0.14}
+# An update micro-batch's fixed cost with the models on the GPU, seconds per decoder layer: kernel launches, the
+# modules' Python and FSDP's hooks, whatever the micro-batch's size. measured (issue 42: an H100, fp32, Qwen2.5-0.5B's
+# shape (24 layers), LoRA rank 32 on every linear layer, 512 tokens a sequence), ms per sequence of the update:
+# micro-batch 1: 237, 2: 95, 4 with checkpointing: 89, 8 with checkpointing: 50. With the FLOPs at
+# COMPUTE_S_PER_TFLOP (fp32: 15.2 ms a pass of a sequence), the least-squares fit (of log time) is 161 ms a
+# micro-batch, 6.7 ms a layer; the model gives 191, 111, 86, 66 ms (the same order; micro-batch 1 measured slower
+# and 8 faster than a fixed cost explains). One shape cannot tell a cost per layer from one per micro-batch: taken
+# as per layer (a 28-layer 1.5B pays 28 of them). Measured with LoRA's adapters (PEFT's wrapper and two FSDP units
+# more per linear layer: verl's LoRA wrap policy); full fine-tuning's layers have fewer modules, taken the same
+# until a run measures them (the plan's search uses it on the LoRA rungs only: tasks/plan/memory_fit.py).
+MICRO_LAYER_S = 0.0067
 
 
 @dataclass(frozen=True)
@@ -123,9 +144,10 @@ class GpuStep:
     no host-side sums, AdamW on the GPU (memory-bound: milliseconds, not counted)."""
 
     params: int                      # the actor's parameters
+    layers: int                      # decoder layers (each costs MICRO_LAYER_S an update micro-batch)
     train_dtype: str
     sequences: int
-    micro_batch: int                 # update micro-batch (FLOPs do not depend on it in this model)
+    micro_batch: int                 # update micro-batch (FLOPs do not depend on it; the fixed costs do)
     rollout_chunk: int               # sequences per HF generate() call (0: vLLM generates, not counted)
     prompt_len: int
     response_len: int
@@ -139,9 +161,10 @@ class GpuStep:
 def gpu_step_seconds(step: GpuStep) -> dict[str, float]:
     """Seconds per phase (``rollout``, ``actor_log_prob``, ``ref_log_prob``, ``critic``, ``update``) and in all
     (``step``) of a step whose models stay on the GPU, with the constants above (HF generation's decoding steps,
-    FLOPs at one throughput). The update's backward is twice a forward with full fine-tuning (input and weight
-    gradients) and once with LoRA (input gradients through the frozen base; the adapters' weight gradients are
-    rank-sized): inferred, the LoRA profiles of bench/gpu/ppo_profiles.py measure it."""
+    FLOPs at one throughput, each update micro-batch's fixed cost per layer). The update's backward is twice a
+    forward with full fine-tuning (input and weight gradients) and once with LoRA (input gradients through the frozen
+    base; the adapters' weight gradients are rank-sized). The no-gradient passes' micro-batches are not counted (the
+    plan gives them the largest that fits, the fastest anyway)."""
     s = step
     tflop_token = 2.0 * s.params / 1e12
     compute = COMPUTE_S_PER_TFLOP[s.train_dtype]
@@ -155,8 +178,10 @@ def gpu_step_seconds(step: GpuStep) -> dict[str, float]:
     out["actor_log_prob"] = tokens * tflop_token * compute
     out["ref_log_prob"] = out["actor_log_prob"] if s.reference else 0.0
     critic_tflop = 2.0 * s.critic_params / 1e12
-    out["critic"] = tokens * critic_tflop * compute * (1.0 + 3.0 + (1.0 if s.grad_ckpt else 0.0))
+    micro_batches = -(-s.sequences // s.micro_batch)      # the critic's update takes the actor's micro-batch
+    out["critic"] = tokens * critic_tflop * compute * (1.0 + 3.0 + (1.0 if s.grad_ckpt else 0.0)) \
+        + (micro_batches * s.layers * MICRO_LAYER_S if s.critic_params else 0.0)
     passes = (2.0 if s.lora else 3.0) + (1.0 if s.grad_ckpt else 0.0)
-    out["update"] = tokens * tflop_token * passes * compute
+    out["update"] = tokens * tflop_token * passes * compute + micro_batches * s.layers * MICRO_LAYER_S
     out["step"] = sum(out.values())
     return {k: round(v, 2) for k, v in out.items()}

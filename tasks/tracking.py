@@ -114,6 +114,9 @@ class Tracking:
             env["WANDB_DIR"] = folders["wandb"]          # runs go to $WANDB_DIR/wandb/<run>
             env["WANDB_CONFIG_DIR"] = f"{folders['wandb']}/config"
             env["WANDB_CACHE_DIR"] = f"{folders['wandb']}/cache"
+            # verl 0.5.0 calls wandb.init(project, name, config): each start of the unit (a restart resuming
+            # from a save) is a wandb run of its own, of the same name; the group keeps them together
+            env["WANDB_RUN_GROUP"] = run_name
             if self.wandb_base_url:
                 env["WANDB_BASE_URL"] = self.wandb_base_url
         if "swanlab" in folders:

@@ -3,15 +3,16 @@
 Why one box and the controller as the channel: the boxes of a relay lab reach nothing but the controller
 (and the controller reaches them over SSH), so the event files travel the way the relay's downloads do,
 through the controller: each box's ``<lab_root>/tracking/tensorboard`` is copied into the controller cache
-(``<controller_cache>/tracking/lab/<box>/``: only files whose size changed), and the cache is copied to the
-hub's ``<lab_root>/tracking/lab``, which ``verl-lab-tensorboard.service`` serves (TensorBoard from the env,
-as the train user, on 127.0.0.1 by default: reached with the SSH tunnel deploy/status.py prints). A box that
-goes away keeps its curves: the cache and the hub keep what was copied; nothing is deleted for a box that
-did not answer. A new hub gets everything back from the cache on its first run. The lab's own scalars (the
-GSM8K base -> trained scores, the plan's predicted peak) go beside verl's as a run of their own per box,
-``<box>/verl-lab`` (tasks/tracking_events.py).
+(``<controller_cache>/tracking/lab/<box>/``), and the cache onto the hub's served copy
+``<lab_root>/tracking-lab`` (root's, under root-owned parents: the train user reads it and can change
+nothing in it), which ``verl-lab-tensorboard.service`` serves (TensorBoard from the env, as the train user,
+on 127.0.0.1 by default: reached with the SSH tunnel deploy/status.py prints). Both legs append only the
+bytes a file gained (tasks/tracking_copy.py). A box that goes away keeps its curves: the cache and the hub
+keep what was copied; nothing is deleted for a box that did not answer. A new hub gets everything back
+from the cache on its first run. The lab's own scalars (the GSM8K base -> trained scores, the plan's
+predicted peak) go beside verl's as a run of their own per box, ``<box>/verl-lab`` (tasks/tracking_events.py).
 
-Pure parts first (paths, listings, what to copy), then what runs at execute time, then the ``@deploy``.
+Pure parts first (paths, the summary file, the tunnel), then the ``@deploy``.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import shlex
 import time
 from pathlib import Path
 
-from pyinfra import logger
-from pyinfra.api import StringCommand, deploy
+from pyinfra.api import deploy
 from pyinfra.operations import python, server, systemd
 
 from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.settings import LabSettings
+from tasks.tracking_copy import push
 from tasks.tracking_events import summary_digest, summary_events, summary_file_name
 
 HUB_UNIT = "verl-lab-tensorboard.service"
@@ -45,42 +46,13 @@ def box_events_dir(settings: LabSettings) -> str:
 
 
 def served_dir(settings: LabSettings) -> str:
-    return f"{settings.lab_root}/tracking/lab"
+    """Root's (0750, the train user's group reads), beside ``<lab_root>/tracking`` and not inside it: no
+    parent the train user can write, in no ``ReadWritePaths`` of the training unit."""
+    return f"{settings.lab_root}/tracking-lab"
 
 
 def cache_dir(settings: LabSettings) -> Path:
     return settings.controller_cache / "tracking" / "lab"
-
-
-def listing_command(root: str) -> str:
-    """Size and path (relative to ``root``) of every file under it; nothing when it is missing."""
-    return f"find {shlex.quote(root)} -type f -printf '%s %P\\n' 2>/dev/null || true"
-
-
-def parse_listing(text: str) -> dict[str, int]:
-    out = {}
-    for line in text.splitlines():
-        size, _, rel = line.partition(" ")
-        if rel and size.isdigit() and ".." not in rel.split("/"):
-            out[rel] = int(size)
-    return out
-
-
-def local_listing(root: Path) -> dict[str, int]:
-    if not root.is_dir():
-        return {}
-    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
-
-
-def to_copy(source: dict[str, int], dest: dict[str, int]) -> list[str]:
-    """What ``dest`` lacks or holds at another size (event files only grow while verl writes them)."""
-    return sorted(rel for rel, size in source.items() if dest.get(rel) != size)
-
-
-def to_delete(source: dict[str, int], dest: dict[str, int], boxes: set[str]) -> list[str]:
-    """Files of the hub that the cache no longer has, only under the boxes the cache holds (a summary
-    replaced by a newer one); never anything of a box the controller knows nothing of."""
-    return sorted(rel for rel in dest if rel not in source and rel.split("/", 1)[0] in boxes)
 
 
 def write_summary(cache: Path, host: str, summary: dict, now: float | None = None) -> Path | None:
@@ -134,59 +106,6 @@ def hub_words(settings: LabSettings, inventory) -> str:
             f"  then open http://localhost:{port}/")
 
 
-# ------------------------------------------------------------------ execute time (the controller's channel)
-
-
-def _run(host, command: str):
-    return host.run_shell_command(StringCommand(command))
-
-
-def collect(state, host, remote_root: str, local_root: str) -> bool:
-    """Copy a box's event files that changed into the controller cache (at execute time)."""
-    ok, out = _run(host, listing_command(remote_root))
-    if not ok:
-        host.log_styled(f"verl-lab tracking: cannot list {remote_root}", fg="red", log_func=logger.error)
-        return False
-    local = Path(local_root)
-    wanted = to_copy(parse_listing(out.stdout), local_listing(local))
-    for rel in wanted:
-        dest = local / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        part = dest.with_name(dest.name + ".part")
-        if not host.get_file(f"{remote_root}/{rel}", str(part)):
-            host.log_styled(f"verl-lab tracking: could not copy {remote_root}/{rel}", fg="red", log_func=logger.error)
-            return False
-        part.replace(dest)
-    host.log_styled(f"verl-lab tracking: {len(wanted)} event file(s) copied from {remote_root}", log_func=logger.info)
-    return True
-
-
-def push(state, host, local_root: str, remote_root: str, user: str) -> bool:
-    """Make the hub's served folder hold what the cache holds (at execute time, after every collect)."""
-    local = Path(local_root)
-    source = local_listing(local)
-    ok, out = _run(host, listing_command(remote_root))
-    if not ok:
-        return False
-    dest = parse_listing(out.stdout)
-    boxes = {rel.split("/", 1)[0] for rel in source}
-    q = shlex.quote
-    for rel in to_copy(source, dest):
-        target = f"{remote_root}/{rel}"
-        parent = target.rsplit("/", 1)[0]
-        if not _run(host, f"mkdir -p {q(parent)}")[0] or not host.put_file(str(local / rel), f"{target}.part") \
-                or not _run(host, f"mv -f {q(target + '.part')} {q(target)}")[0]:
-            host.log_styled(f"verl-lab tracking: could not place {target}", fg="red", log_func=logger.error)
-            return False
-    for rel in to_delete(source, dest, boxes):
-        _run(host, f"rm -f {q(remote_root + '/' + rel)}")
-    # the train user (TensorBoard's) reads all of it and writes none of it
-    ok, _ = _run(host, f"chown -R root:{q(user)} {q(remote_root)} && chmod -R u=rwX,g=rX,o= {q(remote_root)}")
-    host.log_styled(f"verl-lab tracking: the hub serves {len(source)} file(s) of {len(boxes)} box(es)",
-                    log_func=logger.info)
-    return ok
-
-
 # ------------------------------------------------------------------ the deploy
 
 
@@ -197,11 +116,8 @@ def hub_values(settings: LabSettings) -> dict:
 
 
 def hub_wanted(settings: LabSettings) -> list:
-    user = settings.train_user
-    return [wanted_dir(f"{settings.lab_root}/tracking", "Trackers' folder (the train user's)", mode="750", user=user,
-                       group=user),
-            wanted_dir(served_dir(settings), "The lab's TensorBoard folder (read by the train user)", mode="750",
-                       group=user),
+    return [wanted_dir(served_dir(settings), "The lab's TensorBoard folder (root's; read by the train user)",
+                       mode="750", group=settings.train_user),
             wanted_file(UNIT_PATH, f"Unit {HUB_UNIT}", rendered(UNIT_TEMPLATE, **hub_values(settings)))]
 
 
@@ -212,8 +128,9 @@ def install_tracking_hub(settings: LabSettings):
     changed = place(hub_wanted(settings))[UNIT_PATH] is not None
     if changed:
         systemd.daemon_reload(name="systemd reads the changed unit")
-    python.call(name="Every box's event files onto the hub", function=push, local_root=str(cache_dir(settings)),
-                remote_root=served_dir(settings), user=settings.train_user)
+    python.call(name="Every box's event files onto the hub (the bytes each gained)", function=push,
+                settings=settings, local_root=str(cache_dir(settings)), remote_root=served_dir(settings),
+                unit=HUB_UNIT)
     systemd.service(name=f"Unit {HUB_UNIT}: enabled and running", service=HUB_UNIT, running=True, enabled=True,
                     restarted=changed)
     url = f"http://{'127.0.0.1' if settings.tracking.bind in ('0.0.0.0', '::') else settings.tracking.bind}:" \

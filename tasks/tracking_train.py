@@ -5,7 +5,9 @@
 * the non-secret environment (``TENSORBOARD_DIR``, ``WANDB_MODE``, ...) rendered into ``train.env``;
 * the keys of an online run, in ``<train_dir>/tracking-keys.env``: owned by the train user, mode 0400, read
   by systemd as a second ``EnvironmentFile`` (so they reach verl's process environment, never its argv, a
-  log, plan.json or train.env, which is 0640). An offline run gets no key: the controller syncs it.
+  log, plan.json or train.env, which is 0640), placed by an operation that prints none of its bytes (not
+  ``files.put``, whose ``--diff`` prints them: tasks/placed.py ``secret_file``). An offline run gets no key:
+  the controller syncs it; nor does a Ray cluster's worker: verl's trackers run on the head alone.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ def run_name_of(overrides) -> str:
     return next(o.value for o in overrides if o.key == "trainer.experiment_name")
 
 
-def keys_for_box(tracking: Tracking) -> dict[str, str]:
-    """The keys the box gets (read from the controller's keys file; only an online run needs them)."""
-    if not tracking.online or tracking.keys_file is None:
+def keys_for_box(tracking: Tracking, worker: bool = False) -> dict[str, str]:
+    """The keys the box gets (read from the controller's keys file; only an online run needs them, and
+    not on a Ray cluster's ``worker``: verl makes its trackers in the TaskRunner, on the head)."""
+    if not tracking.online or tracking.keys_file is None or worker:
         return {}
     return tracking.keys_on_box(read_keys(Path(tracking.keys_file)))
 
@@ -75,9 +78,14 @@ def tracking_wanted(tracking: Tracking, lab_root: str, train_dir: str, user: str
     folders = tracking.folders(lab_root)
     if not folders:
         return []
-    out = [wanted_dir(tracking_root(lab_root), "Trackers' folder (the train user's)", mode="750", user=user, group=user)]
+    # the trackers' parent is root's (the train user reads it, writes only its own folders inside): root places
+    # those folders (mkdir, chmod, chown) by names the train user cannot swap for links (docs/architecture.md,
+    # "Security", rule a)
+    out = [wanted_dir(tracking_root(lab_root), "Trackers' folder (root's; each tracker's inside is the train user's)",
+                      mode="750", user="root", group=user)]
     out += [wanted_dir(path, f"{name} folder", mode="750", user=user, group=user) for name, path in folders.items()]
     if keys:
+        # secret: placed by an operation whose bytes pyinfra never prints (files.put's --diff would)
         out.append(wanted_file(f"{train_dir}/{KEYS_FILE}", "Tracker keys (the train user's alone)", keys_text(keys),
-                               mode="400", user=user, group=user))
+                               mode="400", user=user, group=user, secret=True))
     return out

@@ -53,6 +53,7 @@ from tasks.facts.bundle import ask
 from tasks.facts.disk import CheckpointDisk
 from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.facts.logs import TrainingRun
+from tasks.hostdata import cluster_for
 from tasks.placed import marker_command, place, rendered, wanted_dir, wanted_file
 from tasks.plan import PlanError, TrainingPlan, Workload, workload_for
 from tasks.target import HostTarget
@@ -79,6 +80,7 @@ AFTER_RUN_PROGRAMS = {"verl_lab_export.py": BOX_PACKAGE / "export.py",
 UNIT_PATH = f"/etc/systemd/system/{TRAIN_UNIT}"
 PREFLIGHT_PASSED = "verl-lab preflight passed on "      # the launcher prints it, then execs verl
 MARKER_PLAN_KEYS = ("rollout", "train_dtype", "attn_implementation", "predicted_peak_mib")
+GATHER_TIMEOUT_S = 600     # a cluster's gather: every node's listing and copies (checkpoints of a few GiB over Ray)
 START_WAIT_S = 600          # the preflight asks the env's Python (torch, verl, NVML): tens of seconds
 
 
@@ -140,6 +142,8 @@ class TrainingLayout:
             "gpu": {"name": gpu.name, "count": gpu.count, "memory_mib": gpu.memory_mib, "names": gpu.names},
             "predicted_peak_mib": int(self.plan.to_dict()["predicted_peak_mib"]),
             "predicted_host_ram_mib": int(self.plan.to_dict()["predicted_host_ram_mib"]),
+            # of it: patch 0013's saved base weights through each HF rollout with LoRA (each rank its shard)
+            "predicted_lora_merge_host_mib": int(self.plan.to_dict()["predicted_lora_merge_host_mib"]),
             # vLLM's share and what the launcher sizes it again from at start (None: the HF rollout)
             "vllm": self.plan.to_dict()["vllm"],
             "paths": {
@@ -157,6 +161,8 @@ class TrainingLayout:
             **({"checkpoints": self.plan.checkpoints.launch(self.checkpoint_dir, self.plan.gpu.count)}
                if self.plan.checkpoints else {}),
             "evaluation": self.evaluation(),
+            # a cluster run's end: the seconds the head's gather may take (verl_lab_box/cluster_gather.py)
+            **({"gather_timeout_s": GATHER_TIMEOUT_S} if self.nnodes > 1 else {}),
         }
 
     def evaluation(self) -> dict:
@@ -201,6 +207,11 @@ class TrainingLayout:
                                  *tracked["tracking_paths"]],
             **tracked,
         }
+
+    @property
+    def nnodes(self) -> int:
+        value = next((o.value for o in self.plan.overrides if o.key == "trainer.nnodes"), "1")
+        return int(value) if str(value).isdigit() else 1
 
     def plan_workload_file(self, key: str) -> str:
         return next(o.value for o in self.plan.overrides if o.key == f"data.{key}")
@@ -290,8 +301,10 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
     except PlanError as exc:
         fail_host(name=f"Training plan for {target.count} x {target.name}", message=str(exc), stage="train")
         return
+    cluster = cluster_for()
     layout = TrainingLayout(settings=settings, plan=plan, plan_source=source,
-                            tracker_keys=keys_for_box(settings.tracking))
+                            tracker_keys=keys_for_box(settings.tracking,
+                                                      worker=bool(cluster) and cluster.role(settings.host) == "worker"))
     short = checkpoint_disk_short(layout, disk)
     if short:
         fail_host(name="Free disk for the checkpoints", message=short, stage="train")

@@ -24,11 +24,8 @@ launcher = None     # what this part uses of the launcher that loaded it (train_
 
 
 def latest_checkpoint(launch):
-    try:
-        with open(os.path.join(launch.checkpoint_dir, TRACKER)) as fh:
-            return int(fh.read().strip())
-    except (OSError, ValueError):
-        return None
+    return launcher.checkpoints_module().read_tracker(
+        launcher.checkpoints_module().read_small(os.path.join(launch.checkpoint_dir, TRACKER)) or "")
 
 
 def run_digest(launch, extra):
@@ -38,10 +35,9 @@ def run_digest(launch, extra):
 def finished_step(launch, extra=None):
     """The step the run finished at (``run-finished.json``), when that is still the latest checkpoint
     and, with ``extra`` given, the run had these overrides; else None."""
-    try:
-        with open(os.path.join(launch.checkpoint_dir, FINISHED)) as fh:
-            record = json.load(fh)
-    except (OSError, ValueError):
+    try:       # the train user's folder: no FIFO waited on, no link followed (checkpoints.py read_small)
+        record = json.loads(launcher.checkpoints_module().read_small(os.path.join(launch.checkpoint_dir, FINISHED)) or "")
+    except ValueError:
         return None
     if not isinstance(record, dict) or record.get("step") is None or record.get("step") != latest_checkpoint(launch):
         return None
@@ -109,6 +105,8 @@ def gather_on_head(launch, step):
         return None
     gather = [launch.env_python, os.path.join(os.path.dirname(os.path.abspath(launch.plan_file)), "cluster-gather"),
               "--plan", launch.plan_file, "--step", str(step)]
+    if launch.gather_timeout_s:           # every call to a node within it: a node that hangs ends the gather
+        gather += ["--timeout", str(launch.gather_timeout_s)]
     try:
         rc = launcher.run_child(gather, launch.work_dir, env=env)
     except OSError as exc:

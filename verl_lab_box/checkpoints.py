@@ -32,7 +32,9 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
+import stat
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STEP_RE = re.compile(r"^global_step_(\d+)$")
@@ -71,6 +73,23 @@ def tree_bytes(path: str) -> int:
     return total
 
 
+def read_small(path: str, limit: int = 1 << 20) -> str | None:
+    """The text of the regular file ``path`` (its first ``limit`` bytes), or None: missing, a link, a FIFO,
+    a device, a folder. The checkpoint folder is the train user's, and this runs also under root's facts (the
+    launcher's ``--check`` as that user, for deploy/status.py and the doctor): a FIFO in a file's place must
+    not hold them, a link must not lead elsewhere."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, limit).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
 def read_tracker(text: str) -> int | None:
     text = (text or "").strip()
     return int(text) if text.isdigit() else None
@@ -88,11 +107,7 @@ def scan(checkpoint_dir: str) -> dict:
              "tracker": None, "saves": [], "exports": []}
     if not os.path.isdir(checkpoint_dir):
         return found
-    try:
-        with open(os.path.join(checkpoint_dir, TRACKER)) as fh:
-            found["tracker"] = read_tracker(fh.read())
-    except OSError:
-        pass
+    found["tracker"] = read_tracker(read_small(os.path.join(checkpoint_dir, TRACKER)) or "")
     for name in os.listdir(checkpoint_dir):
         m = STEP_RE.match(name)
         if not m:
@@ -154,9 +169,8 @@ def proven_export(checkpoint_dir: str, step: int) -> dict | None:
     it lists (names and bytes); else None. The files decide, not the JSON alone."""
     folder = os.path.join(checkpoint_dir, f"global_step_{step}")
     try:
-        with open(os.path.join(folder, "hf.proof.json")) as fh:
-            proof = json.load(fh)
-    except (OSError, ValueError):
+        proof = json.loads(read_small(os.path.join(folder, "hf.proof.json")) or "")
+    except ValueError:
         return None
     export, actor = os.path.join(folder, "hf"), os.path.join(folder, "actor")
     if not isinstance(proof, dict) or not proof.get("ok") or proof.get("format") != EXPORT_FORMAT:
@@ -222,19 +236,50 @@ def prune_exports(checkpoint_dir: str, say=print) -> list[dict]:
     return pruned
 
 
+# The checkpoint folder is the train user's: it can put links, FIFOs and devices anywhere in it, and swap
+# a file for one between a check and a read. Root reads there only through ``as_folder_owner``: as the
+# folder's owner (runuser), each file through ``read_file`` (no link followed, no FIFO waited on, 1 MiB at
+# most), the whole under ``timeout``. What root gets back is then at most what that user could read anyway.
+READ_S = 60            # a reading of the checkpoint folder ends by then, whatever it meets there
+READ_BYTES = 1 << 20   # the most of one file a reading takes (the tracker, a proof, a score)
+
+
+def read_file(path_expr: str) -> str:
+    """Shell: the first ``READ_BYTES`` of the regular file at ``path_expr`` (a shell word, quoted as
+    needed), refusing a link in its last component (``O_NOFOLLOW``) and never blocking on a FIFO
+    (``O_NONBLOCK``); nothing for anything else."""
+    return f"dd if={path_expr} iflag=nofollow,nonblock bs={READ_BYTES} count=1 status=none 2>/dev/null"
+
+
+def as_folder_owner(folder: str, script: str, seconds: int = READ_S) -> str:
+    """Shell that runs ``script`` (``sh -c``) as the owner of ``folder`` when root runs it, ended after
+    ``seconds``; run by anyone else, as that user. The folder's own path has only root-owned parents
+    (``<train_dir>``, root's, mode 750): its owner cannot swap the folder itself, only what is in it. A
+    missing folder: nothing runs. A root-owned one is read as root; an owner that has no name (a
+    removed user) or a failing ``runuser``: nothing is read."""
+    f, n = shlex.quote(folder), int(seconds)
+    return (f"if [ -d {f} ]; then o=$(stat -c %U {f}); c={shlex.quote(script)}; "
+            f"if [ \"$(id -u)\" != 0 ] || [ \"$o\" = root ]; then timeout -k 5 {n} sh -c \"$c\"; "
+            f"else runuser -u \"$o\" -- timeout -k 5 {n} sh -c \"$c\"; fi; fi")
+
+
 def fact_command(checkpoint_dir: str) -> str:
     """Shell for ``scan``'s answer on a box without Python: ``df -P -k`` where the folder is (or
-    would be), the tracker, ``du -sk`` of each save's role folders and of each step's export files."""
-    d = "'" + checkpoint_dir.replace("'", "'\\''") + "'"
-    return (
-        f"d={d}; p=$d; while [ ! -e \"$p\" ] && [ \"$p\" != / ]; do p=$(dirname \"$p\"); done; "
-        f"echo \"{FREE_TAG} $p\"; df -P -k \"$p\" 2>&1; "
-        f"echo \"{TRACKER_TAG} $(cat \"$d/{TRACKER}\" 2>/dev/null)\"; "
+    would be), as the caller; then, as the folder's owner (``as_folder_owner``), the tracker and
+    ``du -sk`` of each save's role folders and of each step's export files."""
+    d = shlex.quote(checkpoint_dir)
+    tracker = read_file(f'"$d/{TRACKER}"')
+    listing = (
+        f"d={d}; echo \"{TRACKER_TAG} $({tracker})\"; "
         "for s in \"$d\"/global_step_*; do for r in actor critic; do "
         f"[ -d \"$s/$r\" ] && echo \"{SAVE_TAG} ${{s##*/}} $r $(du -sk \"$s/$r\" 2>/dev/null | cut -f1)\"; "
         "done; if " + " || ".join(f'[ -e \"$s/{f}\" ]' for f in EXPORT_FILES) + "; then "
         f"echo \"{EXPORT_TAG} ${{s##*/}} $([ -d \"$s/actor\" ] && echo save || echo gone) $(du -sck "
         + " ".join(f'\"$s/{f}\"' for f in EXPORT_FILES) + " 2>/dev/null | tail -n 1 | cut -f1)\"; fi; done; true"
+    )
+    return (
+        f"d={d}; p=$d; while [ ! -e \"$p\" ] && [ \"$p\" != / ]; do p=$(dirname \"$p\"); done; "
+        f"echo \"{FREE_TAG} $p\"; df -P -k \"$p\" 2>&1; " + as_folder_owner(checkpoint_dir, listing) + "; true"
     )
 
 

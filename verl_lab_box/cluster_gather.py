@@ -15,16 +15,28 @@ every alive node of the Ray cluster (one task pinned to each, the way ``cluster-
 which of these files it holds, decides what the head lacks (``plan_fetch``: every rank of one world
 size, the config and ``huggingface/config.json``, no two copies of a file that differ), and copies
 each missing file from its node over Ray's own connections (tasks pinned to that node read it in
-chunks, a few in flight; the head writes ``<name>.gather-part``, compares its sha256 with the one the
-node computes from its own file, keeps the node's mtime and renames it into place). The optimizer
-and extra-state shards stay where they are: the export needs the model shards only. What it copied
-is recorded in ``global_step_N/actor/verl-lab-gathered.json``; verl's retention removes the
-gathered files with the save. A re-run copies nothing that is there already (same bytes and mtime).
+chunks, a few in flight; the head writes ``<name>.gather-part.<pid>``, syncs it, hashes the file on its
+disk and compares that sha256 with the one the node computes from its own file, keeps the node's mtime
+and renames it into place). The optimizer and extra-state shards stay where they are: the export needs
+the model shards only. What it copied is recorded in ``global_step_N/actor/verl-lab-gathered.json``
+after each file (``complete`` once the step is whole), so a gather that failed half-way leaves what it
+copied on record and the next one goes on from there (a copy on record yields to the node's file,
+which is copied again where it changed since); verl's retention removes the gathered files with the
+save. A re-run copies nothing that is there already (same bytes and mtime).
+
+One gather or export of a step at a time: the gather holds the step folder's lock (``.export.lock``,
+verl_lab_box/checkpoints.py ``step_lock``, placed beside it as ``verl_lab_checkpoints.py``), the one the
+export and the score take, from before it asks Ray until its record is written; a second gather of the
+step (the unit's after-run and ``deploy/export.py``) waits, then finds the step whole and copies
+nothing. Part files left by a gather that died are removed under the lock. Every call to a node has
+the time left of ``--timeout`` (its listing, each chunk, its sha256): a node that hangs ends the gather
+with a line naming it; a call Ray gives no timeout (connecting, the node list) is bounded by a watchdog
+that ends the process ``WATCHDOG_S`` after the timeout.
 
 Why Ray: the cluster's nodes already reach each other on Ray's port as the train user; no SSH keys
 between boxes, no other port, and the same pinned-task pattern the cluster check proves.
 
-Exit 0 when the head holds the whole step; 1 when it cannot (a line ``verl-lab cluster gather FAILED
+Exit 0 when the head holds the whole step; 1 when it cannot (the launcher's after-run then exits 70) (a line ``verl-lab cluster gather FAILED
 (step N, head IP): ...`` per problem, naming the file and what each node holds; the doctor's rules in
 files/doctor/cluster.toml read them); 2 for a bad plan or arguments.
 Standard library only at module level (``ray`` is imported in ``main``).
@@ -38,6 +50,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,14 +59,15 @@ IN_FLIGHT = 4                    # reads outstanding per file
 SHARD = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 CONFIG, HF_CONFIG = "fsdp_config.json", "huggingface/config.json"
 RECORD = "verl-lab-gathered.json"
-PART = ".gather-part"
+PART = ".gather-part"             # <name>.gather-part.<pid>: one writer's copy until it is whole
+WATCHDOG_S = 30                  # past --timeout, a call Ray gives no timeout (ray.init, ray.nodes) ends the process
 FAILED = "verl-lab cluster gather FAILED"
 PASSED = "verl-lab cluster gather"
 
 
 def wanted(name: str) -> bool:
     """A file of an actor save that the export reads."""
-    return bool(SHARD.match(name)) or name == CONFIG or (name.startswith("huggingface/") and not name.endswith(PART))
+    return bool(SHARD.match(name)) or name == CONFIG or (name.startswith("huggingface/") and PART not in name)
 
 
 def listing(actor_dir: str) -> dict:
@@ -150,31 +164,41 @@ def _rank_key(name: str):
     return (0, int(m.group(1)), int(m.group(2)), name) if m else (1, 0, 0, name)
 
 
-def copy_file(ray, item: dict, path: str, read, digest) -> dict:
-    """One file from its node to the same ``path`` on this one: pinned chunk reads (``read``), sha256
-    on both sides (``digest`` on the node)."""
+class Deadline:
+    """The time a gather has left (``--timeout`` from its start): every call to a node waits at most that."""
+
+    def __init__(self, seconds: float, clock=time.monotonic):
+        self.seconds, self.clock = seconds, clock
+        self.end = clock() + seconds
+
+    def left(self) -> float:
+        return max(0.0, self.end - self.clock())
+
+
+def copy_file(ray, item: dict, path: str, read, digest, deadline: Deadline) -> dict:
+    """One file from its node to the same ``path`` on this one: pinned chunk reads (``read``), each with the
+    time ``deadline`` leaves; written to a part file of this process's own, synced, then hashed as it is on
+    this disk against the sha256 ``digest`` computes on the node."""
     start = time.monotonic()
     src = dest = path
     want = digest.remote(src)
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    part, h, size = dest + PART, hashlib.sha256(), item["bytes"]
+    part, size = f"{dest}{PART}.{os.getpid()}", item["bytes"]
     offsets = list(range(0, size, CHUNK))
     pending = [read.remote(src, off, CHUNK) for off in offsets[:IN_FLIGHT]]
-    done = 0
     try:
         with open(part, "wb") as fh:
             for i in range(len(offsets)):
-                data = ray.get(pending.pop(0))
+                data = ray.get(pending.pop(0), timeout=deadline.left())
                 if i + IN_FLIGHT < len(offsets):
                     pending.append(read.remote(src, offsets[i + IN_FLIGHT], CHUNK))
                 fh.write(data)
-                h.update(data)
-                done += len(data)
             fh.flush()
             os.fsync(fh.fileno())
-        theirs = ray.get(want)
-        if done != size or h.hexdigest() != theirs:
-            raise OSError(f"{item['name']} from node {item['from']}: {done} bytes, sha256 {h.hexdigest()[:16]}, the "
+        done, mine = os.path.getsize(part), file_sha256(part)      # what the disk holds, not what came
+        theirs = ray.get(want, timeout=deadline.left())
+        if done != size or mine != theirs:
+            raise OSError(f"{item['name']} from node {item['from']}: {done} bytes, sha256 {mine[:16]} on this disk, the "
                           f"node's file {size} bytes, sha256 {theirs[:16]}: changed while copied?")
         os.utime(part, ns=(item["mtime_ns"], item["mtime_ns"]))
         os.replace(part, dest)
@@ -183,6 +207,28 @@ def copy_file(ray, item: dict, path: str, read, digest) -> dict:
             os.remove(part)
         raise
     return {**item, "sha256": theirs, "seconds": round(time.monotonic() - start, 2)}
+
+
+def remove_parts(actor_dir: str) -> list[str]:
+    """Part files under ``actor_dir`` (run under the step's lock: their writers are gone), removed."""
+    gone = []
+    for root, _, files in os.walk(actor_dir):
+        for name in files:
+            if PART in name:
+                os.remove(os.path.join(root, name))
+                gone.append(os.path.relpath(os.path.join(root, name), actor_dir))
+    return sorted(gone)
+
+
+def write_record(actor_dir: str, record: dict) -> None:
+    """``verl-lab-gathered.json``, whole or not at all (a part file renamed over it)."""
+    path = os.path.join(actor_dir, RECORD)
+    part = f"{path}.part.{os.getpid()}"
+    with open(part, "w") as fh:
+        json.dump(record, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(part, path)
 
 
 def _merged(before: list, now: list) -> list:
@@ -206,27 +252,85 @@ def _plan_values(plan: dict) -> tuple[str, int]:
     return launch["paths"]["checkpoint_dir"], int(values.get("trainer.nnodes", 1))
 
 
+def copy_fetched(ray, fetch: list[dict], actor: str, pinned, deadline: Deadline, record: dict, nodes: dict):
+    """Each file of ``fetch`` copied from its node (``copy_file``), the record written after each one
+    (``record``: the gather's so far, its ``copied`` the earlier gathers' too). Returns (this gather's
+    copies, None), or what stopped it as the line's words (a node that hangs: ``deadline`` ran out)."""
+    earlier, copied = list(record["copied"]), []
+    for item in fetch:
+        try:
+            got = copy_file(ray, item, os.path.join(actor, item["name"]), pinned(read_chunk, item["from"]),
+                            pinned(file_sha256, item["from"]), deadline)
+        except ray.exceptions.GetTimeoutError:
+            return copied, (f"node {item['from']} did not answer within {deadline.seconds:g} s (copying {item['name']}): "
+                            "it hangs or is cut off (journalctl -u verl-lab-ray.service there); what was copied is on "
+                            "record, the next gather goes on from there")
+        except (OSError, ray.exceptions.RayError) as exc:
+            return copied, f"copying failed: {type(exc).__name__}: {exc}"
+        print(f"{PASSED}: {item['name']} from {_who(item['from'], nodes)}: {got['bytes']} bytes in "
+              f"{got['seconds']:.1f} s, sha256 {got['sha256'][:16]} on both", flush=True)
+        copied.append(got)
+        record.update(copied=_merged(earlier, copied), bytes=sum(c["bytes"] for c in copied))
+        write_record(actor, record)         # after each file: a gather that fails later leaves it on record
+    return copied, None
+
+
+def _checkpoints():
+    """verl_lab_box/checkpoints.py (the step lock): placed beside this program as ``verl_lab_checkpoints.py``
+    (the folder of a program run by path is the first on its import path), else the repository's."""
+    try:
+        import verl_lab_checkpoints as checkpoints
+    except ImportError:
+        from verl_lab_box import checkpoints
+    return checkpoints
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="cluster-gather", description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", default=str(Path(__file__).resolve().parent / "plan.json"))
     ap.add_argument("--step", type=int, required=True)
-    ap.add_argument("--timeout", type=float, default=600, help="seconds for the nodes' listings")
+    ap.add_argument("--timeout", type=float, default=600,
+                    help="seconds the gather may take once it holds the step's lock (every call to a node included)")
     args = ap.parse_args(argv)
     try:
         checkpoint_dir, nnodes = _plan_values(json.loads(Path(args.plan).read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"{FAILED}: the plan {args.plan} cannot be read ({type(exc).__name__}: {exc}): re-run deploy/train.py",
-              flush=True)
+        checkpoints = _checkpoints()
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
+        print(f"{FAILED}: the plan {args.plan} or verl_lab_checkpoints.py beside it cannot be read "
+              f"({type(exc).__name__}: {exc}): re-run deploy/train.py", flush=True)
         return 2
+    step_dir = os.path.join(checkpoint_dir, f"global_step_{args.step}")
+    os.makedirs(step_dir, exist_ok=True)            # the head may hold none of the step's files yet
+    with checkpoints.step_lock(step_dir, f"cluster gather of step {args.step}",
+                               say=lambda words: print(f"{PASSED}: {words}", flush=True)):
+        watchdog = threading.Timer(args.timeout + WATCHDOG_S, _give_up, args=(args.step, args.timeout))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            return gather(args.step, checkpoint_dir, nnodes, args.timeout)
+        finally:
+            watchdog.cancel()
+
+
+def _give_up(step: int, seconds: float) -> None:
+    print(f"{FAILED} (step {step}, head {os.environ.get('VERL_LAB_NODE_IP')}): the gather did not end within its "
+          f"timeout ({seconds:g} s + {WATCHDOG_S} s): a call to Ray that has no timeout of its own hung (connecting to "
+          f"the cluster at {os.environ.get('RAY_ADDRESS')}, or asking it for its nodes): is the head's "
+          "verl-lab-ray.service running?", flush=True)
+    os._exit(1)
+
+
+def gather(step: int, checkpoint_dir: str, nnodes: int, timeout: float) -> int:
+    """The gather of ``step`` under its lock: ``timeout`` seconds from now for all of it."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    started = time.monotonic()
+    started, deadline = time.monotonic(), Deadline(timeout)
     head_ip = os.environ.get("VERL_LAB_NODE_IP")
     try:
         ray.init(address=os.environ.get("RAY_ADDRESS"), _node_ip_address=head_ip, log_to_driver=False)
     except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; each is this one failure
-        print(f"{FAILED} (step {args.step}, head {head_ip}): no Ray cluster at {os.environ.get('RAY_ADDRESS')} "
+        print(f"{FAILED} (step {step}, head {head_ip}): no Ray cluster at {os.environ.get('RAY_ADDRESS')} "
               f"({type(exc).__name__}: {exc}): is verl-lab-ray.service running on the head?", flush=True)
         return 1
     if __name__ != "__main__":             # imported (tests): the tasks travel by value, as from the script
@@ -236,46 +340,46 @@ def main(argv=None) -> int:
     here = ray.get_runtime_context().get_node_id()
     alive = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
     head = next(ip for ip, nid in alive.items() if nid == here)
-    actor = os.path.join(checkpoint_dir, f"global_step_{args.step}", "actor")
+    actor = os.path.join(checkpoint_dir, f"global_step_{step}", "actor")
+    failed = f"{FAILED} (step {step}, head {head})"
+    left = remove_parts(actor) if os.path.isdir(actor) else []
+    if left:
+        print(f"{PASSED}: removed {len(left)} part file(s) a gather that died left ({', '.join(left[:3])})", flush=True)
 
     def pinned(fn, ip):
         return ray.remote(num_cpus=0)(fn).options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(alive[ip], soft=False))
 
     ips = sorted(alive)
+    refs = [pinned(listing, ip).remote(actor) for ip in ips]
     try:
-        found = ray.get([pinned(listing, ip).remote(actor) for ip in ips], timeout=args.timeout)
+        _, waiting = ray.wait(refs, num_returns=len(refs), timeout=deadline.left())
+        if waiting:
+            hung = [ip for ip, ref in zip(ips, refs) if ref in waiting]
+            print("\n".join(f"{failed}: node {ip} did not answer within {timeout:g} s (its listing of "
+                            f"global_step_{step}/actor): it hangs or is cut off (journalctl -u verl-lab-ray.service "
+                            "there)" for ip in hung), flush=True)
+            return 1
+        found = ray.get(refs, timeout=deadline.left())
     except ray.exceptions.RayError as exc:
-        print(f"{FAILED} (step {args.step}, head {head}): the nodes {', '.join(ips)} did not all answer within "
-              f"{args.timeout:g} s ({type(exc).__name__}: {exc})", flush=True)
+        print(f"{failed}: the nodes {', '.join(ips)} did not all answer ({type(exc).__name__}: {exc})", flush=True)
         return 1
     nodes = dict(zip(ips, found))
     before = _read_json(os.path.join(actor, RECORD)) or {}
-    fetch, problems = plan_fetch(head, nodes, args.step, nnodes, [c["name"] for c in before.get("copied") or []])
+    fetch, problems = plan_fetch(head, nodes, step, nnodes, [c["name"] for c in before.get("copied") or []])
     if problems:                            # a line each: the doctor reads them (files/doctor/cluster.toml)
-        print("\n".join(f"{FAILED} (step {args.step}, head {head}): {p}" for p in problems), flush=True)
+        print("\n".join(f"{failed}: {p}" for p in problems), flush=True)
         return 1
-    copied = []
-    try:
-        for item in fetch:
-            got = copy_file(ray, item, os.path.join(actor, item["name"]), pinned(read_chunk, item["from"]),
-                            pinned(file_sha256, item["from"]))
-            print(f"{PASSED}: {item['name']} from {_who(item['from'], nodes)}: {got['bytes']} bytes in "
-                  f"{got['seconds']:.1f} s, sha256 {got['sha256'][:16]} on both", flush=True)
-            copied.append(got)
-    except (OSError, ray.exceptions.RayError) as exc:
-        print(f"{FAILED} (step {args.step}, head {head}): copying failed: {type(exc).__name__}: {exc}", flush=True)
+    record = {"step": step, "head": head, "nodes": {ip: {"host": n["host"], "files": n["files"]} for ip, n in nodes.items()},
+              "copied": before.get("copied") or [], "bytes": 0, "complete": False}
+    copied, problem = copy_fetched(ray, fetch, actor, pinned, deadline, record, nodes)
+    if problem:
+        print(f"{failed}: {problem}", flush=True)
         return 1
     seconds = round(time.monotonic() - started, 2)
-    record = {"step": args.step, "head": head, "nodes": {ip: {"host": n["host"], "files": n["files"]}
-                                                          for ip, n in nodes.items()},
-              "copied": _merged(before.get("copied") or [], copied), "bytes": sum(c["bytes"] for c in copied),
-              "seconds": seconds}
-    part = os.path.join(actor, RECORD + ".part")
-    with open(part, "w") as fh:
-        json.dump(record, fh, indent=2, sort_keys=True)
-    os.replace(part, os.path.join(actor, RECORD))
-    print(f"{PASSED}: step {args.step} whole on the head {head}: {len(copied)} file(s), {record['bytes']} bytes "
+    os.makedirs(actor, exist_ok=True)
+    write_record(actor, {**record, "complete": True, "seconds": seconds})
+    print(f"{PASSED}: step {step} whole on the head {head}: {len(copied)} file(s), {record['bytes']} bytes "
           f"copied from {len({c['from'] for c in copied})} node(s) of {len(nodes)} in {seconds:.1f} s", flush=True)
     return 0
 

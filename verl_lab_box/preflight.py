@@ -271,8 +271,13 @@ def check_disk(rep, launch):
 
 
 def check_host_ram(rep, launch, meminfo="/proc/meminfo"):
-    """The box's RAM holds what the plan offloads to it (params, gradients, AdamW states, the ref)."""
+    """The box's RAM holds what the plan keeps there: what it offloads (params, gradients, AdamW states, the ref)
+    and, with LoRA and the HF rollout, the base weights patch 0013 saves while it generates merged."""
     need = launch.predicted_host_ram_mib
+    merge = getattr(launch, "predicted_lora_merge_host_mib", 0)
+    what = (f"{need} MiB in host RAM ({need - merge} MiB of offloaded model states, {merge} MiB of base weights "
+            "saved while the LoRA adapter is merged for generation)" if merge
+            else f"{need} MiB of model states in host RAM (CPU offload)")
     try:
         with open(meminfo) as fh:
             total = next(int(line.split()[1]) // 1024 for line in fh if line.startswith("MemTotal:"))
@@ -280,10 +285,10 @@ def check_host_ram(rep, launch, meminfo="/proc/meminfo"):
         rep.skip("host ram", f"cannot read MemTotal from {meminfo}")
         return
     if total < need:
-        rep.fail("host ram", f"the plan keeps {need} MiB of model states in host RAM (CPU offload), the box has "
-                             f"{total} MiB in all: train a smaller model (workload.model) or add RAM")
+        rep.fail("host ram", f"the plan keeps {what}, the box has {total} MiB in all: train a smaller model "
+                             "(workload.model) or add RAM")
     else:
-        rep.ok("host ram", f"{total} MiB >= {need} MiB of offloaded model states, before the processes' own")
+        rep.ok("host ram", f"{total} MiB >= the plan's {what}, before the processes' own")
 
 
 def check_cluster(rep, launch):

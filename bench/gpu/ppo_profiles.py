@@ -281,7 +281,39 @@ LORA_PROFILES = [
             stands_for="GTX 1080 LoRA plan (grpo-lora, fp32, HF rollout) on 16 prompts a step: saves with "
                        "lora_adapter/, the export (merged model and the adapter alone), proof, GSM8K scores"),
 ]
-PROFILES += LORA_PROFILES
+# issue 42: the call-15 pairs again, with patch 0013 (the ranks' one merge decision, one FSDP unit at a time, the fp32
+# merge rounded once) and the LoRA rungs' micro-batches chosen by speed; each alone on the machine, one step of 16
+# prompts (64 sequences: one mini-batch of the plan's 16 prompts, one HF generation chunk), no profiler windows. The
+# device time for all of issue 42 is about 12 minutes and a run's start-up ~60 s: the plan's step of 64 prompts twice
+# over would need ~25 minutes. What 16 prompts change, the same for both plans of a pair: every phase but generation
+# does a quarter of the plan's step; generation is one chunk where the plan runs ceil(256 / chunk) (GTX 1080: 2,
+# RTX 3060 and 2080 Ti: 1), and a chunk takes about as long whatever its size (calls 9-10), so generation weighs more
+# and the measured ratio is nearer 1 than the plan's step would give: conservative for LoRA. bench/gpu/lora_pairs.py
+# prints the measured ratio and the plan's step rebuilt from the measured phases (chunks x generation + 4 x the rest).
+# The RTX 3060's LoRA run to its end in bf16 (its plan's base dtype): one step, the save, the export (the adapter
+# merged in fp32 and rounded once, lora_export.py), its proof against PEFT's merge, the GSM8K scores.
+I42_STEP = ("data.train_batch_size=16",)
+I42_FULL = [
+    Profile(f"{name}-full-i42", gpu, cc, mib, rollout_engine=engine, steps=1, validate=False, finetune="full",
+            overrides=I42_STEP, stands_for=f"{label}, the full plan (grpo-cpu-offload), one step of 16 prompts"
+            + ("; HF rollout instead of the plan's vLLM, for this run only" if engine == "hf" else ""))
+    for name, gpu, cc, mib, engine, label in SPEED_CARDS
+]
+LORA_PROFILES += [
+    Profile(f"{name}-lora-i42", gpu, cc, mib, rollout_engine=engine, steps=1, validate=False, finetune="lora",
+            overrides=I42_STEP, compare_with=f"{name}-full-i42",
+            stands_for=f"{label}, the LoRA plan (grpo-lora) with patch 0013 and the micro-batches by speed, one "
+                       "step of 16 prompts"
+                       + ("; HF rollout instead of the plan's vLLM, for this run only" if engine == "hf" else ""))
+    for name, gpu, cc, mib, engine, label in SPEED_CARDS
+] + [
+    Profile("rtx3060-lora-export", "NVIDIA GeForce RTX 3060", "8.6", 12288, rollout_engine="hf", steps=1,
+            validate=False, export=True, finetune="lora", overrides=I42_STEP,
+            stands_for="RTX 3060 LoRA plan (grpo-lora, bf16 base; HF rollout instead of the plan's vLLM, for this run "
+                       "only) on 16 prompts: one step, its save with lora_adapter/, the bf16 export (the adapter "
+                       "merged in fp32, rounded once), its proof against PEFT's merge, GSM8K scores"),
+]
+PROFILES += I42_FULL + LORA_PROFILES
 BY_NAME = {p.name: p for p in PROFILES}
 
 
@@ -335,19 +367,17 @@ def seed_overrides(profile: Profile) -> list[str]:
     return keys
 
 
-def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = None, ray_port: int = RAY_PORT,
-               node_addresses: tuple[str, ...] = NODE_ADDRESSES) -> dict:
-    """Render one profile with the planning code under ``code_root`` (imported here): the plan for its
-    ``gpus`` as deploy/train.py makes it for a box of that many (``make_plan``), or for a Ray cluster of
-    ``nodes`` such boxes as the training stage makes it for a cluster member (``tasks.plan.cluster_plan``),
-    whose nodes' units are rendered too (``render_ray_nodes``)."""
+def profile_layout(profile: Profile, code_root: Path, root: str | None = None):
+    """The training stage's layout of the profile's box (its settings, and the plan deploy/train.py makes for its
+    ``gpus``, or for a Ray cluster of ``nodes`` such boxes), with the planning code under ``code_root``; and the
+    settings' data."""
     sys.path.insert(0, str(code_root))
     from tasks.plan import GpuTarget, make_plan
     from tasks.settings import load_settings
     try:
-        from tasks.train import TrainingLayout, training_wanted, training_workload
+        from tasks.train import TrainingLayout, training_workload
     except ImportError:                  # trees before the stages had one name each
-        from tasks.training import TrainingLayout, training_wanted, training_workload
+        from tasks.training import TrainingLayout, training_workload
 
     data = settings_data({**asdict(profile), "lab_root": root or lab_root(profile)})
     settings = load_settings(profile.name, data)
@@ -362,7 +392,22 @@ def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = 
         plan = cluster_plan({host: target for host in node_hosts(profile)}, workload)
     else:
         plan = make_plan(target, workload)
-    layout = TrainingLayout(settings=settings, plan=plan, plan_source="gpu_override")
+    return TrainingLayout(settings=settings, plan=plan, plan_source="gpu_override"), data
+
+
+def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = None, ray_port: int = RAY_PORT,
+               node_addresses: tuple[str, ...] = NODE_ADDRESSES) -> dict:
+    """Render one profile with the planning code under ``code_root`` (imported here): the plan for its
+    ``gpus`` as deploy/train.py makes it for a box of that many (``make_plan``), or for a Ray cluster of
+    ``nodes`` such boxes as the training stage makes it for a cluster member (``tasks.plan.cluster_plan``),
+    whose nodes' units are rendered too (``render_ray_nodes``)."""
+    layout, data = profile_layout(profile, code_root, root)
+    settings, plan = layout.settings, layout.plan
+    try:
+        from tasks.train import training_wanted
+    except ImportError:                  # trees before the stages had one name each
+        from tasks.training import training_wanted
+
     train = out / "train"
     train.mkdir(parents=True, exist_ok=True)
     for want in training_wanted(layout):

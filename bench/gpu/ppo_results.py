@@ -89,7 +89,7 @@ def step_speed(profile: dict, steps: dict[int, dict[str, float]]) -> dict:
     later = [s for n, s in steps.items() if n >= 2 and "timing_s/step" in s] or list(steps.values())
     s_step = statistics.mean(s["timing_s/step"] - s.get("timing_s/testing", 0.0)
                              for s in later if "timing_s/step" in s) if later else None
-    batch = plan.get("train_batch_size") or _batch_from_overrides(profile)
+    batch = _batch_from_overrides(profile) or plan.get("train_batch_size")     # the harness's override wins
     resp = statistics.mean(s["response_length/mean"] for s in later if "response_length/mean" in s) if later else None
     return {"s_per_step": round(s_step, 2) if s_step else None, "gen_s_per_step": _mean(later, "timing_s/gen"),
             "prompts_per_s": round(batch / s_step, 3) if s_step and batch else None,

@@ -11,6 +11,7 @@ import shlex
 from pyinfra.api import FactBase
 
 from tasks.facts.logs import SECTION, _sections
+from verl_lab_box.checkpoints import TRACKER, as_folder_owner, read_file
 
 STEP_FILE = re.compile(r"/global_step_(\d+)/hf\.(proof|gsm8k)\.json$")
 STEP_FILES = re.compile(r"/global_step_(\d+)/hf/$")        # the listing of an export's folder
@@ -36,17 +37,21 @@ class RunExports(FactBase[dict]):
         return {"latest_step": None, "finished_step": None, "base": None, "exports": []}
 
     def command(self, checkpoint_dir: str) -> str:
+        """Read as the checkpoint folder's owner, each file without following a link or waiting on a FIFO
+        (verl_lab_box/checkpoints.py ``as_folder_owner``, ``read_file``): the folder is the train user's."""
         d = shlex.quote(checkpoint_dir.rstrip("/"))
-        parts = [f"echo '{SECTION}tracker'", f"(cat {d}/latest_checkpointed_iteration.txt 2>/dev/null; echo)",
+        read = {name: read_file(f'"$d/{name}"') for name in (TRACKER, "run-finished.json", "gsm8k-base.json")}
+        each = read_file('"$f"')
+        parts = [f"d={d}", f"echo '{SECTION}tracker'", f"({read[TRACKER]}; echo)",
                  # the launcher's JSON files end without a newline: the echo keeps the next section's line its own
-                 f"echo '{SECTION}finished'", f"(cat {d}/run-finished.json 2>/dev/null; echo)",
-                 f"echo '{SECTION}base'", f"(cat {d}/gsm8k-base.json 2>/dev/null; echo)",
-                 f"for f in {d}/global_step_*/hf.proof.json {d}/global_step_*/hf.gsm8k.json; do "
-                 f"[ -f \"$f\" ] || continue; echo \"{SECTION}$f\"; cat \"$f\"; echo; done",
-                 f"for s in {d}/global_step_*; do [ -f \"$s/hf.proof.json\" ] || continue; "
-                 f"echo \"{SECTION}$s/hf/\"; (cd \"$s/hf\" 2>/dev/null && find . -type f -printf '%P %s\\n' "
+                 f"echo '{SECTION}finished'", f"({read['run-finished.json']}; echo)",
+                 f"echo '{SECTION}base'", f"({read['gsm8k-base.json']}; echo)",
+                 'for f in "$d"/global_step_*/hf.proof.json "$d"/global_step_*/hf.gsm8k.json; do '
+                 f'[ -f "$f" ] || continue; echo "{SECTION}$f"; {each}; echo; done',
+                 'for s in "$d"/global_step_*; do [ -f "$s/hf.proof.json" ] || continue; '
+                 f'echo "{SECTION}$s/hf/"; (cd "$s/hf" 2>/dev/null && find . -type f -printf ' + "'%P %s\\n' "
                  "| LC_ALL=C sort) || true; done"]     # no hf/ (deleted): an empty listing, never a failed command
-        return "; ".join(parts)
+        return as_folder_owner(checkpoint_dir.rstrip("/"), "; ".join(parts)) + "; true"
 
     def process(self, output) -> dict:
         sections = _sections(output)

@@ -145,3 +145,53 @@ class UnitState(FactBase[dict[str, bool]]):
         looping = found.get("active") == "activating" and found.get("sub") == "auto-restart"
         return {"enabled": found.get("enabled") == "enabled", "crash_looping": looping,
                 "active": found.get("active") in ("active", "activating", "reloading") and not looping}
+
+
+class RootOnlyChain(FactBase[dict[str, dict]]):
+    """For each path a root stage works in (``lab_root``, ``install_tmpdir``...): the folders that decide
+    who can change it, each as ``{"path", "uid", "mode", "dir"}`` (``mode``: octal text as ``stat %a``
+    prints it, with the sticky bit): every existing folder above the path as it resolves now
+    (``readlink -m``), and above the folder that holds each part of the path as written (where a link on
+    the way lies; whoever can write there can point it elsewhere); and each part of the path as written,
+    as ``lstat`` sees it: ``{"path", "kind": "link" | "dir" | "other" | "none", "uid"}`` (``uid`` None
+    where it could not be read). Returns ``{path: {"canonical": the path resolved, "parts": [...],
+    "written": [...]}}``; {} (the default) for no paths. The parts are read one after the other: a name
+    swapped while they are read shows as answers that disagree (``tasks.placed.root_only_problem``)."""
+
+    default = dict
+
+    def command(self, paths: list[str]) -> str:
+        quoted = " ".join(shlex.quote(p) for p in paths)
+        return ("up() { a=$1; while :; do [ -e \"$a\" ] && echo \"@@part $(stat -c '%u %a' \"$a\") "
+                "$([ -d \"$a\" ] && echo d || echo f) $a\"; [ \"$a\" = / ] && break; a=$(dirname \"$a\"); done; }; "
+                "lex() { if [ -L \"$1\" ]; then k=link; elif [ -d \"$1\" ]; then k=dir; elif [ -e \"$1\" ]; then k=other; "
+                "else echo \"@@written none - $1\"; return; fi; echo \"@@written $k $(stat -c %u \"$1\" 2>/dev/null || "
+                "echo -) $1\"; }; "
+                f"for p in {quoted}; do {{ echo \"@@path $p\"; echo \"@@canonical $(readlink -m \"$p\")\"; "
+                "q=$p; while [ \"$q\" != / ] && [ \"$q\" != . ]; do lex \"$q\"; "
+                "up \"$(readlink -m \"$(dirname \"$q\")\")\"; q=$(dirname \"$q\"); done; up \"$(readlink -m \"$p\")\"; "
+                "} | awk '!seen[$0]++'; done")
+
+    def process(self, output) -> dict[str, dict]:
+        found: dict[str, dict] = self.default()
+        current = None
+        for line in output:
+            line = line.rstrip("\n")
+            if line.startswith("@@path "):
+                current = found.setdefault(line[len("@@path "):], {"canonical": None, "parts": [], "written": []})
+            elif current is None:
+                continue
+            elif line.startswith("@@canonical "):
+                current["canonical"] = line[len("@@canonical "):]
+            elif line.startswith("@@written "):
+                cells = line[len("@@written "):].split(" ", 2)
+                if len(cells) == 3 and cells[0] in ("link", "dir", "other", "none"):
+                    current["written"].append({"path": cells[2], "kind": cells[0],
+                                               "uid": int(cells[1]) if cells[1].isdigit() else None})
+            elif line.startswith("@@part "):
+                cells = line[len("@@part "):].split(" ", 3)
+                if len(cells) == 4 and cells[0].isdigit() and cells[2] in ("d", "f"):
+                    part = {"path": cells[3], "uid": int(cells[0]), "mode": cells[1], "dir": cells[2] == "d"}
+                    if part not in current["parts"]:
+                        current["parts"].append(part)
+        return found

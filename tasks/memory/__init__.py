@@ -62,8 +62,9 @@ from tasks.memory.generate import (
     vllm_memory, vllm_profile_mib,
 )
 from tasks.memory.verl_budget import VerlWorkload, held_at_vllm_start_mib, verl_gpu_budget
-from tasks.memory.lora import (LORA_MODULES, VLLM_LORA_RANKS, LoraSpec, adapter_params, lora_gpu_budget,
-                               lora_held_at_vllm_start_mib, vllm_lora_mib)
+from tasks.memory.lora import (LORA_CKPT_ACTIVATION_SCALE, LORA_MODULES, LoraMerge, LoraSpec, adapted_base_params,
+                               adapter_params, lora_gpu_budget, lora_held_at_vllm_start_mib, lora_merge)
+from tasks.memory.vllm_lora import VLLM_LORA_RANKS, vllm_lora_buffers, vllm_lora_mib
 from tasks.memory.cli import main
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "QUAD_SAVED", "QUAD_FWD_TRANSIENT", "QUAD_BWD_TRANSIENT", "SCORE_MASK_BYTES", "LOGITS_FWD", "LOGITS_BWD",
     "train_step_peak", "DECODE_LOGITS_EXTRA", "DECODE_PREV_LOGITS", "generate_peak", "VLLM_NON_TORCH_MIB",
     "VLLM_KV_MARGIN", "VllmMemory", "vllm_profile_mib", "vllm_memory", "VerlWorkload", "verl_gpu_budget",
-    "held_at_vllm_start_mib", "LORA_MODULES", "VLLM_LORA_RANKS", "LoraSpec", "adapter_params", "lora_gpu_budget",
-    "lora_held_at_vllm_start_mib", "vllm_lora_mib", "main",
+    "held_at_vllm_start_mib", "LORA_MODULES", "LORA_CKPT_ACTIVATION_SCALE", "VLLM_LORA_RANKS", "LoraSpec",
+    "LoraMerge", "adapter_params", "adapted_base_params", "lora_gpu_budget", "lora_held_at_vllm_start_mib",
+    "lora_merge", "vllm_lora_buffers", "vllm_lora_mib", "main",
 ]

@@ -1,4 +1,5 @@
-"""verl 0.5.0's PPO iteration with LoRA on the actor, on one GPU (``lora_gpu_budget``).
+"""verl 0.5.0's PPO iteration with LoRA on the actor (``lora_gpu_budget``), and what patch 0013's merge for the HF
+rollout holds (``lora_merge``).
 
 What LoRA changes, read in verl 0.5.0 (``verl/workers/fsdp_workers.py``, ``verl/trainer/ppo/ray_trainer.py``)
 and peft 0.16.0 (``peft/tuners/tuners_utils.py``):
@@ -13,14 +14,18 @@ and peft 0.16.0 (``peft/tuners/tuners_utils.py``):
   are the same: the gradients flow back through every frozen layer to the adapters of the layers below), but
   the backward makes no weight gradient of the base, and a base already in the compute dtype needs no
   half-precision copy (FSDP's mixed precision casts only what differs from ``param_dtype``);
-* vLLM (``enable_lora``, ``max_loras=1``, ``max_lora_rank`` = the rank, as fsdp_workers sets them) keeps, per
-  LoRA layer, stacked A and B buffers in the model's dtype (vllm 0.8.5 ``vllm/lora/layers.py``), for every
-  linear layer of the decoder and for the embedding and the head (``lora_extra_vocab_size`` 256 rows);
+* the HF rollout merges the adapter into the base for generation (patch 0013: ``lora_merge``): one FSDP unit at a
+  time on the GPU, each rank's own shard of the adapted decoder layers copied to host memory;
+* vLLM keeps its own LoRA buffers (tasks/memory/vllm_lora.py, read in vLLM 0.8.5's source);
 * the critic (PPO) is fully fine-tuned: verl 0.5.0's critic LoRA uses the causal-LM task type, which leaves the
   new value head frozen at its random initialisation, so the plan never gives the critic LoRA.
 
-Every term is *inferred* from the code paths above and the full plans' calibration (docs/memory.md); none of it
-has run on a GPU yet (bench/gpu/ppo_profiles.py's ``*-lora`` profiles measure it). The terms to measure are
+Measured on a GPU (GPU call 15, bench/gpu/results/ppo-20261205/call15: verl 0.5.0 on the H200 under each card's
+cap, fp32 and bf16, HF rollout, one GPU, without checkpointing): every LoRA plan's peak within 10% of this model
+(0.962-1.072), each phase within a tenth or over (tests/unit/test_gpu_measurements.py replays them). Measured
+apart (issue 42, an H100, fp32, the 0.5B's shape, rank 32 on every linear layer, 512 tokens): the update's
+activations with checkpointing, ~20% above the model before ``LORA_CKPT_ACTIVATION_SCALE``. Not measured: vLLM's
+LoRA path (vLLM never ran on the device), several GPUs with LoRA, patch 0013's merge on a GPU. Those terms are
 marked ``# GPU:``.
 """
 
@@ -39,9 +44,13 @@ from tasks.memory.verl_budget import VerlWorkload, _transient
 
 # The linear layers of a Qwen2/Llama decoder layer; PEFT's "all-linear" takes every one of them (not the head).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# vLLM 0.8.5's LoRAConfig: max_lora_rank must be one of these (vllm/config.py, LoRAConfig.__post_init__)
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
-VLLM_LORA_EXTRA_VOCAB = 256      # LoRAConfig.lora_extra_vocab_size's default (and its padding)
+# The update's activations with gradient checkpointing (lora_update_transient_mib's checkpointed moments and verl's
+# fp32 log-softmax), times this. measured (issue 42: an H100, fp32, Qwen2.5-0.5B's shape, rank 32 on every linear
+# layer, 512 tokens; the update's peak less the resident states, against the model before this factor), MiB:
+# micro-batch 1 792 vs 665 (1.19), 4: 3145 vs 2590 (1.21), 8: 6288 vs 5157 (1.22); without checkpointing
+# 2416 vs 2290 (1.05, left as it is: GPU call 15's LoRA updates without checkpointing were 0.87-1.01 of it).
+# Taken for bf16 too (not measured there).
+LORA_CKPT_ACTIVATION_SCALE = 1.22
 
 
 @dataclass(frozen=True)
@@ -74,15 +83,37 @@ def adapter_params(shape: ModelShape, lora: LoraSpec) -> int:
     return shape.layers * sum(lora.rank * (dims[m][0] + dims[m][1]) for m in lora.targets)
 
 
-def vllm_lora_mib(shape: ModelShape, rank: int, dtype: str, tp: int = 1) -> float:
-    """vLLM 0.8.5's LoRA buffers for one adapter slot (max_loras=1) at ``max_lora_rank``, in the model's dtype:
-    the stacked A and B of every linear layer of the decoder (vLLM wraps them all, whatever the adapter
-    targets), the embedding's extra-vocabulary rows and A/B, the head's A/B padded to 256 rows."""
+def adapted_base_params(shape: ModelShape, lora: LoraSpec) -> int:
+    """The base weights the adapters adapt (in x out of every targeted linear layer): what patch 0013 merges into."""
     dims = module_dims(shape)
-    linear = shape.layers * sum(rank * (i + o) for i, o in dims.values()) / tp
-    embed = VLLM_LORA_EXTRA_VOCAB * shape.hidden + (shape.vocab + VLLM_LORA_EXTRA_VOCAB) * rank + shape.hidden * rank
-    head = rank * shape.hidden + -(-shape.vocab // VLLM_LORA_EXTRA_VOCAB) * VLLM_LORA_EXTRA_VOCAB * rank
-    return _bytes(dtype) * (linear + embed + head) / MIB
+    return shape.layers * sum(dims[m][0] * dims[m][1] for m in lora.targets)
+
+
+@dataclass(frozen=True)
+class LoraMerge:
+    """What patch 0013's merge for the HF rollout holds, per rank: host memory (its copies, kept for the run), GPU
+    memory beside the resident states while it merges."""
+
+    host_mib: float
+    gpu_mib: float
+
+
+def lora_merge(shape: ModelShape, lora: LoraSpec, n_gpus: int) -> LoraMerge:
+    """Patch 0013 as issue 42 made it (files/patches/verl-0.5.0/0013-*.diff, ``_AdapterMerge``): the ranks take one
+    decision together; each rank copies only its own shard of every FSDP1 unit that holds an adapted weight to host
+    memory (verl's wrap policy makes each decoder layer a unit: the whole layer's flat parameter, its norms and biases
+    too, in the base's dtype), so a box holds the decoder once whatever its GPU count, kept for the run; it merges
+    one unit at a time: the decoder layer summoned alone with its nested lora_A and lora_B units (on one GPU, NO_SHARD,
+    nothing is gathered), each weight's (B @ A) x alpha/r made in fp32, the weight added to it in fp32 and the sum
+    rounded once into the weight; the restore copies the shard back, no gather. The most it holds on the GPU is the
+    largest decoder layer with its adapters and one weight's fp32 delta, never the whole model."""
+    b = _bytes(lora.base_dtype)
+    dims = module_dims(shape)
+    layer_adapters = sum(lora.rank * (dims[m][0] + dims[m][1]) for m in lora.targets)
+    unit = b * shape.layer_params + 4.0 * layer_adapters if n_gpus > 1 else 0.0
+    delta = 4.0 * max(dims[m][0] * dims[m][1] for m in lora.targets)
+    # GPU: patch 0013's merge has not run on a GPU (from its code; its CPU test measures the allocator's peak)
+    return LoraMerge(host_mib=b * shape.layers * shape.layer_params / n_gpus / MIB, gpu_mib=(unit + delta) / MIB)
 
 
 def lora_update_transient_mib(shape: ModelShape, dtype: str, attn: str, grad_ckpt: bool, micro_batch: int,
@@ -155,8 +186,9 @@ def lora_gpu_budget(shape: ModelShape, workload: VerlWorkload, lora: LoraSpec) -
         actor_act = max(wl.micro_batch * seq * per_token / MIB, 4.0 * A / MIB) + half_copy
     else:
         actor_act = lora_update_transient_mib(s, wl.train_dtype, wl.attn, wl.grad_ckpt, wl.micro_batch, seq, A,
-                                              lora.base_dtype) + half_copy
+                                              lora.base_dtype)
         actor_act += 2.0 * 4.0 * s.vocab * wl.micro_batch * wl.response_len / MIB   # log-softmax, entropy (fp32)
+        actor_act = actor_act * (LORA_CKPT_ACTIVATION_SCALE if wl.grad_ckpt else 1.0) + half_copy
     actor_act += gathered
     critic_act = 0.0
     if wl.use_critic:
@@ -167,6 +199,8 @@ def lora_gpu_budget(shape: ModelShape, workload: VerlWorkload, lora: LoraSpec) -
     values_pass = lp_micro * seq * (4.0 * s.hidden * 4 + 3.0 * 4 * s.ffn) / MIB \
         + (2.0 * P_c / MIB if wl.train_dtype != "fp32" else 0.0) + gathered
 
+    # the HF rollout merges the adapter for generation (patch 0013), before and after generating: one unit at a time
+    merge = lora_merge(s, lora, n) if wl.rollout == "hf" else LoraMerge(host_mib=0.0, gpu_mib=0.0)
     if wl.rollout == "vllm":
         rollout = wl.vllm_rollout_mib if wl.vllm_rollout_mib is not None \
             else wl.vllm_gpu_memory_utilization * wl.gpu_memory_mib
@@ -180,6 +214,7 @@ def lora_gpu_budget(shape: ModelShape, workload: VerlWorkload, lora: LoraSpec) -
         # holds autocast's copy of every weight (as the full plans, measured on the T4 profile)
         rollout = gen.peak_mib - gen.breakdown["weights"] + gathered \
             + (_bytes(wl.rollout_dtype) * P_a / MIB if wl.rollout_dtype != lora.base_dtype else 0.0)
+        rollout = max(rollout, merge.gpu_mib)
     always = rollout if (wl.rollout == "vllm" and not wl.vllm_sleep) else 0.0
     resident = res_actor + res_critic + always
     base_back = base if wl.actor_param_offload else 0.0      # an offloaded base is loaded for each pass
@@ -199,7 +234,8 @@ def lora_gpu_budget(shape: ModelShape, workload: VerlWorkload, lora: LoraSpec) -
     host = (base if wl.actor_param_offload else 0.0) \
         + (params_c if wl.use_critic and wl.critic_param_offload else 0.0) \
         + (opt_c if wl.use_critic and wl.critic_optimizer_offload else 0.0) \
-        + (_bytes(wl.rollout_dtype) * P_a / MIB if wl.rollout == "vllm" and wl.vllm_sleep else 0.0)
+        + (_bytes(wl.rollout_dtype) * P_a / MIB if wl.rollout == "vllm" and wl.vllm_sleep else 0.0) \
+        + merge.host_mib
     bd = {
         "actor_states": base + ad_params + ad_grads + ad_opt,
         "lora_frozen_base": base,
@@ -210,6 +246,8 @@ def lora_gpu_budget(shape: ModelShape, workload: VerlWorkload, lora: LoraSpec) -
         "critic_activations": critic_act,
         "ref_states": 0.0,
         "rollout": rollout,
+        "lora_merge_gpu": merge.gpu_mib,
+        "lora_merge_host": merge.host_mib,
         "cuda_context": overhead,
         "resident": resident,
         **phases,

@@ -20,7 +20,8 @@ The rules (docs/plan.md gives the reason for each):
   GRPO with LoRA adapters on the actor (``workload.finetune``: "auto" takes them where full
   fine-tuning needs the CPU-offload rung; tasks/plan/lora.py) -> GRPO with the actor on FSDP2 CPU
   offload -> the same with shorter responses;
-* memory, on every rung: without gradient checkpointing first, then with it; at each, no offload unless the
+* memory, on every full rung: without gradient checkpointing first, then with it (on the LoRA rungs: the
+  (micro-batch, checkpointing) pair the speed model ranks fastest, tasks/speed.py); at each, no offload unless the
   estimate says it does not fit, then the ladder reference params -> actor optimizer ->
   critic optimizer -> actor params -> critic params (fewer offloads = faster). HF rollout
   never gets actor param offload (0.5.0 does not reload an offloaded actor before HF
@@ -60,10 +61,13 @@ from tasks.plan.estimator import (
     VLLM_SHARE_MAX, VLLM_SHARE_MIN, default_estimator, gpu_budget_mib, max_num_batched_tokens, vllm_memory_for,
 )
 from tasks.plan.memory_fit import (
-    FORWARD_MICRO_CHOICES, MICRO_BATCH_CHOICES, ROLLOUT_CHUNK_CHOICES, UNMEASURED_KNOBS, knob_values,
+    FORWARD_MICRO_CHOICES, MICRO_BATCH_CHOICES, ROLLOUT_CHUNK_CHOICES, UNMEASURED_KNOBS, gpu_seconds, knob_values,
     offload_levels, offload_seconds, rollout_chunk_choices, rollout_tp_choices, search_memory, search_offload,
+    speed_ranked,
 )
-from tasks.plan.lora import FINETUNES, FULL_ACTOR_LR, LORA_LR_SCALE, finetune_reason, gpu_seconds, lora_overrides
+from tasks.plan.lora import (
+    FINETUNES, FULL_ACTOR_LR, LORA_LR_SCALE, finetune_reason, lora_memory_reasons, lora_overrides,
+)
 from tasks.plan.overrides import GRPO_OVERRIDES, MASTER_DTYPE, checkpoint_plan, plan_env, verl_overrides
 from tasks.plan.rungs import ALGORITHMS, GRPO_N, RUNGS, ladder, make_plan, verl_refusal
 from tasks.plan.cluster import cluster_plan, weakest_gpu
@@ -81,7 +85,8 @@ __all__ = [
     "max_num_batched_tokens", "vllm_memory_for", "default_estimator", "MICRO_BATCH_CHOICES",
     "FORWARD_MICRO_CHOICES", "ROLLOUT_CHUNK_CHOICES", "UNMEASURED_KNOBS", "knob_values", "offload_levels",
     "rollout_chunk_choices", "rollout_tp_choices", "search_memory", "offload_seconds", "search_offload",
-    "FINETUNES", "FULL_ACTOR_LR", "LORA_LR_SCALE", "finetune_reason", "gpu_seconds", "lora_overrides",
+    "speed_ranked", "FINETUNES", "FULL_ACTOR_LR", "LORA_LR_SCALE", "finetune_reason", "gpu_seconds",
+    "lora_memory_reasons", "lora_overrides",
     "MASTER_DTYPE", "GRPO_OVERRIDES", "verl_overrides", "plan_env", "checkpoint_plan", "GRPO_N", "RUNGS",
     "ALGORITHMS", "make_plan", "verl_refusal", "ladder", "weakest_gpu", "cluster_plan", "REPO_ROOT",
     "DEFAULT_MODEL_CONFIG", "catalog_models", "with_model", "plan_naming_models_that_fit", "load_model_config",

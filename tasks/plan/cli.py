@@ -1,6 +1,7 @@
 """``python -m tasks.plan``: the plan of a GPU, or of a uniform Ray cluster of N boxes of it
 (``--nodes``), as a table or as JSON (``--json``), for the default model or a catalog one
-(``--model``); ``--doc-table`` and ``--model-table`` print docs/plan.md's tables."""
+(``--model``), fully fine-tuned or with LoRA (``--finetune``); ``--doc-table`` and ``--model-table`` print
+docs/plan.md's tables."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Sequence
 
 from tasks.plan.cluster import cluster_plan
 from tasks.plan.doc_tables import doc_workload, gpu_table, model_table
+from tasks.plan.lora import FINETUNES
 from tasks.plan.precision import ROLLOUT_ENGINES
 from tasks.plan.rungs import ALGORITHMS, make_plan
 from tasks.plan.terms import GpuTarget, PlanError, TrainingPlan
@@ -24,7 +26,8 @@ def _table(plan: TrainingPlan) -> str:
     d = plan.to_dict()
     lines = [f"Plan for {plan.gpu.count} x {plan.gpu.name} (compute capability {plan.gpu.compute_capability}, "
              f"{plan.gpu.memory_mib} MiB), verl {plan.verl_version}",
-             f"predicted peak {d['predicted_peak_mib']} MiB of a {d['budget_mib']} MiB budget", ""]
+             f"rung {plan.rung}: predicted peak {d['predicted_peak_mib']} MiB of a {d['budget_mib']} MiB budget"
+             + (f", {d['predicted_host_ram_mib']} MiB of host RAM" if d["predicted_host_ram_mib"] else ""), ""]
     width = max(len(r.setting) for r in plan.reasons)
     for r in plan.reasons:
         lines.append(f"  {r.setting:<{width}}  {r.value!s:<22}  {r.why}")
@@ -60,7 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--flash-attn", action="store_true", help="flash-attn is installed in the env")
     ap.add_argument("--rollout", choices=ROLLOUT_ENGINES, default="auto",
                     help="workload.rollout: auto (vLLM where the GPU runs it), vllm, or hf (the HF rollout)")
+    ap.add_argument("--finetune", choices=FINETUNES, default="auto",
+                    help="workload.finetune: auto (LoRA where full fine-tuning would need the CPU-offload rung), full "
+                         "(every weight) or lora (adapters only): run it with full and with lora to see a card's two "
+                         "plans side by side")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--burnin", type=Path, metavar="BURNIN_JSON",
+                    help="a box's burn-in record (<train_dir>/burnin/burnin.json, or the controller cache's burnin/<host>"
+                         ".json): its measured figures beside the plan's, and what to change (docs/burnin.md)")
     args = ap.parse_args(argv)
     if args.doc_table or args.model_table:
         print(gpu_table(doc_workload()) if args.doc_table else model_table(doc_workload()))
@@ -95,4 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no plan: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else _table(plan))
+    if args.burnin:
+        from tasks.burnin.hearing import hearing_words
+
+        try:
+            record = json.loads(args.burnin.read_text())
+        except (OSError, ValueError) as exc:
+            print(f"--burnin {args.burnin}: cannot read a burn-in record ({exc})", file=sys.stderr)
+            return 2
+        print("\n" + hearing_words(record, plan.to_dict()))
     return 0

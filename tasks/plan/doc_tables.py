@@ -105,10 +105,11 @@ def doc_workload(args=None) -> Workload:
         args = argparse.Namespace(model_path="/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct",
                                   data_dir="/opt/verl-lab/data/gsm8k", checkpoint_dir="/opt/verl-lab/train/checkpoints",
                                   steps=None, epochs=1, algorithm="auto", model_config=DEFAULT_MODEL_CONFIG,
-                                  flash_attn=False, rollout="auto")
+                                  flash_attn=False, rollout="auto", finetune="auto")
     return Workload(model_path=args.model_path or "/opt/verl-lab/models/Qwen--Qwen2.5-0.5B-Instruct",
                     train_files=f"{args.data_dir}/train.parquet",
                     val_files=f"{args.data_dir}/val_small.parquet", checkpoint_dir=args.checkpoint_dir,
                     total_training_steps=args.steps, total_epochs=args.epochs, algorithm=args.algorithm,
                     model_config=load_model_config(args.model_config),
-                    flash_attn_installed=args.flash_attn, rollout_engine=args.rollout)
+                    flash_attn_installed=args.flash_attn, rollout_engine=args.rollout,
+                    finetune=getattr(args, "finetune", "auto"))

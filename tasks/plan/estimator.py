@@ -36,7 +36,7 @@ def max_num_batched_tokens(workload: Workload) -> int:
 def vllm_memory_for(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice):
     """vLLM's share and footprint for this plan's engine (tasks.memory.vllm_memory)."""
     from tasks.memory import ModelShape, held_at_vllm_start_mib, vllm_memory
-    from tasks.memory.lora import lora_held_at_vllm_start_mib, vllm_lora_mib
+    from tasks.memory.lora import lora_held_at_vllm_start_mib
 
     shape = ModelShape.from_config(dict(workload.model_config))
     wl = _verl_workload(gpu, workload, precision, choice)
@@ -48,7 +48,20 @@ def vllm_memory_for(gpu: GpuTarget, workload: Workload, precision: Precision, ch
         held_at_start_mib=lora_held_at_vllm_start_mib(shape, wl, lora_spec(workload, precision)) if workload.lora
         else held_at_vllm_start_mib(shape, wl),
         share_min=VLLM_SHARE_MIN, share_max=VLLM_SHARE_MAX,
-        lora_mib=vllm_lora_mib(shape, workload.lora_rank, dtype, choice.rollout_tp) if workload.lora else 0.0)
+        lora_mib=vllm_lora_mib_for(gpu, workload, precision, choice) if workload.lora else 0.0)
+
+
+def vllm_lora_mib_for(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice) -> float:
+    """vLLM 0.8.5's LoRA buffers on each GPU of this plan's engine (tasks/memory/vllm_lora.py): the model's class,
+    the rank, the rollout's dtype, tensor-parallel size, max_num_seqs and max_num_batched_tokens."""
+    from tasks.memory import ModelShape
+    from tasks.memory.vllm_lora import vllm_lora_mib
+
+    arch = (workload.model_config.get("architectures") or [""])[0]
+    return vllm_lora_mib(ModelShape.from_config(dict(workload.model_config)), workload.lora_rank,
+                         _MEM_DTYPE[precision.rollout_dtype], choice.rollout_tp, arch,
+                         max_num_batched_tokens(workload), choice.rollout_micro_batch * choice.rollout_tp,
+                         vllm_engine(gpu))
 
 
 def lora_spec(workload: Workload, precision: Precision):
@@ -107,7 +120,10 @@ def default_estimator(gpu: GpuTarget, workload: Workload, precision: Precision, 
     wl = _verl_workload(gpu, workload, precision, choice, vllm.rollout_mib if vllm else None)
     est = lora_gpu_budget(shape, wl, lora_spec(workload, precision)) if workload.lora else verl_gpu_budget(shape, wl)
     breakdown = {k: int(round(v)) for k, v in est.breakdown.items()}
-    breakdown["host_ram"] = int(round(est.host_ram_mib))   # offloaded states (and vLLM's weights asleep)
+    # per GPU (rank): offloaded states, vLLM's weights asleep, patch 0013's saved shard; the plan's host RAM is per box
+    breakdown["host_ram"] = int(round(est.host_ram_mib))
+    if vllm is not None and workload.lora:
+        breakdown["vllm_lora"] = int(round(vllm.lora_mib))
     peak = int(round(est.peak_mib))
     if vllm is not None:
         breakdown.update({"vllm_kv_wanted": int(round(vllm.kv_wanted_mib)),

@@ -1,7 +1,7 @@
 """LoRA in the plan: the rungs that train adapters on the actor (tasks/plan/rungs.py's RUNGS), their verl
-overrides with reasons (``lora_overrides``), the speed model's seconds of a plan that stays on the GPU
-(``gpu_seconds``, tasks/speed.py) and why ``workload.finetune = "auto"`` chose full fine-tuning or LoRA, with
-both speeds (``finetune_reason``).
+overrides with reasons (``lora_overrides``), why ``workload.finetune = "auto"`` chose full fine-tuning or LoRA,
+with both speeds by the speed model (``finetune_reason``; tasks/plan/memory_fit.py ``gpu_seconds``), and what the
+rollout holds for LoRA (``lora_memory_reasons``: patch 0013's merge with the HF rollout, vLLM's own buffers).
 
 The choices, and where they come from:
 
@@ -30,8 +30,9 @@ from dataclasses import replace
 from typing import Any
 
 from tasks.plan.estimator import _MEM_DTYPE
-from tasks.plan.memory_fit import offload_seconds, search_memory
-from tasks.plan.terms import Estimator, GpuTarget, MemoryChoice, PlanError, Precision, Reason, Workload
+from tasks.plan.memory_fit import gpu_seconds, offload_seconds, search_memory
+from tasks.plan.terms import (Estimator, GpuTarget, MemoryChoice, MemoryEstimate, PlanError, Precision, Reason,
+                               Workload)
 
 FULL_ACTOR_LR = 1e-6        # verl 0.5.0's actor optim.lr (verl/trainer/config/actor/actor.yaml)
 LORA_LR_SCALE = 10          # "LoRA Without Regret": LoRA's best learning rate is about 10x full fine-tuning's
@@ -40,7 +41,7 @@ FINETUNES = ("auto", "full", "lora")
 
 def vllm_rank_refusal(workload: Workload, precision: Precision) -> PlanError | None:
     """vLLM 0.8.5 refuses a max_lora_rank outside VLLM_LORA_RANKS, and verl 0.5.0 passes the rank as it."""
-    from tasks.memory.lora import VLLM_LORA_RANKS
+    from tasks.memory.vllm_lora import VLLM_LORA_RANKS
 
     if workload.finetune == "full" or precision.rollout != "vllm" or workload.lora_rank in VLLM_LORA_RANKS:
         return None
@@ -87,22 +88,33 @@ def lora_overrides(gpu: GpuTarget, workload: Workload, precision: Precision) -> 
     return out
 
 
-def gpu_seconds(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice,
-                lora: bool | None = None) -> dict[str, float]:
-    """The speed model's seconds per phase of a plan that stays on the GPU (tasks/speed.py: gpu_step_seconds);
-    ``lora`` None: as the workload's rung trains."""
-    from tasks.memory import ModelShape
-    from tasks.speed import GpuStep, gpu_step_seconds
-
-    shape = ModelShape.from_config(dict(workload.model_config))
-    n = workload.rollout_n
-    return gpu_step_seconds(GpuStep(
-        params=shape.params("actor"), train_dtype=precision.train_dtype,
-        sequences=workload.train_batch_size * n // gpu.count, micro_batch=choice.actor_micro_batch,
-        rollout_chunk=choice.rollout_micro_batch if precision.rollout == "hf" else 0,
-        prompt_len=workload.max_prompt_length, response_len=workload.max_response_length, grad_ckpt=choice.grad_ckpt,
-        rollout_dtype=_MEM_DTYPE[precision.rollout_dtype], lora=workload.lora if lora is None else lora,
-        reference=workload.uses_reference, critic_params=shape.params("critic") if workload.uses_critic else 0))
+def lora_memory_reasons(gpu: GpuTarget, w: Workload, precision: Precision, choice: MemoryChoice,
+                        est: MemoryEstimate) -> list[Reason]:
+    """What a LoRA rung's rollout holds beyond the training states: patch 0013's merge (the HF rollout) or vLLM's
+    LoRA buffers, with where each number comes from."""
+    if not w.lora:
+        return []
+    bd = est.breakdown
+    if precision.rollout == "hf":
+        box = bd.get("lora_merge_host", 0) * gpu.count
+        return [Reason("lora_merge", f"{box} MiB host, {bd.get('lora_merge_gpu', 0)} MiB GPU",
+                       "the HF rollout generates with the adapter merged into the base (patch 0013): the ranks decide "
+                       "together, each copies its own shard of the adapted decoder layers (in "
+                       f"{precision.train_dtype}) to host memory for the run, {box} MiB on this box in all (in "
+                       "predicted_host_ram_mib: the preflight checks the box's RAM; patch 0013 merges only where "
+                       "MemAvailable holds twice the box's copies, else it generates unmerged, slower), and merges "
+                       "one FSDP unit at a time: one decoder layer with its adapters and one weight's fp32 delta on "
+                       "the GPU, never the whole model (tasks/memory/lora.py lora_merge; not yet run on a GPU)")]
+    arch = (w.model_config.get("architectures") or ["an unknown model class"])[0]
+    return [Reason("vllm_lora", f"{bd.get('vllm_lora', 0)} MiB",
+                   f"vLLM 0.8.5's own LoRA memory on each GPU, in its share: for verl's max_loras=1 and max_lora_rank="
+                   f"{w.lora_rank}, the stacked A and B of every linear layer of the decoder in the model's dtype "
+                   "(vllm/lora/layers.py create_lora_weights, whatever the adapter targets), "
+                   + ("the embedding's and head's LoRA with 256 extra vocabulary rows, " if arch != "Qwen2ForCausalLM"
+                      else f"no embedding or head LoRA ({arch} has no embedding_modules), ")
+                   + f"the punica workspace for {choice.rollout_micro_batch * choice.rollout_tp} sequences and "
+                     "max_num_batched_tokens (vllm/lora/punica_wrapper): read from vLLM's source "
+                     "(tasks/memory/vllm_lora.py), unproven on a GPU until a run of a vLLM LoRA plan measures it")]
 
 
 def _speed_words(seconds: dict[str, float], precision: Precision) -> str:
@@ -114,7 +126,7 @@ def finetune_reason(gpu: GpuTarget, asked: Workload, rung: str, w: Workload, pre
                     choice: MemoryChoice, estimator: Estimator, ladder: list[tuple[str, Workload, str]],
                     failed: list[tuple[str, PlanError]]) -> Reason:
     """Why the plan trains every weight or LoRA adapters, with the speed model's seconds of both where it can
-    (seconds on the device's H200: a ranking, not a forecast; tasks/speed.py)."""
+    (seconds on the device's H200 and H100: a ranking, not a forecast; tasks/speed.py)."""
     kind = "lora" if w.lora else "full"
     if asked.finetune != "auto":
         return Reason("finetune", kind, f"workload.finetune = {asked.finetune!r} asks for it")
@@ -135,7 +147,7 @@ def finetune_reason(gpu: GpuTarget, asked: Workload, rung: str, w: Workload, pre
         return Reason("finetune", "lora",
                       f"auto: {other}" + (f" ({short})" if short else "") + f"; LoRA trains on the GPU alone: "
                       f"{_speed_words(mine, precision)} by the speed model (tasks/speed.py, seconds on the device's "
-                      "H200: a ranking)")
+                      "H200 and H100: a ranking)")
     if w.actor_offload_policy:
         lora_short = "; ".join(f"{r} short by {e.short_mib} MiB" for r, e in failed if r.endswith("lora"))
         return Reason("finetune", "full", f"auto: no LoRA rung fits ({lora_short or 'none tried'}): full "

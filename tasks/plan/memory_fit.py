@@ -75,32 +75,53 @@ def rollout_tp_choices(gpu: GpuTarget, workload: Workload) -> list[int]:
     return [tp for tp in (1, 2, 4, 8) if tp == 1 or (gpu.count % tp == 0 and heads % tp == 0 and kv % tp == 0)]
 
 
+def speed_ranked(workload: Workload) -> bool:
+    """Whether the search takes the fastest fitting (update micro-batch, checkpointing) pair by the speed model
+    (tasks/speed.py gpu_step_seconds, with its fixed cost per micro-batch and layer): on the LoRA rungs, where that
+    cost was measured (issue 42). The full fine-tuning rungs keep "no checkpointing first, the largest micro-batch"
+    (their plans' peaks were measured on a GPU as chosen so) until a run measures their cost per micro-batch."""
+    return workload.lora
+
+
 def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
                   estimator: Estimator) -> tuple[MemoryChoice, MemoryEstimate, list[Reason]]:
-    """The fastest choice the estimate fits: no checkpointing before checkpointing, fewer offloads
-    before more, the largest update micro-batch; then the largest no-gradient micro-batch and
-    HF generation chunk (each of those changes only its own phase of the estimate)."""
+    """The fastest choice the estimate fits. Full fine-tuning: no checkpointing before checkpointing, fewer offloads
+    before more, the largest update micro-batch. LoRA (``speed_ranked``): fewer offloads before more, and at the
+    first offload level where anything fits, the (micro-batch, checkpointing) pair the speed model ranks fastest
+    (ties: the larger micro-batch, then no checkpointing). Then the largest no-gradient micro-batch and HF
+    generation chunk (each of those changes only its own phase of the estimate)."""
     mini_per_gpu = workload.ppo_mini_batch_size * workload.rollout_n // gpu.count
     batch_per_gpu = workload.train_batch_size * workload.rollout_n // gpu.count
     best_failure: MemoryEstimate | None = None
     tried = 0
     found: tuple[MemoryChoice, MemoryEstimate] | None = None
+    ranking: list[tuple[float, int, bool]] | None = None     # the update's seconds of each fitting pair (LoRA)
     if workload.actor_offload_policy:
         return search_offload(gpu, workload, precision, estimator)
-    candidates = [(ckpt, level, micro) for ckpt in (False, True) for level in offload_levels(workload, precision)
-                  for micro in _micro_choices(mini_per_gpu)]
+    ranked = speed_ranked(workload)
+    levels = offload_levels(workload, precision)
+    # a group is tried whole; the first group with a fit decides (full: each candidate its own group, in order)
+    groups = [[(ckpt, level, micro) for ckpt in (False, True) for micro in _micro_choices(mini_per_gpu)]
+              for level in levels] if ranked else \
+        [[(ckpt, level, micro)] for ckpt in (False, True) for level in levels for micro in _micro_choices(mini_per_gpu)]
     # vLLM across several GPUs only where one GPU cannot hold the rollout (TP costs an all-reduce per layer)
     tps = rollout_tp_choices(gpu, workload) if precision.rollout == "vllm" else [1]
-    for tp, (ckpt, level, micro) in ((tp, c) for tp in tps for c in candidates):
-        choice = MemoryChoice(offload=level, actor_micro_batch=micro, log_prob_micro_batch=1,
-                              critic_micro_batch=micro, rollout_micro_batch=1, grad_ckpt=ckpt, rollout_tp=tp)
-        est = estimator(gpu, workload, precision, choice)
-        tried += 1
-        if est.fits:
-            found = (choice, est)
+    for tp, group in ((tp, g) for tp in tps for g in groups):
+        fits = []
+        for ckpt, level, micro in group:
+            choice = MemoryChoice(offload=level, actor_micro_batch=micro, log_prob_micro_batch=1,
+                                  critic_micro_batch=micro, rollout_micro_batch=1, grad_ckpt=ckpt, rollout_tp=tp)
+            est = estimator(gpu, workload, precision, choice)
+            tried += 1
+            if est.fits:
+                fits.append((update_seconds(gpu, workload, precision, choice) if ranked else 0.0,
+                             -micro, ckpt, choice, est))
+            elif best_failure is None or est.peak_mib < best_failure.peak_mib:
+                best_failure = est
+        if fits:
+            found = min(fits, key=lambda f: f[:3])[3:]
+            ranking = [(f[0], -f[1], f[2]) for f in fits] if ranked else None
             break
-        if best_failure is None or est.peak_mib < best_failure.peak_mib:
-            best_failure = est
     if found is None:
         assert best_failure is not None
         raise _no_fit(gpu, workload, best_failure)
@@ -124,7 +145,7 @@ def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
     tried += n
     if est.vllm_gpu_memory_utilization is not None:
         choice = replace(choice, vllm_gpu_memory_utilization=est.vllm_gpu_memory_utilization)
-    return choice, est, _memory_reasons(gpu, workload, precision, choice, est, tried)
+    return choice, est, _memory_reasons(gpu, workload, precision, choice, est, tried, ranking)
 
 
 def offload_seconds(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice) -> dict[str, float]:
@@ -141,6 +162,31 @@ def offload_seconds(gpu: GpuTarget, workload: Workload, precision: Precision, ch
         rollout_chunk=choice.rollout_micro_batch if precision.rollout == "hf" else 0,
         prompt_len=workload.max_prompt_length, response_len=workload.max_response_length, grad_ckpt=choice.grad_ckpt,
         rollout_dtype=_MEM_DTYPE[precision.rollout_dtype], **{k: getattr(choice, k) for k in OFFLOAD_KNOBS}))
+
+
+def gpu_seconds(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice,
+                lora: bool | None = None) -> dict[str, float]:
+    """The speed model's seconds per phase of a plan that stays on the GPU (tasks/speed.py: gpu_step_seconds);
+    ``lora`` None: as the workload's rung trains."""
+    from tasks.memory import ModelShape
+    from tasks.speed import GpuStep, gpu_step_seconds
+
+    shape = ModelShape.from_config(dict(workload.model_config))
+    n = workload.rollout_n
+    return gpu_step_seconds(GpuStep(
+        params=shape.params("actor"), layers=shape.layers, train_dtype=precision.train_dtype,
+        sequences=workload.train_batch_size * n // gpu.count, micro_batch=choice.actor_micro_batch,
+        rollout_chunk=choice.rollout_micro_batch if precision.rollout == "hf" else 0,
+        prompt_len=workload.max_prompt_length, response_len=workload.max_response_length, grad_ckpt=choice.grad_ckpt,
+        rollout_dtype=_MEM_DTYPE[precision.rollout_dtype], lora=workload.lora if lora is None else lora,
+        reference=workload.uses_reference, critic_params=shape.params("critic") if workload.uses_critic else 0))
+
+
+def update_seconds(gpu: GpuTarget, workload: Workload, precision: Precision, choice: MemoryChoice) -> float:
+    """What the (micro-batch, checkpointing) pair changes in a step by the speed model, the search's key on the LoRA
+    rungs: the actor's update and, on PPO, the critic's (its micro-batch and checkpointing are the actor's)."""
+    seconds = gpu_seconds(gpu, workload, precision, choice)
+    return seconds["update"] + seconds["critic"]
 
 
 def search_offload(gpu: GpuTarget, workload: Workload, precision: Precision,
@@ -231,10 +277,24 @@ def _no_fit(gpu: GpuTarget, workload: Workload, best_failure: MemoryEstimate) ->
     return err
 
 
-def _memory_reasons(gpu, workload, precision, choice, est, tried) -> list[Reason]:
+def _ranked_words(choice: MemoryChoice, ranking: list[tuple[float, int, bool]]) -> str:
+    """The speed model's update seconds of the chosen pair and of the fastest fitting pair the other way."""
+    other = [r for r in ranking if r[2] != choice.grad_ckpt]
+    mine = next(r for r in ranking if r[1:] == (choice.actor_micro_batch, choice.grad_ckpt))
+    alt = min(other) if other else None
+    return (f"the speed model ranks this update (and the critic's) the fastest that fits: micro-batch {mine[1]} "
+            f"{'with' if mine[2] else 'without'} it {mine[0]:.0f} s a step, "
+            + (f"the fastest {'with' if alt[2] else 'without'} it (micro-batch {alt[1]}) {alt[0]:.0f} s"
+               if alt else f"none fits {'without' if mine[2] else 'with'} it")
+            + " (tasks/speed.py: each micro-batch costs a fixed time per layer, measured on an H100; checkpointing "
+              "one more forward)")
+
+
+def _memory_reasons(gpu, workload, precision, choice, est, tried, ranking=None) -> list[Reason]:
     on = [k for k in OFFLOAD_LADDER if choice.offload.get(k)]
     policy = workload.actor_offload_policy
     reasons = [Reason("gradient_checkpointing", choice.grad_ckpt,
+                      _ranked_words(choice, ranking) if ranking else
                       ("the speed model ranks the fastest update that fits with it (tasks/speed.py)" if policy
                        else "without it no offload level and micro-batch fits the budget")
                       + " (it recomputes each layer in the backward pass: about a third more update compute)"
@@ -253,6 +313,10 @@ def _memory_reasons(gpu, workload, precision, choice, est, tried) -> list[Reason
                            "dividing the per-GPU mini-batch; tasks/speed.py): without the gather-once knobs every "
                            "micro-batch moves the weights in and the gradients out over PCIe, with them once per "
                            "mini-batch" if policy else
+                           f"updates: the (micro-batch, checkpointing) pair the speed model ranks fastest among those "
+                           f"that fit (of {', '.join(map(str, MICRO_BATCH_CHOICES))} dividing the per-GPU mini-batch, "
+                           "each with and without checkpointing; tasks/speed.py); no-gradient passes: the largest "
+                           "that still fits" if ranking else
                            f"updates: the largest micro-batch (of {', '.join(map(str, MICRO_BATCH_CHOICES))}) dividing "
                            "the per-GPU mini-batch that fits; no-gradient passes: the largest that still fits")
                           + f" ({tried} candidates estimated)"))

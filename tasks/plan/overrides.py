@@ -11,6 +11,7 @@ from typing import Any
 from tasks.checkpoints import CheckpointPlan, plan_checkpoints, plan_lora_checkpoints, retention_overrides
 from tasks.plan.estimator import max_num_batched_tokens
 from tasks.plan.lora import lora_overrides
+from tasks.plan.memory_fit import speed_ranked
 from tasks.plan.precision import VLLM_MIN_CC, vllm_engine
 from tasks.plan.terms import (OFFLOAD_KEYS, OFFLOAD_KNOBS, OFFLOAD_LADDER, GpuTarget, MemoryChoice, Precision, Reason,
                               Workload)
@@ -86,9 +87,12 @@ def verl_overrides(gpu: GpuTarget, workload: Workload, precision: Precision,
         "padding removal uses flash-attn's kernels" if rmpad else "padding removal needs flash-attn")
     for key, label in (("actor_rollout_ref.model.enable_gradient_checkpointing", "actor"),
                        ("critic.model.enable_gradient_checkpointing", "critic")):
+        ranked = speed_ranked(w) and not w.actor_offload_policy
         add(key, choice.grad_ckpt,
-            f"{label}: needed to fit the memory budget"
-            + (" at a larger update micro-batch (fewer PCIe round trips)" if w.actor_offload_policy else "")
+            (f"{label}: the fastest update that fits by the speed model: a larger micro-batch (fewer fixed costs per "
+             "micro-batch) for a recomputed forward" if ranked else
+             f"{label}: needed to fit the memory budget"
+             + (" at a larger update micro-batch (fewer PCIe round trips)" if w.actor_offload_policy else ""))
             + " (recomputes each layer in the backward pass)" if choice.grad_ckpt
             else f"{label}: the estimate fits without it, and it costs a recomputed forward in every update")
     add("actor_rollout_ref.actor.use_torch_compile", precision.use_torch_compile,

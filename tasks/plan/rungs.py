@@ -12,7 +12,7 @@ from math import gcd
 
 from tasks.gpu_support import refusal as gpu_refusal
 from tasks.plan.estimator import default_estimator
-from tasks.plan.lora import FINETUNES, finetune_reason, vllm_rank_refusal
+from tasks.plan.lora import FINETUNES, finetune_reason, lora_memory_reasons, vllm_rank_refusal
 from tasks.plan.memory_fit import search_memory
 from tasks.plan.overrides import checkpoint_plan, plan_env, verl_overrides
 from tasks.plan.precision import choose_precision
@@ -93,7 +93,8 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
                             overrides=verl_overrides(gpu, w, precision, choice, cp), env=env, checkpoints=cp,
                             reasons=reasons + [rung_reason, finetune_reason(gpu, workload, rung, w, precision, choice,
                                                                             estimator, rungs, failed),
-                                               *_batch_reasons(workload, w)] + mem_reasons + env_reasons
+                                               *_batch_reasons(workload, w)] + mem_reasons
+                            + lora_memory_reasons(gpu, w, precision, choice, est) + env_reasons
                             + [Reason(*r) for r in cp.reasons])
         verl_refusal(plan)
         return plan

@@ -272,7 +272,10 @@ class TrainingPlan:
             "vllm_gpu_memory_utilization": self.memory.vllm_gpu_memory_utilization,
             "vllm": dict(self.estimate.vllm) if self.estimate.vllm else None,
             "predicted_peak_mib": self.estimate.peak_mib,
-            "predicted_host_ram_mib": int(self.estimate.breakdown.get("host_ram", 0)),
+            # per box: the memory model counts per GPU (each rank's offloaded shard, vLLM's weights asleep, patch
+            # 0013's saved shard of the adapted base); a box holds its GPUs' (a Ray node: its own, plan.gpu)
+            "predicted_host_ram_mib": int(self.estimate.breakdown.get("host_ram", 0)) * self.gpu.count,
+            "predicted_lora_merge_host_mib": int(self.estimate.breakdown.get("lora_merge_host", 0)) * self.gpu.count,
             "budget_mib": self.estimate.budget_mib,
             "breakdown": dict(self.estimate.breakdown),
             "overrides": self.override_lines,

@@ -13,6 +13,7 @@ head after it: tests/unit/test_cluster_two_disks.py.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from verl_lab_box.cluster_gather import plan_fetch
 
 HEAD, WK = "10.0.0.5", "10.0.0.7"
 SHARD = "model_world_size_2_rank_{}.pt"
+CONFIG, HF = "fsdp_config.json", "huggingface/config.json"
 
 
 def _node(host, *names, ident=(100, 7)):
@@ -254,10 +256,10 @@ def test_a_file_is_copied_in_order_chunk_by_chunk_with_the_nodes_mtime(tmp_path,
     src.write_bytes(bytes(range(95)))
     item, reads = _item(src), []
     dest = tmp_path / "head" / "actor" / SHARD.format(0)
-    ray = SimpleNamespace(get=lambda ref: ref)
+    ray = SimpleNamespace(get=lambda ref, timeout: ref)
     node = str(src)
     got = cg.copy_file(ray, item, str(dest), _Local(lambda p, off, n: cg.read_chunk(node, off, n), reads),
-                       _Local(lambda p: cg.file_sha256(node)))
+                       _Local(lambda p: cg.file_sha256(node)), cg.Deadline(60))
     assert dest.read_bytes() == src.read_bytes() and dest.stat().st_mtime_ns == item["mtime_ns"]
     assert [r[1] for r in reads] == list(range(0, 95, 10)) and got["sha256"] == cg.file_sha256(str(src))
     assert [p.name for p in dest.parent.iterdir()] == [dest.name]
@@ -275,6 +277,121 @@ def test_a_copy_whose_sha256_differs_from_the_nodes_is_not_kept(tmp_path):
     dest = tmp_path / "head" / SHARD.format(0)
     with pytest.raises(OSError, match=f"{SHARD.format(0)} from node {WK}: 1000 bytes, sha256 .*the node's file 1000 "
                                       "bytes, sha256 0000000000000000: changed while copied"):
-        cg.copy_file(SimpleNamespace(get=lambda ref: ref), _item(src), str(dest),
-                     _Local(lambda p, off, n: cg.read_chunk(str(src), off, n)), _Local(lambda p: "0" * 64))
+        cg.copy_file(SimpleNamespace(get=lambda ref, timeout: ref), _item(src), str(dest),
+                     _Local(lambda p, off, n: cg.read_chunk(str(src), off, n)), _Local(lambda p: "0" * 64), cg.Deadline(60))
     assert not dest.parent.exists() or list(dest.parent.iterdir()) == []
+
+
+def _ray_standin(hangs=()):
+    """Ray's ``get`` and its two exceptions, stood in: a ref in ``hangs`` never arrives (``get`` waits out its
+    timeout, as Ray's does for a task pinned to a node that hangs)."""
+    from types import SimpleNamespace
+
+    class RayError(Exception):
+        pass
+
+    class GetTimeoutError(RayError):
+        pass
+
+    def get(ref, timeout):
+        if ref in hangs:
+            raise GetTimeoutError(f"get timed out after {timeout} s")
+        return ref
+
+    return SimpleNamespace(get=get, exceptions=SimpleNamespace(RayError=RayError, GetTimeoutError=GetTimeoutError))
+
+
+def test_the_copy_is_judged_by_the_file_on_disk_not_the_bytes_received(tmp_path, monkeypatch):
+    """The bytes came whole, the file the disk holds after fsync is not (a short write stood in by a truncating
+    fsync): the copy is refused and nothing is kept. Mutation tried: hashing the bytes as they came (the gather
+    before issue 41) keeps the cut file as the shard."""
+    from verl_lab_box import cluster_gather as cg
+
+    src = tmp_path / SHARD.format(0)
+    src.write_bytes(b"y" * 1000)
+    real_fsync = os.fsync
+    monkeypatch.setattr(cg.os, "fsync", lambda fd: (os.ftruncate(fd, 600), real_fsync(fd)))
+    dest = tmp_path / "head" / SHARD.format(0)
+    with pytest.raises(OSError, match="600 bytes, sha256 .* on this disk, the node's file 1000 bytes"):
+        cg.copy_file(_ray_standin(), _item(src), str(dest), _Local(lambda p, off, n: cg.read_chunk(str(src), off, n)),
+                     _Local(lambda p: cg.file_sha256(str(src))), cg.Deadline(60))
+    assert not dest.exists() and list(dest.parent.iterdir()) == []
+
+
+def test_each_process_writes_its_own_part_file(tmp_path):
+    """Another gather's part file of the same shard (pid 99999) is neither written nor removed by this one."""
+    from verl_lab_box import cluster_gather as cg
+
+    src = tmp_path / SHARD.format(0)
+    src.write_bytes(b"z" * 300)
+    dest = tmp_path / "head" / SHARD.format(0)
+    dest.parent.mkdir()
+    other = dest.parent / f"{dest.name}{cg.PART}.99999"
+    other.write_bytes(b"theirs")
+    seen, ray = [], _ray_standin()
+    get = ray.get
+
+    def listing_get(ref, timeout):           # what the head's folder holds while the chunks are written
+        seen.extend(sorted(x.name for x in dest.parent.iterdir()))
+        return get(ref, timeout)
+
+    ray.get = listing_get
+    cg.copy_file(ray, _item(src), str(dest), _Local(lambda p, off, n: cg.read_chunk(str(src), off, n)),
+                 _Local(lambda p: cg.file_sha256(str(src))), cg.Deadline(60))
+    assert dest.read_bytes() == src.read_bytes() and other.read_bytes() == b"theirs"
+    assert f"{dest.name}{cg.PART}.{os.getpid()}" in seen
+    assert cg.remove_parts(str(dest.parent)) == [other.name] and not other.exists()
+    assert not cg.wanted(f"huggingface/config.json{cg.PART}.12")
+
+
+def test_a_gather_that_fails_half_way_leaves_what_it_copied_on_record_and_the_next_goes_on(tmp_path):
+    """Rank 0 copied, the node hangs on rank 1 (its read never arrives within the time left): the gather stops
+    with a line naming the node and the file, its record holds rank 0. The node then saves step 4 again (rank 0's
+    mtime moves on): the next gather's plan copies rank 0 anew instead of refusing the head's copy as a stale one.
+    Mutation tried: writing the record only when the step is whole (the gather before issue 41): the next plan
+    refuses rank 0 as differing between nodes."""
+    from verl_lab_box import cluster_gather as cg
+
+    node, actor = tmp_path / "node", tmp_path / "head" / "actor"
+    node.mkdir()
+    for r in (0, 1):
+        (node / SHARD.format(r)).write_bytes(bytes([r]) * 100)
+    fetch = [{**_item(node / SHARD.format(r)), "name": SHARD.format(r)} for r in (0, 1)]
+    hang = object()
+
+    def pinned(fn, ip):
+        if fn is cg.read_chunk:
+            return _Local(lambda p, off, n: hang if p.endswith(SHARD.format(1)) else
+                          cg.read_chunk(str(node / os.path.basename(p)), off, n))
+        return _Local(lambda p: cg.file_sha256(str(node / os.path.basename(p))))
+
+    record = {"step": 4, "head": HEAD, "nodes": {}, "copied": [], "bytes": 0, "complete": False}
+    copied, problem = cg.copy_fetched(_ray_standin(hangs=(hang,)), fetch, str(actor), pinned, cg.Deadline(5), record,
+                                      {WK: {"host": "wk1"}})
+    assert [c["name"] for c in copied] == [SHARD.format(0)]
+    assert problem.startswith(f"node {WK} did not answer within 5 s (copying {SHARD.format(1)})")
+    on_record = json.loads((actor / cg.RECORD).read_text())
+    assert [c["name"] for c in on_record["copied"]] == [SHARD.format(0)] and on_record["complete"] is False
+    head_copy = actor / SHARD.format(0)
+    saved_again = [100, head_copy.stat().st_mtime_ns + 10 ** 9]          # the node's rank 0, saved again
+    nodes = {HEAD: {"host": "head", "files": {SHARD.format(0): [100, head_copy.stat().st_mtime_ns], CONFIG: [1, 1],
+                                              HF: [1, 1]}},
+             WK: {"host": "wk1", "files": {SHARD.format(0): saved_again, SHARD.format(1): [100, 5]}}}
+    fetch, problems = plan_fetch(HEAD, nodes, 4, 2, [c["name"] for c in on_record["copied"]])
+    assert problems == [] and sorted(f["name"] for f in fetch) == [SHARD.format(0), SHARD.format(1)]
+
+
+def test_a_cluster_plan_gives_its_gather_a_timeout_and_a_box_alone_none():
+    """plan.json's ``launch.gather_timeout_s`` (tasks/train.py): the after-run passes it as cluster-gather's
+    ``--timeout`` (every call to a node within it); a box alone never gathers, its plan names none."""
+    from dataclasses import replace
+
+    from tasks.plan import GpuTarget, cluster_plan, doc_workload
+    from tasks.train import GATHER_TIMEOUT_S
+    from tests.unit.test_train_launcher import layout_for, settings_for
+
+    alone = layout_for(settings_for())
+    assert "gather_timeout_s" not in alone.launch()
+    t4 = GpuTarget("Tesla T4", "7.5", 15360, 1)
+    two = replace(alone, plan=cluster_plan({"a": t4, "b": t4}, doc_workload()))
+    assert two.nnodes == 2 and two.launch()["gather_timeout_s"] == GATHER_TIMEOUT_S == 600

@@ -28,85 +28,29 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures.standins.hf_endpoint import tiny_gsm8k_parquet, write_tiny_model
+from tests.lab.ray_nodes import RAY_ENV, Nodes, free_port, layout, left, place_gather
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "verl_lab_box" / "train_launcher.py"
-# addresses of their own: the e2e cluster (127.0.0.2-4) and the GPU harness test (127.0.0.6-7) start Ray heads too,
-# and CI runs modules side by side
+# addresses of their own: the e2e cluster (127.0.0.2-4), the GPU harness test (127.0.0.6-7) and the gather test
+# (127.0.0.11-12) start Ray heads too, and CI runs modules side by side
 HEAD_IP, WORKER_IP = "127.0.0.8", "127.0.0.9"
 STEPS, KEEP = 3, 2
 # Ray's logical CPUs per node (the units give none: Ray counts the box's); 4 on this 2-core machine, so the head holds
 # the idle actor's 2 (half: "busy", Ray's default placement then prefers the other node), the TaskRunner's 1 and its
 # rank's bundle's 1 (verl's resource pool asks a CPU with each GPU)
 CPUS, HEAD_LOAD = 4, 2
-RAY_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0",
-           "RAY_raylet_start_wait_time_s": "120", "RAY_gcs_server_request_timeout_seconds": "120",
-           "RAY_USAGE_STATS_ENABLED": "0", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None,
                                 reason="each node's own disk is a mount namespace: root, unshare and nsenter")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Nodes:
-    """The two nodes' processes (each `ray start --block` in its own mount namespace and session)."""
-
-    def __init__(self, base: Path, env: dict, ray: str):
-        self.base, self.env, self.ray, self.procs = base, env, ray, {}
-
-    def start(self, role: str, disk: Path, args: list[str]) -> None:
-        lab = self.base / "lab"
-        binds = (f"mount --bind {disk / 'checkpoints'} {lab / 'train' / 'checkpoints'} && "
-                 f"mount --bind {disk / 'ray-tmp'} {lab / 'ray' / 'tmp'} && ")
-        log = open(self.base / f"ray-{role}.log", "w")
-        self.procs[role] = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-             binds + "exec " + " ".join([self.ray, "start", "--block", *args])],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def in_head(self, cmd: list[str], env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-        """``cmd`` in the head's mount namespace (the head box's view of its disk)."""
-        return subprocess.run(["nsenter", "-t", str(self.procs["head"].pid), "-m", "--", *cmd], env=env or self.env,
-                              capture_output=True, text=True, timeout=timeout)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)      # what is left of its session (raylet, workers)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-
-
-def _left(base: Path) -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if str(base) in line]
 
 
 @pytest.fixture(scope="module")
@@ -115,22 +59,15 @@ def cluster(verl_python, patched_verl_root, tmp_path_factory):
     nodes, ray.env, cluster-gather), a tiny model and GSM8K test file; yields a namespace of helpers."""
     from types import SimpleNamespace
 
-    base = Path(tempfile.mkdtemp(prefix="vlc", dir="/tmp"))      # short: Ray's socket paths
+    base, lab, train, disks = layout("vlc")
     tmp = tmp_path_factory.mktemp("two-disks")
-    lab, train = base / "lab", base / "lab" / "train"
-    for path in (train / "checkpoints", lab / "ray" / "tmp", lab / "work"):
-        path.mkdir(parents=True)
-    disks = {role: base / "disk" / role for role in ("head", "worker")}
-    for disk in disks.values():
-        (disk / "checkpoints").mkdir(parents=True)
-        (disk / "ray-tmp").mkdir()
     tree = tmp / "verl"
     shutil.copytree(patched_verl_root / "verl", tree / "verl")
     shutil.copy(tree / "verl" / "trainer" / "main_ppo.py", tree / "verl" / "trainer" / "verl_main_ppo.py")
     shutil.copy(REPO / "tests" / "fixtures" / "standin_cluster_main_ppo.py", tree / "verl" / "trainer" / "main_ppo.py")
     model = write_tiny_model(tmp / "model")
     data = tiny_gsm8k_parquet(verl_python, tmp)
-    port = _free_port()
+    port = free_port()
     ckpt = str(train / "checkpoints")
     overrides = [f"actor_rollout_ref.model.path={model}", "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
                  f"trainer.default_local_dir={ckpt}", f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1",
@@ -145,29 +82,12 @@ def cluster(verl_python, patched_verl_root, tmp_path_factory):
                        "prompt_len": 128, "max_new_tokens": 8, "tensor_parallel_size": 1}}}
     (train / "plan.json").write_text(json.dumps(plan))
     (train / "train.env").write_text("")
-    (train / "ray.env").write_text(f"RAY_ADDRESS={HEAD_IP}:{port}\nVERL_LAB_NODE_IP={HEAD_IP}\nGLOO_SOCKET_IFNAME=lo\n")
-    shutil.copy(REPO / "verl_lab_box" / "cluster_gather.py", train / "cluster-gather")     # as tasks/cluster.py places it
+    place_gather(train, HEAD_IP, port)          # ray.env, cluster-gather and verl_lab_checkpoints.py
     env = {**os.environ, **RAY_ENV, "PATH": f"{Path(verl_python).parent}:{os.environ['PATH']}",
            "PYTHONPATH": str(tree), "HOME": str(tmp)}
     nodes = Nodes(base, env, str(Path(verl_python).parent / "ray"))
     try:
-        nodes.start("head", disks["head"], ["--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", "--num-gpus=1",
-                                            f"--num-cpus={CPUS}",
-                                            f"--temp-dir={lab / 'ray' / 'tmp'}", "--include-dashboard=false",
-                                            "--disable-usage-stats"])
-        time.sleep(3)
-        nodes.start("worker", disks["worker"], [f"--address={HEAD_IP}:{port}", f"--node-ip-address={WORKER_IP}",
-                                                "--num-gpus=1", f"--num-cpus={CPUS}", "--disable-usage-stats"])
-        ask = (f"import json, ray; ray.init(address='{HEAD_IP}:{port}', _node_ip_address='{HEAD_IP}', "
-               "log_to_driver=False); print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))")
-        deadline, alive = time.monotonic() + 240, []
-        while time.monotonic() < deadline:
-            res = nodes.in_head([str(verl_python), "-c", ask], timeout=120)
-            alive = json.loads(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 and res.stdout.strip() else []
-            if alive == [HEAD_IP, WORKER_IP]:
-                break
-            time.sleep(2)
-        assert alive == [HEAD_IP, WORKER_IP], (base / "ray-worker.log").read_text()[-3000:]
+        nodes.start_pair(disks, HEAD_IP, WORKER_IP, port, CPUS, str(verl_python))
 
         def launcher(*args, extra_env=None):
             # as the unit runs it: the system's Python, ray.env in its environment (the cluster drop-in)
@@ -177,9 +97,9 @@ def cluster(verl_python, patched_verl_root, tmp_path_factory):
         yield SimpleNamespace(base=base, disks=disks, ckpt=Path(ckpt), launcher=launcher, nodes=nodes, model=model)
     finally:
         nodes.stop()
-        left = _left(base)
+        running = left(base)
         shutil.rmtree(base, ignore_errors=True)
-        assert not left, left
+        assert not running, running
 
 
 def _files(root: Path) -> list[str]:

@@ -52,7 +52,8 @@ class Rig:
         plan = dataclasses.replace(plan, action=action)
         values = script_values(self.want, plan, cuda_link=str(self.link),
                                installer_tmp_log=str(self.root / "tmp" / "cuda-installer.log"),
-                               installer_log=str(self.root / "var" / "log" / "cuda-installer.log"))
+                               installer_log=str(self.root / "var" / "log" / "cuda-installer.log"),
+                               private_tmp=False)     # the rig's files lie under /tmp
         self.script.write_text(get_template(str(cuda.TEMPLATE)).render(**values))
         return self.script
 

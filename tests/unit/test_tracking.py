@@ -42,11 +42,13 @@ def test_default_is_console_and_tensorboard_under_lab_root():
     env = train.rendered(train.ENV_TEMPLATE, **layout.values())
     assert "TENSORBOARD_DIR=/srv/lab/tracking/tensorboard/box1-qwen2.5-0.5b-gsm8k-ppo\n" in env
     assert "WANDB" not in env and "tracking-keys" not in train.rendered(train.UNIT_TEMPLATE, **layout.values())
-    # the unit may write there (ProtectSystem=strict), and the stage makes the folders, the train user's
+    # the unit may write there (ProtectSystem=strict), and the stage makes the folders: each tracker's the train
+    # user's, in a parent of root's, so that root's mkdir/chmod/chown of them follow no name the train user can swap
     assert "/srv/lab/tracking" in layout.values()["read_write_paths"]
     wanted = {w.path: w for w in train.training_wanted(layout)}
-    for path in ("/srv/lab/tracking", "/srv/lab/tracking/tensorboard"):
-        assert wanted[path].is_dir and wanted[path].user == "verl" and wanted[path].mode == "750"
+    parent, tensorboard = wanted["/srv/lab/tracking"], wanted["/srv/lab/tracking/tensorboard"]
+    assert parent.is_dir and (parent.user, parent.group, parent.mode) == ("root", "verl", "750")
+    assert tensorboard.is_dir and (tensorboard.user, tensorboard.mode) == ("verl", "750")
 
 
 def test_a_grpo_rung_names_its_run_so():
@@ -145,6 +147,7 @@ def test_online_keys_go_to_a_file_of_their_own_never_train_env_or_plan(tmp_path)
     keys = wanted[f"{s.train_dir}/{KEYS_FILE}"]
     assert (keys.mode, keys.user, keys.group) == ("400", "verl", "verl")
     assert keys.content.decode() == f"WANDB_API_KEY={KEY}\n"      # the swanlab key: swanlab is not asked for
+    assert keys.secret                    # placed by secret_file: pyinfra --diff prints none of it
     unit = train.rendered(train.UNIT_TEMPLATE, **layout.values())
     assert re.search(rf"^EnvironmentFile={re.escape(s.train_dir)}/{KEYS_FILE}$", unit, re.M)
     for name, w in wanted.items():

@@ -1,11 +1,11 @@
 """The lab's TensorBoard (tasks/tracking_hub.py, tasks/tracking_events.py) and the offline trackers' sync
 (tasks/tracking_sync.py): pure parts on plain values, and the event files read back by TensorBoard's own
-loader. ``test_verl_tracking_event_files_*`` makes event files with verl 0.5.0's own Tracking class on CPU
+loader (the copy's program: tests/unit/test_tracking_copy.py; TensorBoard's loaders:
+tests/unit/test_tracking_tensorboard.py). ``test_verl_tracking_event_files_*`` makes event files with verl 0.5.0's own Tracking class on CPU
 (the test env's Python: torch CPU, tensorboard as pinned for the boxes)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,7 @@ from tasks import tracking_hub as hub
 from tasks.settings import load_settings
 from tasks.tracking import check_tracking
 from tasks.tracking_events import MEASURED_TAG, PREDICTED_TAG, SCORE_TAG, TEXT_TAG, crc32c
-from tasks.tracking_sync import sync_commands, sync_env
+from tasks.tracking_sync import sync_env
 from tests.fixtures.tracking import VERL_TAGS, recorded_run, steps_of, verl_event_files
 
 SUMMARY = {"gsm8k": {"base": 0.312, "trained": 0.451, "step": 20, "final": True}, "predicted_peak_mib": 19382,
@@ -53,23 +53,6 @@ def test_summary_is_rewritten_only_when_it_changes(tmp_path):
     assert hub.write_summary(tmp_path, "box2", {"gsm8k": {}, "predicted_peak_mib": None}) is None
 
 
-def test_listing_copy_and_delete():
-    listing = hub.parse_listing("12 run/events.out.tfevents.1.box1\n7 run/b\nbad line\n3 ../etc/passwd\n")
-    assert listing == {"run/events.out.tfevents.1.box1": 12, "run/b": 7}
-    cache = {"box1/run/e": 12, "box1/verl-lab/new": 5, "box2/run/e": 9}
-    served = {"box1/run/e": 10, "box1/verl-lab/old": 5, "box3/run/e": 4}
-    assert hub.to_copy(cache, served) == ["box1/run/e", "box1/verl-lab/new", "box2/run/e"]
-    # the old summary of a box the cache holds goes; a box the cache knows nothing of is left alone
-    assert hub.to_delete(cache, served, {"box1", "box2"}) == ["box1/verl-lab/old"]
-    assert hub.to_copy(cache, dict(cache)) == []
-
-
-def test_local_listing(tmp_path):
-    (tmp_path / "a" / "b").mkdir(parents=True)
-    (tmp_path / "a" / "b" / "f").write_bytes(b"xyz")
-    assert hub.local_listing(tmp_path) == {"a/b/f": 3} and hub.local_listing(tmp_path / "none") == {}
-
-
 def test_tunnel_command_and_status_line():
     assert hub.tunnel_command("box1", {"ssh_hostname": "10.0.0.5", "ssh_user": "ops", "ssh_port": 2222,
                                        "ssh_key": "/k/id"}, 6006, "127.0.0.1") == \
@@ -96,24 +79,30 @@ def test_tunnel_command_and_status_line():
 def test_unit_serves_the_lab_folder_on_localhost_as_the_train_user():
     s = load_settings("box1", {"lab_root": "/srv/lab", "env_prefix": "/srv/lab/envs/verl"})
     unit = hub.rendered(hub.UNIT_TEMPLATE, **hub.hub_values(s))
-    assert ("ExecStart=/srv/lab/envs/verl/bin/python -m tensorboard.main --logdir /srv/lab/tracking/lab "
-            "--host 127.0.0.1 --port 6006") in unit
+    assert ("ExecStart=/srv/lab/envs/verl/bin/python -m tensorboard.main --logdir /srv/lab/tracking-lab "
+            "--host 127.0.0.1 --port 6006 --load_fast=auto --reload_interval 30\n") in unit
     assert "\nUser=verl\n" in unit and "ProtectSystem=strict" in unit
     wide = load_settings("box1", {"tracking": {"bind": "0.0.0.0", "port": 7007}})
     assert "--host 0.0.0.0 --port 7007" in hub.rendered(hub.UNIT_TEMPLATE, **hub.hub_values(wide))
 
 
-def test_sync_commands_carry_no_key_and_their_environment_does(tmp_path):
-    run = tmp_path / "wandb" / "offline-run-20261205_010203-abc123"
-    run.mkdir(parents=True)
-    (tmp_path / "wandb" / "latest-run").mkdir()
-    assert sync_commands("wandb", tmp_path) == [[sys.executable, "-m", "wandb", "sync", str(run)]]
-    assert sync_commands("wandb", tmp_path / "none") == []
+def test_sync_environment_carries_the_key():
     tracking = check_tracking({"trackers": [], "wandb_base_url": "http://127.0.0.1:8080"}, "relay")
     env = sync_env(tracking, "wandb", {"WANDB_API_KEY": "k" * 40, "SWANLAB_API_KEY": "s"},
                    base={"PATH": "/bin", "WANDB_MODE": "offline"})
     # offline mode dropped, the other tracker's key not given, the settings' server named
     assert env == {"PATH": "/bin", "WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": "http://127.0.0.1:8080"}
+
+
+def test_served_folder_has_no_parent_the_train_user_writes():
+    s = load_settings("box1", {"lab_root": "/srv/lab"})
+    served = hub.served_dir(s)
+    # the train user's folders: the training unit's ReadWritePaths and the trackers' folders under them
+    theirs = [f"{s.lab_root}/tracking", *s.tracking.folders(s.lab_root).values(), s.train_dir + "/work"]
+    assert all(not (served + "/").startswith(t + "/") for t in theirs), served
+    assert served.rsplit("/", 1)[0] == s.lab_root            # the base stage's root-owned lab_root
+    (folder,) = [w for w in hub.hub_wanted(s) if w.is_dir]
+    assert (folder.path, folder.user, folder.group, folder.mode) == (served, "root", "verl", "750")
 
 
 def test_verl_tracking_event_files_hold_verls_metric_names(verl_python, patched_verl_root, tmp_path):
