@@ -43,7 +43,7 @@ logs, run, burnin, masks = ask(
                    "python": settings.launcher_python, "steps": False}),
     (BurninRecord, {"record": burnin_paths(settings.train_dir)["record"], "user": settings.train_user,
                     "unit": BURNIN_UNIT}),
-    (DriverMasks, {"units": [TRAIN_UNIT, RAY_UNIT]}),      # what a driver change that ended badly left masked
+    (DriverMasks, {"units": [TRAIN_UNIT, RAY_UNIT, BURNIN_UNIT]}),   # what a driver change that ended badly left masked
 )
 logs = {**(logs or {}), **(masks or {})}
 if (burnin["record"] or {}).get("state") == "failed":

@@ -10,6 +10,7 @@ from tasks.driver_choice import BranchChoice, Distro, DriverTable, GpuSeen, choo
 from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
 from tasks.driver_status import newer_build
 from tasks.gpu_support import min_driver
+from tasks.burnin.plan import BURNIN_UNIT
 from tasks.settings import RAY_UNIT, TRAIN_UNIT, LabSettings
 from verl_lab_box.nvidia_driver_state import JOB_UNIT, branch_of, installed_from, upstream, verdict
 from verl_lab_box.nvidia_driver_units import IDLE, busy_fix, busy_reasons
@@ -39,7 +40,8 @@ class DriverWant:
     python: str
     min_branch: int
     table: DriverTable
-    units: tuple[str, ...] = (TRAIN_UNIT, RAY_UNIT)     # no driver change runs under them (masked for it)
+    # no driver change runs under them (masked for it): training, a cluster member's Ray node, the burn-in
+    units: tuple[str, ...] = (TRAIN_UNIT, RAY_UNIT, BURNIN_UNIT)
     update: bool = False                    # driver_update: take a newer build of the held branch
     busy: str = "refuse"                    # driver_busy: refuse, or stop the units for a driver change
     catalog: object = None                  # the host's catalog (torch's archs, CUDA's minimum driver)

@@ -329,7 +329,7 @@ def test_gpu_processes_and_the_stop_policy():
     assert plan_driver(want(), facts(training)).action == "refuse"
     stop = plan_driver(want(driver_busy="stop"), facts(training))
     assert stop.action == "install" and stop.box_plan["busy"] == "stop"
-    assert stop.box_plan["units"] == [TRAIN_UNIT, RAY_UNIT]
+    assert stop.box_plan["units"] == [TRAIN_UNIT, RAY_UNIT, "verl-lab-burnin.service"]
     # a GPU process in no unit the stage may stop is refused under either policy
     other = dict(training, busy=[["977", "jupyter", "/user.slice/user-1000.slice/session-4.scope"]])
     refused = plan_driver(want(driver_busy="stop"), facts(other))
