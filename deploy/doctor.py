@@ -21,6 +21,7 @@ from tasks.cluster import RAY_UNIT
 from tasks.doctor import FINE, RUNNING, STOPPED, diagnose, never_ran, render, verdict
 from tasks.facts.bundle import ask
 from tasks.facts.burnin import BurninRecord
+from tasks.facts.driver import DriverMasks
 from tasks.facts.logs import BoxLogs, TrainingRun
 from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
 from tasks.settings import TRAIN_UNIT
@@ -35,14 +36,16 @@ def hosts_words(n: int) -> str:
 
 check_inventory()
 settings = settings_for()
-logs, run, burnin = ask(
+logs, run, burnin, masks = ask(
     (BoxLogs, {"log_glob": f"{settings.lab_root}/logs/*.log", "units": [RAY_UNIT, BURNIN_UNIT]}),
     (TrainingRun, {"unit": TRAIN_UNIT, "markers": {st: settings.marker(st) for st in STAGES}, "plan_path": f"{settings.train_dir}/plan.json",
                    "launcher": f"{settings.train_dir}/train-launcher", "user": settings.train_user,
                    "python": settings.launcher_python, "steps": False}),
     (BurninRecord, {"record": burnin_paths(settings.train_dir)["record"], "user": settings.train_user,
                     "unit": BURNIN_UNIT}),
+    (DriverMasks, {"units": [TRAIN_UNIT, RAY_UNIT, BURNIN_UNIT]}),   # what a driver change that ended badly left masked
 )
+logs = {**(logs or {}), **(masks or {})}
 if (burnin["record"] or {}).get("state") == "failed":
     # the last burn-in's failed checks as its launcher printed them (files/doctor/burnin.toml), from its record: the
     # burn-in unit's journal may have moved on

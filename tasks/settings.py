@@ -36,6 +36,7 @@ ARTIFACT_MODES = ("relay", "direct")
 ENV_BACKENDS = ("conda", "venv")
 UNIT_STATES = ("installed", "enabled", "started", "stopped")
 DRIVER_MODES = ("check", "install")
+DRIVER_BUSY = ("refuse", "stop")
 USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,30}$")
 
 DEFAULTS: dict[str, Any] = {
@@ -55,6 +56,9 @@ DEFAULTS: dict[str, Any] = {
     "driver": "check",
     "driver_reboot": False,            # driver = install: reboot a box whose new driver needs it (one at a time)
     "driver_update": False,            # driver = install: take a newer build of the held branch (idle boxes only)
+    # driver = install, a driver change (install, update, reboot) while the training or Ray unit is busy:
+    # refuse (changing nothing) | stop (the stage masks and stops them for the change, then unmasks them)
+    "driver_busy": "refuse",
     "env_backend": "conda",            # conda | venv
     "env_prefix": "/opt/verl-lab/envs/verl",
     "conda_prefix": "/opt/verl-lab/miniforge3",
@@ -105,8 +109,10 @@ def host_keys(host: str, data: Mapping[str, Any]) -> tuple[dict[str, Any], list[
     expanded, problems = expand_dotted(host, data, NESTED)
     return expanded, problems + unread_keys(host, expanded, KNOWN_KEYS, NESTED)
 
-# The systemd unit that runs training on every box (files/templates/verl-lab-train.service.j2).
+# The systemd unit that runs training on every box (files/templates/verl-lab-train.service.j2), and
+# the one that runs a cluster member's Ray node (files/templates/verl-lab-ray.service.j2).
 TRAIN_UNIT = "verl-lab-train.service"
+RAY_UNIT = "verl-lab-ray.service"
 LEGACY_STAGE_NAMES = {"env": "pyenv"}     # stage -> the marker name it had before
 
 
@@ -142,6 +148,7 @@ class LabSettings:
     driver: str = "check"
     driver_reboot: bool = False
     driver_update: bool = False
+    driver_busy: str = "refuse"
     checkpoints: Mapping[str, int] = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
     tracking: Tracking = field(default_factory=Tracking)
     max_run_days: float = 7
@@ -278,6 +285,14 @@ def _driver_flag(host: str, key: str, value: Any, driver: str) -> bool:
     return value
 
 
+def _driver_busy(host: str, value: Any, driver: str) -> str:
+    choice = _choice(host, "driver_busy", value, DRIVER_BUSY)
+    if choice != "refuse" and driver != "install":
+        raise SettingsError(host, "driver_busy", f"{value!r} does nothing with driver = {driver!r}",
+                            "set driver = 'install' as well, or leave driver_busy out")
+    return choice
+
+
 def _tracking(host: str, value: Any, artifact_mode: str) -> Tracking:
     try:
         return check_tracking(value, artifact_mode)
@@ -336,6 +351,7 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         driver=p.check(_choice, "driver", merged["driver"], DRIVER_MODES, default="check"),
         driver_reboot=p.check(_driver_flag, "driver_reboot", merged["driver_reboot"], merged["driver"], default=False),
         driver_update=p.check(_driver_flag, "driver_update", merged["driver_update"], merged["driver"], default=False),
+        driver_busy=p.check(_driver_busy, merged["driver_busy"], merged["driver"], default="refuse"),
         checkpoints=p.check(_checkpoints, merged["checkpoints"], default=dict(CHECKPOINT_DEFAULTS)),
         tracking=p.check(_tracking, merged["tracking"], merged["artifact_mode"], default=Tracking()),
         max_run_days=p.check(_max_run_days, merged["max_run_days"], default=DEFAULTS["max_run_days"]),
