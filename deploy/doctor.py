@@ -1,7 +1,8 @@
 """Diagnose failed training runs and broken boxes: `pyinfra -y inventory/lab.py deploy/doctor.py`.
 
 Reads each box's training-unit journal (its current run), the stage logs, the Ray unit's journal
-on a cluster member (since the unit last became active) and plan.json (changes nothing), matches
+on a cluster member and the burn-in unit's (since the unit last became active), the last burn-in's
+record (its failed checks: files/doctor/burnin.toml) and plan.json (changes nothing), matches
 them against the rules of files/doctor/*.toml and prints, per host, what failed, why and what to run; each
 finding names the log or unit it was seen in. A unit that never ran is said to be so, with what
 the launcher's preflight (run as the train user) says would stop it. `--data doctor_json=PATH`
@@ -15,9 +16,12 @@ from pathlib import Path
 
 from pyinfra import host
 
+from tasks.burnin import BURNIN_UNIT, burnin_paths
 from tasks.cluster import RAY_UNIT
 from tasks.doctor import FINE, RUNNING, STOPPED, diagnose, never_ran, render, verdict
 from tasks.facts.bundle import ask
+from tasks.facts.burnin import BurninRecord
+from tasks.facts.driver import DriverMasks
 from tasks.facts.logs import BoxLogs, TrainingRun
 from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
 from tasks.settings import TRAIN_UNIT
@@ -32,12 +36,21 @@ def hosts_words(n: int) -> str:
 
 check_inventory()
 settings = settings_for()
-logs, run = ask(
-    (BoxLogs, {"log_glob": f"{settings.lab_root}/logs/*.log", "units": [RAY_UNIT]}),
+logs, run, burnin, masks = ask(
+    (BoxLogs, {"log_glob": f"{settings.lab_root}/logs/*.log", "units": [RAY_UNIT, BURNIN_UNIT]}),
     (TrainingRun, {"unit": TRAIN_UNIT, "markers": {st: settings.marker(st) for st in STAGES}, "plan_path": f"{settings.train_dir}/plan.json",
                    "launcher": f"{settings.train_dir}/train-launcher", "user": settings.train_user,
                    "python": settings.launcher_python, "steps": False}),
+    (BurninRecord, {"record": burnin_paths(settings.train_dir)["record"], "user": settings.train_user,
+                    "unit": BURNIN_UNIT}),
+    (DriverMasks, {"units": [TRAIN_UNIT, RAY_UNIT, BURNIN_UNIT]}),   # what a driver change that ended badly left masked
 )
+logs = {**(logs or {}), **(masks or {})}
+if (burnin["record"] or {}).get("state") == "failed":
+    # the last burn-in's failed checks as its launcher printed them (files/doctor/burnin.toml), from its record: the
+    # burn-in unit's journal may have moved on
+    logs["burn-in record"] = "\n".join(f"verl-lab burn-in: FAIL {c['id']}: {c['words']}"
+                                        for c in burnin["record"].get("checks") or [] if c.get("ok") is False)
 unit_state, unit_words = unit_summary(run["unit"], run["history"])
 if unit_state == "never-ran":
     # nothing failed yet: what would stop it is what the preflight says now

@@ -127,6 +127,10 @@ class BoxProblem(SettingsError):
         ValueError.__init__(self, f"host {host_name}: {key}: {text}")
 
 
+class BoxWarning(BoxProblem):
+    """What a box shows that may stop the run later but refuses nothing now (the RAM other processes hold)."""
+
+
 _RUN = {"done": False, "report": None, "refused": {}, "lock": None}
 
 
@@ -200,7 +204,7 @@ def refused_hosts(problems: list[SettingsError], in_run: list[str], clusters: di
 def run_report() -> tuple[str | None, dict[str, str]]:
     """The report of the run's checks (None: no problem) and the hosts it refuses, with why."""
     from pyinfra import state
-    from tasks.hostdata import _CACHE, _IN_RUN, check_inventory
+    from tasks.hostdata import _CACHE, _IN_RUN, check_inventory, warning_report
 
     inventory = check_inventory(stop=False)
     hosts = [h for h in state.inventory.get_active_hosts() if h.name in _CACHE and _data_planned(_CACHE[h.name])]
@@ -208,8 +212,10 @@ def run_report() -> tuple[str | None, dict[str, str]]:
     in_run = {h.name: _CACHE[h.name] for h in hosts}
     problems = inventory + box_problems(in_run, answers) + relay_problems(in_run, answers)
     problems = list({str(p): p for p in problems}.values())   # a gpu_override's plan: checked in both passes
+    warnings = [p for p in problems if isinstance(p, BoxWarning)]
+    problems = [p for p in problems if not isinstance(p, BoxWarning)]
     if not problems:
-        return None, {}
+        return (warning_report(warnings, list(_IN_RUN)) if warnings else None), {}
     clusters = {name: (s.cluster or {}).get("name") if s else None for name, s in _CACHE.items()}
     refused = refused_hosts(problems, list(_IN_RUN), clusters, inventory=bool(inventory))
     from tasks.run_summary import record_run
@@ -228,10 +234,11 @@ def run_report() -> tuple[str | None, dict[str, str]]:
         going = [name for name in _IN_RUN if name not in refused]
         outcome = (f"{plural(len(refused), 'host')} refused and left unchanged ({', '.join(sorted(refused))}), "
                    f"the other {len(going)} go on ({', '.join(going)}):")
-    return report(problems, header=(
+    text = report(problems, header=(
         f"verl-lab: {plural(len(problems), 'problem')} on {plural(len(bad), 'host')} of {len(_IN_RUN)} in this run "
-        f"(inventory values, then what each box told: GPU, driver, disk, the plan, verl's own checks); {outcome}")), \
-        refused
+        f"(inventory values, then what each box told: GPU, driver, disk, RAM, the plan and its length, verl's own "
+        f"checks); {outcome}"))
+    return (text + ("\n" + warning_report(warnings, list(_IN_RUN)) if warnings else "")), refused
 
 
 def _data_planned(settings: LabSettings) -> bool:
@@ -250,14 +257,16 @@ def plural(n: int, word: str) -> str:
 
 def box_facts(settings: LabSettings) -> list[tuple[type, dict]]:
     """What the run's checks read on one box, in one bundle: its GPUs and driver, the model and
-    data already there and the free disk for the rest, the disk under the checkpoint folder."""
+    data already there and the free disk for the rest, the disk under the checkpoint folder, its RAM."""
     from tasks.data_plan import data_plan
     from tasks.facts.data import SnapshotStamp
     from tasks.facts.disk import CheckpointDisk, FreeDisk
     from tasks.facts.endpoint import EndpointServes, api_url
+    from tasks.facts.memory import HostMemory
     plan = data_plan(settings)
     facts = [(NvidiaGpus, {}), (SnapshotStamp, {"dest": plan.model_dir}), (SnapshotStamp, {"dest": plan.source_dir}),
-             (FreeDisk, {"path": plan.model_dir}), (CheckpointDisk, {"path": f"{settings.train_dir}/checkpoints"})]
+             (FreeDisk, {"path": plan.model_dir}), (CheckpointDisk, {"path": f"{settings.train_dir}/checkpoints"}),
+             (HostMemory, {})]
     if plan.mode == "direct":     # the box downloads: whether the endpoint serves it, asked from the box
         facts += [(EndpointServes, {"url": api_url(plan.endpoint, spec.repo_type, spec.repo, spec.revision),
                                     "python": settings.launcher_python, "dest": dest, "digest": spec.digest})
@@ -290,6 +299,7 @@ def ask_every_host(hosts) -> dict[str, list]:
 def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> list[SettingsError]:
     """Every problem the boxes' answers show (pure: settings and answers in, problems out)."""
     from tasks.hostdata import cluster_for
+    from tasks.run_bounds import fit_problems
     targets, found = {}, []
     for name, got in answers.items():
         if isinstance(got, Exception):
@@ -297,7 +307,7 @@ def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> 
             continue
         targets[name] = decide_gpu(settings[name], got[0])
     for name, target in targets.items():
-        s, (gpus, model_stamp, data_stamp, free, ckpt_disk, *probes) = settings[name], answers[name]
+        s, (gpus, model_stamp, data_stamp, free, ckpt_disk, memory, *probes) = settings[name], answers[name]
         found += driver_problems(s, target)
         found += served_problems(s, (model_stamp, data_stamp), probes)
         rollout = s.workload["rollout"]
@@ -320,6 +330,8 @@ def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> 
             found.append(problem)
             continue
         found += checkpoint_problems(s, target, members, ckpt_disk)
+        found += [(BoxWarning if warning else BoxProblem)(name, key, text)      # tasks/run_bounds.py
+                  for key, text, warning in fit_problems(s, target.target, members, memory)]
     return found
 
 

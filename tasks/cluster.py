@@ -36,7 +36,7 @@ from tasks.failure import fail_host
 from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.hostdata import member_targets
 from tasks.plan import GpuTarget, PlanError, cluster_plan, workload_for
-from tasks.settings import TRAIN_UNIT, Cluster, LabSettings, ipv4
+from tasks.settings import RAY_UNIT, TRAIN_UNIT, Cluster, LabSettings, ipv4
 from tasks.tracking_train import keys_for_box, run_name_of, tracking_values
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
@@ -45,7 +45,6 @@ ENV_TEMPLATE = TEMPLATES / "ray.env.j2"
 DROPIN_TEMPLATE = TEMPLATES / "train-cluster.conf.j2"
 CHECKER = Path(__file__).resolve().parent.parent / "verl_lab_box" / "cluster_check.py"
 GATHERER = Path(__file__).resolve().parent.parent / "verl_lab_box" / "cluster_gather.py"
-RAY_UNIT = "verl-lab-ray.service"
 RAY_UNIT_PATH = f"/etc/systemd/system/{RAY_UNIT}"
 TRAIN_DROPIN = f"/etc/systemd/system/{TRAIN_UNIT}.d/cluster.conf"
 HEAD_WAIT_TRIES = 30             # a worker asks for the head 30 times, 2 s apart, then fails (and restarts)

@@ -56,6 +56,9 @@ from tasks.settings import LabSettings
 from tasks.target import HostTarget
 
 BOX_PACKAGE = REPO_ROOT / "verl_lab_box"
+# the box program's sibling modules, placed beside it under their own names
+BOX_MODULES = ("nvidia_driver_state.py", "nvidia_driver_apt.py", "nvidia_driver_log.py", "nvidia_driver_units.py",
+               "nvidia_driver_job.py", "nvidia_driver_install.py", "nvidia_driver_hold.py")
 
 
 # ---------------------------------------------------------------- pyinfra
@@ -68,7 +71,7 @@ def placed_files(want: DriverWant, plan: DriverPlan) -> list:
              wanted_file(f"{want.libexec}/verl_lab_gpu.py", "GPU reader beside it",
                          (BOX_PACKAGE / "gpu.py").read_bytes()),
              *(wanted_file(f"{want.libexec}/{name}", f"driver stage program's {name}", (BOX_PACKAGE / name).read_bytes())
-               for name in ("nvidia_driver_state.py", "nvidia_driver_apt.py")),
+               for name in BOX_MODULES),
              wanted_file(want.plan_path, "driver plan", json.dumps(plan.box_plan, indent=1, sort_keys=True) + "\n",
                          mode="600"),
              wanted_file(BLACKLIST_FILE, "nouveau blacklisted", BLACKLIST)]
@@ -80,10 +83,10 @@ def placed_files(want: DriverWant, plan: DriverPlan) -> list:
 def gather_facts(settings: LabSettings, want: DriverWant, gpu: HostTarget) -> DriverFacts:
     """One command: the distro, the driver fact, the marker and the placed files' states."""
     paths = [f"{want.lab_root}/libexec", want.libexec, f"{want.libexec}/nvidia_driver.py",
-             f"{want.libexec}/verl_lab_gpu.py", f"{want.libexec}/nvidia_driver_state.py",
-             f"{want.libexec}/nvidia_driver_apt.py", want.plan_path, BLACKLIST_FILE, SOURCES_FILE]
+             f"{want.libexec}/verl_lab_gpu.py", *(f"{want.libexec}/{name}" for name in BOX_MODULES),
+             want.plan_path, BLACKLIST_FILE, SOURCES_FILE]
     distro, state, marker, states = ask(
-        (LinuxDistribution, {}), (DriverState, {"pin": PIN_FILE, "unit": want.unit, "skip_sources": SOURCES_FILE,
+        (LinuxDistribution, {}), (DriverState, {"pin": PIN_FILE, "units": list(want.units), "skip_sources": SOURCES_FILE,
                                           "watch": want.table.watch()}),
         (Marker, {"path": want.marker}), (PathStates, {"paths": paths}))
     state = state or DriverState.default()
@@ -95,7 +98,7 @@ def gather_facts(settings: LabSettings, want: DriverWant, gpu: HostTarget) -> Dr
 def held_driver_notes(settings: LabSettings) -> list[str]:
     """For the status (deploy/status.py): what driver_notes says of this box's held driver; reads only."""
     want = driver_want(settings)
-    distro, state = ask((LinuxDistribution, {}), (DriverState, {"pin": PIN_FILE, "unit": want.unit,
+    distro, state = ask((LinuxDistribution, {}), (DriverState, {"pin": PIN_FILE, "units": list(want.units),
                                                                 "skip_sources": SOURCES_FILE,
                                                                 "watch": want.table.watch()}))
     os_release = (distro or {}).get("release_meta") or {}
@@ -121,15 +124,20 @@ def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
     if initramfs_rebuild(placed, plan.action):
         server.shell(name="NVIDIA driver: nouveau blacklisted: rebuild the initramfs",
                      commands=["if command -v update-initramfs >/dev/null; then update-initramfs -u; fi"])
+    q = shlex.quote
+    run = f"{q(want.python)} {q(want.program)} {{}} --plan {q(want.plan_path)}"
+    if plan.unmask:                                 # what an earlier run that ended badly left masked
+        server.shell(name=f"NVIDIA driver: unmask {' '.join(plan.unmask)} (left masked by an earlier driver change)",
+                     commands=[run.format("unmask")])
     if plan.action == "done":
         host.noop(plan.reason)
         return managed
-    q = shlex.quote
-    run = f"{q(want.python)} {q(want.program)} {{}} --plan {q(want.plan_path)}"
     for note in driver_notes(facts.state, plan.distro):
         logger.warning(f"[{settings.host}] verl-lab {note}")
     if plan.action == "install":
         server.shell(name=f"NVIDIA driver: install {plan.choice.reason}", commands=[run.format("install")])
+    elif plan.action == "follow":                  # the box program follows the running job (it starts none)
+        server.shell(name=f"NVIDIA driver: {plan.reason}", commands=[run.format("install")])
     elif plan.action == "update":
         server.shell(name=f"NVIDIA driver: update {plan.reason}", commands=[run.format("install")])
     elif plan.action == "headers":
@@ -139,7 +147,7 @@ def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
     settle_driver(name=f"NVIDIA driver: load R{plan.choice.branch.branch} (reboot: "
                        f"{'allowed' if want.reboot else 'not allowed'})",
                   python=want.python, program=want.program, plan_path=want.plan_path, reboot=want.reboot,
-                  unit=want.unit, _serial=True)
+                  _serial=True)
     marker = marker_command(want.marker, [
         ("stage", "driver"), ("branch", str(plan.choice.branch.branch)), ("version", OnBox("$v")),
         ("source", plan.choice.branch.source), ("distro", plan.distro.name),

@@ -10,8 +10,10 @@ from tasks.driver_choice import BranchChoice, Distro, DriverTable, GpuSeen, choo
 from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
 from tasks.driver_status import newer_build
 from tasks.gpu_support import min_driver
-from tasks.settings import TRAIN_UNIT, LabSettings
-from verl_lab_box.nvidia_driver_state import branch_of, gpu_users, installed_from, upstream, verdict
+from tasks.burnin.plan import BURNIN_UNIT
+from tasks.settings import RAY_UNIT, TRAIN_UNIT, LabSettings
+from verl_lab_box.nvidia_driver_state import JOB_UNIT, branch_of, installed_from, upstream, verdict
+from verl_lab_box.nvidia_driver_units import IDLE, busy_fix, busy_reasons
 
 SOURCES_FILE = "/etc/apt/sources.list.d/verl-lab-nvidia.sources"
 PIN_FILE = "/etc/apt/preferences.d/verl-lab-nvidia-driver"
@@ -38,8 +40,10 @@ class DriverWant:
     python: str
     min_branch: int
     table: DriverTable
-    unit: str = TRAIN_UNIT
+    # no driver change runs under them (masked for it): training, a cluster member's Ray node, the burn-in
+    units: tuple[str, ...] = (TRAIN_UNIT, RAY_UNIT, BURNIN_UNIT)
     update: bool = False                    # driver_update: take a newer build of the held branch
+    busy: str = "refuse"                    # driver_busy: refuse, or stop the units for a driver change
     catalog: object = None                  # the host's catalog (torch's archs, CUDA's minimum driver)
 
     @property
@@ -58,11 +62,16 @@ class DriverWant:
     def log(self) -> str:
         return f"{self.lab_root}/logs/driver.log"
 
+    @property
+    def job_status(self) -> str:
+        return f"{self.libexec}/driver-job.json"
+
 
 def driver_want(settings: LabSettings) -> DriverWant:
     return DriverWant(reboot=settings.driver_reboot, lab_root=settings.lab_root, marker=settings.marker("driver"),
                       python=settings.launcher_python, min_branch=int(min_driver(settings.catalog).split(".")[0]),
-                      table=load_table(), catalog=settings.catalog, update=settings.driver_update)
+                      table=load_table(), catalog=settings.catalog, update=settings.driver_update,
+                      busy=settings.driver_busy)
 
 
 @dataclass(frozen=True)
@@ -77,13 +86,14 @@ class DriverFacts:
 
 @dataclass(frozen=True)
 class DriverPlan:
-    action: str                             # refuse | done | install | headers | update | hold | settle
+    action: str                             # refuse | done | install | headers | update | hold | settle | follow
     reason: str
     problems: tuple[str, ...] = ()
     choice: BranchChoice | None = None
     distro: Distro | None = None
     box_plan: Mapping | None = None         # driver-plan.json for the box-side program
     sources: str = ""                       # the deb822 text to place ("" : nothing to add)
+    unmask: tuple[str, ...] = ()            # the stage's own masks a run that ended badly left (no job runs)
 
 
 def refusals(want: DriverWant, facts: DriverFacts, distro: Distro | None) -> list[str]:
@@ -124,19 +134,22 @@ def refusals(want: DriverWant, facts: DriverFacts, distro: Distro | None) -> lis
     return problems
 
 
-def busy_problem(state: Mapping, unit: str) -> str | None:
-    """Why no driver package may change now: the training unit runs, or processes hold /dev/nvidia*
-    (new user-space libraries under their loaded module: NVML's "Driver/library version mismatch")."""
-    fix = (f"Stop training first: set train_unit_state = 'stopped' and re-run the train stage (or `systemctl stop "
-           f"{unit}`), then re-run the driver stage")
-    if state.get("unit_active"):
-        return (f"{unit} is active: the driver stage changes no driver package under a running job (every new "
-                f"process would get NVML's 'Driver/library version mismatch'). {fix}")
-    users = gpu_users(dict(state))
-    if users:
-        who = ", ".join(f"{b[0]} ({b[1] if len(b) > 1 else '?'})" for b in users)
-        return f"processes hold /dev/nvidia* ({who}): the driver stage changes no driver package under them. {fix}"
-    return None
+def busy_problem(state: Mapping, want: DriverWant) -> str | None:
+    """Why no driver package may change now: a unit of ``want.units`` in any state but inactive or
+    failed ("activating (auto-restart)" restarts the job within its RestartSec), or processes holding
+    /dev/nvidia* (new user-space libraries under their loaded module: NVML's "Driver/library version
+    mismatch"). With driver_busy = 'stop' only GPU processes outside those units count: the box
+    program stops the units."""
+    why = busy_reasons(dict(state), want.units, want.busy)
+    if not why:
+        return None
+    return (f"{'; '.join(why)}: the driver stage changes no driver package under a running job (every new process "
+            f"would get NVML's 'Driver/library version mismatch'). {busy_fix(want.units, want.busy)}")
+
+
+def job_running(state: Mapping) -> bool:
+    """The stage's apt job (a transient systemd unit) is running: a run that lost its connection."""
+    return ((state.get("units") or {}).get(JOB_UNIT) or {}).get("active", "inactive") not in IDLE
 
 
 def _is_module_package(name: str) -> bool:
@@ -218,27 +231,41 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
     chosen_for = ", ".join(dict.fromkeys(g.label for g in facts.gpus))
     box_plan = {"branch": branch.branch, "packages": list(branch.packages), "module_package": branch.module_package,
                 "source": branch.source, "headers": list(headers_packages(distro, state.get("kernel") or "")),
-                "distro": distro.name, "pin": PIN_FILE, "log": want.log, "unit": want.unit,
+                "distro": distro.name, "pin": PIN_FILE, "log": want.log, "units": list(want.units), "busy": want.busy,
+                "job_status": want.job_status,
                 "chosen_for": f"{chosen_for} (read by {facts.gpus_from})", "reason": choice.reason,
                 "fabricmanager": {"package": branch.fabricmanager, "service": FM_SERVICE} if switches else None,
                 "supported_gpus": {"package": branch.supported_gpus, "unlisted": list(want.table.unlisted)}
                 if branch.supported_gpus else None,
                 "gpus": gpus_to_check(state, facts.gpus), "update": want.update}
+    running = job_running(state)
     common = dict(choice=choice, distro=distro, box_plan=box_plan,
-                  sources=sources_to_add(entries, distro.components, state.get("origins") or {}, distro.origin))
+                  sources=sources_to_add(entries, distro.components, state.get("origins") or {}, distro.origin),
+                  unmask=() if running else tuple(state.get("masks") or ()))
+    if running:                             # an earlier run's apt goes on: follow it, judge nothing under it
+        return DriverPlan("follow", f"a driver change started earlier is still running on the box ({JOB_UNIT}): "
+                                    "following it to its end", **common)
 
     pkgs = installed_from(state, branch.source)
     module = next((p for p in pkgs if p["name"] == branch.module_package), None)
     names = {p["name"] for p in pkgs}
     fm = next((p for p in state.get("packages", ()) if switches and p["name"] == branch.fabricmanager
                and p["installed"]), None)
-    if (module is None or branch_of(module["version"]) != branch.branch or not set(branch.packages) <= names
-            or {p["version"] for p in pkgs} != {module["version"]}
+    # a change that stopped part-way (dpkg's maintainer script failed, apt or the job killed): packages
+    # of the branch unpacked but not configured; the install finishes it at the versions pinned then
+    unfinished = sorted(f"{p['name']} ({p.get('status')})" for p in state.get("packages", ())
+                        if (p["source"] == branch.source or p["name"] == branch.fabricmanager)
+                        and (p.get("status") or "ii")[1:2] in ("U", "F", "H"))
+    if (unfinished or module is None or branch_of(module["version"]) != branch.branch
+            or not set(branch.packages) <= names or {p["version"] for p in pkgs} != {module["version"]}
             or (switches and (fm is None or upstream(fm["version"]) != upstream(module["version"])))):
         have = module["version"] if module else "none"
-        busy = busy_problem(state, want.unit)
+        busy = busy_problem(state, want)
         if busy:
             return DriverPlan("refuse", "the GPUs are in use", (busy,), choice, distro)
+        if unfinished:
+            return DriverPlan("install", f"dpkg left {', '.join(unfinished)} of {branch.source} not configured (a "
+                                         "driver change that stopped part-way): finishing it", **common)
         return DriverPlan("install", f"R{branch.branch} from {distro.name}'s {branch.source} (installed now: {have})",
                           **common)
     if not state.get("headers_installed"):
@@ -253,7 +280,7 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
         return DriverPlan("hold", f"{branch.source} {version} is installed; holding and pinning it", **common)
     newer = newer_build(state, branch, version) if want.update else None
     if newer:
-        busy = busy_problem(state, want.unit)
+        busy = busy_problem(state, want)
         if busy:
             return DriverPlan("refuse", "the GPUs are in use", (busy,), choice, distro)
         return DriverPlan("update", f"{branch.source} {version} -> {newer}: the held branch's newer build, taken on "
@@ -270,7 +297,7 @@ def plan_driver(want: DriverWant, facts: DriverFacts) -> DriverPlan:
 def initramfs_rebuild(placed: Mapping[str, str | None], action: str) -> bool:
     """The nouveau blacklist was (re)placed this run and no install rebuilds the initramfs after it:
     rebuild it here, or nouveau still binds the GPUs first at the next boot."""
-    return bool(placed.get(BLACKLIST_FILE)) and action not in ("install", "update")
+    return bool(placed.get(BLACKLIST_FILE)) and action not in ("install", "update", "follow")
 
 
 def refusal_text(host_name: str, problems: Sequence[str]) -> str:

@@ -1,6 +1,8 @@
 """The driver stage's execute-time step: load the installed NVIDIA module, or reboot the box for it
-(only with ``driver_reboot``, never while the training unit is active, one box at a time through
-pyinfra's ``_serial``), or stop with the reason."""
+(only with ``driver_reboot``, one box at a time through pyinfra's ``_serial``, and only after the box
+program's ``reboot-guard`` passed: no driver job running, the training and Ray units idle (any state
+but inactive or failed is busy) or stopped under ``driver_busy = 'stop'``, masked until the boot, the
+initramfs rebuilt), or stop with the reason."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def _run(target, command: str):
     return target.run_shell_command(StringCommand(command))
 
 
-def _settle(state, host, python: str, program: str, plan_path: str, reboot: bool, unit: str, wait_s: int):
+def _settle(state, host, python: str, program: str, plan_path: str, reboot: bool, wait_s: int):
     """At execute time: load the installed module, or reboot the box for it (when allowed), or stop."""
     q = shlex.quote
     cmd = f"{q(python)} {q(program)} verdict --plan {q(plan_path)}"
@@ -47,12 +49,19 @@ def _settle(state, host, python: str, program: str, plan_path: str, reboot: bool
              f"{v['reason']}. Reboot the box and re-run, or set driver_reboot = True to let the stage reboot it "
              "(one box at a time, never while training runs)")
         return False
-    ok, _ = _run(host, f"systemctl is-active --quiet {q(unit)}")
-    if ok:
-        _say(host, f"verl-lab driver: {host.name}: reboot needed for the driver {v['installed']}, but {unit} is active: "
-             "not rebooting a box that trains. Stop it (or let it finish) and re-run")
+    ok, out = _run(host, f"{q(python)} {q(program)} reboot-guard --plan {q(plan_path)}")
+    if not ok:
+        said = [line for line in out.output.splitlines() if line.startswith("verl-lab driver: ")]
+        _say(host, f"verl-lab driver: {host.name}: reboot needed for the driver {v['installed']}, but not rebooting: "
+             + (said[-1][len("verl-lab driver: "):] if said else out.output[-600:]))
         return False
-    return reboot_and_wait(host, wait_s)
+    if not reboot_and_wait(host, wait_s):
+        if not host.connected:
+            host.connect(show_errors=False)
+        if host.connected:               # a box that did not reboot: its units are not left masked
+            _run(host, f"{q(python)} {q(program)} unmask --plan {q(plan_path)}")
+        return False
+    return True
 
 
 REBOOT_TOKEN = "/run/verl-lab-driver-reboot"   # /run is emptied by every boot
@@ -86,15 +95,14 @@ def reboot_and_wait(host, wait_s: int) -> bool:
 
 
 @operation(is_idempotent=False)
-def settle_driver(python: str, program: str, plan_path: str, reboot: bool, unit: str, wait_s: int = REBOOT_WAIT_S):
+def settle_driver(python: str, program: str, plan_path: str, reboot: bool, wait_s: int = REBOOT_WAIT_S):
     """Load the installed NVIDIA module: modprobe where nothing holds the GPU; a reboot where another
-    module or nouveau does (only with ``reboot``, never while ``unit`` is active; run with
-    ``_serial=True`` so boxes reboot one at a time); else fail the host with the reason.
+    module or nouveau does (only with ``reboot``, only once the box program's ``reboot-guard`` passed;
+    run with ``_serial=True`` so boxes reboot one at a time); else fail the host with the reason.
 
     .. code:: python
 
         settle_driver(name="Load the driver", python="/usr/bin/python3", program=".../nvidia_driver.py",
-                      plan_path=".../driver-plan.json", reboot=False, unit="verl-lab-train.service",
-                      _serial=True)
+                      plan_path=".../driver-plan.json", reboot=False, _serial=True)
     """
-    yield FunctionCommand(_settle, (python, program, plan_path, reboot, unit, wait_s), {})
+    yield FunctionCommand(_settle, (python, program, plan_path, reboot, wait_s), {})

@@ -46,6 +46,9 @@ from tasks.target import HostTarget
 from tasks.verl_source import box_patch_paths, checkout_done, patch_wanted, verl_source
 
 REQUIREMENTS = REPO_ROOT / "files" / "requirements" / "verl-0.5.0.txt"
+# the proofs' sibling, placed beside prove-env.py under its own name (env_prove.py imports it so)
+LOCK_MODULE = REPO_ROOT / "verl_lab_box" / "env_lock.py"
+LOCK_CHECK = LOCK_MODULE.name
 BUILD_TOOLS = REPO_ROOT / "files" / "requirements" / "build-tools.txt"
 TEMPLATES = REPO_ROOT / "files" / "templates"
 CONDA_PYTHON = "3.10"
@@ -204,6 +207,8 @@ class EnvPlan:
             "xformers_skip": None if self.xformers else self.xformers_reason,
             "xformers_cuda": self.xformers_cuda, "xformers_index": self.xformers_index,
             "verl": self.verl_version, "compose": True, "overrides": list(self.compose_overrides),
+            # the env's lock: every pin, checked with what each needs (verl_lab_box/env_lock.py)
+            "lock": list(self.constraints),
         }
 
     @property
@@ -447,8 +452,9 @@ def env_generation(settings: LabSettings, plan: EnvPlan, script: str, force: boo
     if action == "marker":
         yield StringCommand("sh", "-c", shlex.quote(env_marker_command(settings, plan, env.get("target"))))
         return
-    # said without -v, before the build's minutes (the operation's name was chosen before this decision)
-    host.log_styled(f"verl-lab env: building a new env generation beside the current one: {why}", log_func=logger.info)
+    # said without -v, when the build starts (minutes): why this box's env is built again
+    host.log_styled(f"verl-lab env: building a new env generation beside the current one: {why}", fg="yellow",
+                    log_func=logger.warning)
     yield StringCommand("echo", shlex.quote(f"verl-lab: building a new env generation: {why}"))
     yield StringCommand("bash", shlex.quote(script))
 
@@ -460,7 +466,7 @@ def env_file_paths(settings: LabSettings) -> list[str]:
     paths = [d, settings.install_tmpdir, f"{settings.box_cache}/pip", str(Path(settings.env_prefix).parent),
              *(w.path for w in patch_wanted(settings)),
              *(f"{d}/{name}" for name in ("constraints.txt", "verl-requirements.txt", "build-tools.txt",
-                                          "prove-env.py", "build-env.sh"))]
+                                          "prove-env.py", LOCK_CHECK, "build-env.sh"))]
     if settings.env_backend == "conda":
         paths.append(f"{settings.conda_prefix}/.condarc")
     return paths
@@ -479,6 +485,7 @@ def env_wanted(settings: LabSettings, plan: EnvPlan, vllm_wheel: str | None) -> 
         wanted_file(f"{d}/verl-requirements.txt", "verl runtime requirements", REQUIREMENTS.read_bytes()),
         wanted_file(f"{d}/build-tools.txt", "Build tools requirements", BUILD_TOOLS.read_bytes()),
         wanted_file(f"{d}/prove-env.py", "Env proofs", (REPO_ROOT / "verl_lab_box" / "env_prove.py").read_bytes()),
+        wanted_file(f"{d}/{LOCK_CHECK}", "Env lock check (imported by the proofs)", LOCK_MODULE.read_bytes()),
         wanted_file(f"{d}/build-env.sh", "Env build script",
                     rendered(TEMPLATES / "env-build.sh.j2", **build_script_context(settings, plan, vllm_wheel)),
                     mode="755"),

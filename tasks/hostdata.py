@@ -8,6 +8,8 @@ data gives the GPU).
 
 from __future__ import annotations
 
+import difflib
+
 from pyinfra import host, inventory
 
 from tasks.plan import GpuTarget
@@ -62,11 +64,12 @@ _PROBLEMS: list = []          # the inventory pass's problems of the hosts in th
 _IN_RUN: list[str] = []       # the hosts of this run, in inventory order (pyinfra's --limit)
 
 
-def misspelt_keys(data: dict) -> set[str]:
-    """The keys of a host's data that are near misses of verl-lab's (pyinfra would ignore them: the
-    defaults apply), at the top level and in ``workload``/``checkpoints``."""
-    from tasks.settings import CHECKPOINT_DEFAULTS, WORKLOAD_DEFAULTS, near_miss
-    found = {k for k in data if near_miss(k)}
+def keys_left_out(data: dict, unread) -> set[str]:
+    """The keys of a host's data (dotted keys set inside their settings) that nothing reads: those ``unread``
+    names (a near miss, a nested key at the top, an unknown key, a bad dotted key) and the unknown keys in
+    ``workload``/``checkpoints``. The host's settings are made without them."""
+    from tasks.settings import CHECKPOINT_DEFAULTS, WORKLOAD_DEFAULTS
+    found = {p.key for p in unread}
     for key, known in (("workload", WORKLOAD_DEFAULTS), ("checkpoints", CHECKPOINT_DEFAULTS)):
         if isinstance(data.get(key), dict):
             found |= {f"{key}.{k}" for k in data[key] if k not in known}
@@ -74,28 +77,79 @@ def misspelt_keys(data: dict) -> set[str]:
 
 
 def checked_settings(name: str, data: dict) -> tuple[LabSettings | None, list[SettingsError]]:
-    """A host's settings and every problem of its data. A host whose problems are misspelt keys, or
+    """A host's settings and every problem of its data. A host whose problems are keys nothing reads, or
     bad values the plan does not read, still gets settings (those keys at their defaults), so its
     plan and box are checked in the same run; None where a value the plan reads is bad."""
+    from tasks.settings import host_keys
     try:
         return load_settings(name, data), []
     except SettingsError as exc:
         problems = exc.problems
-    misspelt = misspelt_keys(data)
-    bad = {p.key.split(".")[0] for p in problems if p.key not in misspelt}
+    data, unread = host_keys(name, data)
+    dropped = keys_left_out(data, unread)
+    bad = {p.key.split(".")[0] for p in problems if p.key not in dropped}
     if bad & set(PLAN_KEYS):
         return None, problems
     kept = {}
     for key, value in data.items():
-        if key in misspelt or key in bad:
+        if key in dropped or key in bad:
             continue
         if key in ("workload", "checkpoints") and isinstance(value, dict):
-            value = {k: v for k, v in value.items() if f"{key}.{k}" not in misspelt}
+            value = {k: v for k, v in value.items() if f"{key}.{k}" not in dropped}
         kept[key] = value
     try:
         return load_settings(name, kept), problems
     except SettingsError:
         return None, problems
+
+
+def origin(inv, host, key: str) -> str | None:
+    """Where a key of ``host``'s data was set: ``--data``, the host's own data, a group's or all's
+    (pyinfra's waterfall: override, host, groups, all); None where the inventory cannot tell."""
+    if inv is None:
+        return None
+    if key in inv.get_override_data():
+        return "--data"
+    if key in inv.get_host_data(host.name):
+        return "the host's own data in the inventory"
+    group = next((g for g in reversed(list(host.groups)) if key in inv.get_group_data(g)), None)
+    if group and group != "all":
+        return f"group {group}'s data (group_data/{group}.py or the inventory)"
+    return "all's data (group_data/all.py)" if key in inv.get_data() or group == "all" else None
+
+
+def with_origin(problems: list[SettingsError], inv, host) -> list[SettingsError]:
+    """``problems`` of one host, those of a key nothing reads (tasks/settings_keys.py) saying where the key
+    was set."""
+    from tasks.settings import host_keys
+    unread = {p.key for p in host_keys(host.name, host.data.dict())[1]}
+    out = []
+    for p in problems:
+        where = origin(inv, host, p.key) if p.key in unread else None
+        out.append(SettingsError(p.host, p.key, f"{p.problem}; set by {where}", p.fix) if where else p)
+    return out
+
+
+def unmatched_limits(inventory, limit=(), exclude=(), run=None) -> str | None:
+    """Why the run's hosts are not what ``--limit``/``--exclude`` meant, or None: a pattern that matches no
+    host or group of the inventory (pyinfra only logs a warning and goes on, with the other patterns' hosts
+    or with none), or a run left with no host. ``run``: pyinfra's ``State.limit_hosts`` (None: no limit)."""
+    from fnmatch import fnmatch
+    names = [h.name for h in inventory]
+    every = set(names)          # pyinfra names a group after the inventory file too: one of every host, not listed
+    groups = sorted(g for g, members in getattr(inventory, "groups", {}).items()
+                    if g != "all" and {h.name for h in members} != every)
+    for option, patterns in (("--limit", limit), ("--exclude", exclude)):
+        for pattern in patterns or ():
+            if pattern not in getattr(inventory, "groups", {}) and pattern != "all" \
+                    and not any(fnmatch(n, pattern) for n in names):
+                close = difflib.get_close_matches(pattern, names + groups, n=1, cutoff=0.5)
+                return (f"verl-lab: {option} {pattern!r} matches no host or group of the inventory; nothing was "
+                        f"changed on any host. " + (f"Did you mean {close[0]!r}? " if close else "")
+                        + f"Hosts: {', '.join(names)}; groups: {', '.join(groups) or 'none'}")
+    if run is not None and not run:
+        return "verl-lab: --limit/--exclude leave no host in this run; nothing was changed on any host"
+    return None
 
 
 def hosts_in_run(hosts=None) -> list:
@@ -121,8 +175,8 @@ def check_inventory(hosts=None, stop: bool = True, everyone=None) -> list[Settin
             settings, found = checked_settings(each.name, each.data.dict())
             if settings is not None:
                 checked[each.name] = _CACHE[each.name] = settings
-            problems += found
             inv = getattr(each, "inventory", None)
+            problems += with_origin(found, inv, each)
             if inv is not None and "cluster" not in inv.get_host_data(each.name):   # its groups decide its cluster
                 in_groups[each.name] = {g: inv.get_group_data(g)["cluster"] for g in each.groups
                                         if inv.get_group_data(g).get("cluster")}
@@ -141,6 +195,14 @@ def check_inventory(hosts=None, stop: bool = True, everyone=None) -> list[Settin
 
 def report(problems, header: str = HEADER) -> str:
     return header + "\n  " + "\n  ".join(str(p) for p in problems)
+
+
+def warning_report(warnings, in_run: list[str]) -> str:
+    """What the run's checks warn of, refusing nothing: each host's together, in the run's order."""
+    order = {name: i for i, name in enumerate(in_run)}
+    warnings = sorted(warnings, key=lambda p: order.get(p.host, len(order)))
+    count = f"{len(warnings)} warning{'s' if len(warnings) != 1 else ''}"
+    return report(warnings, header=f"verl-lab: {count} (nothing refused for them):")
 
 
 def every_host_once_all_answered(key: str, value) -> dict | None:

@@ -20,14 +20,31 @@ _REGISTERED = {"atexit": False}
 QUIET_STAGES = ("undo",)         # named only where they queued something (tasks/undo.py: "undo changed 3")
 
 
+MODEL_PATH = "actor_rollout_ref.model.path="
+
+
+def model_of(plan: dict) -> str | None:
+    """The model a plan trains, by its Hugging Face repo: from the actor's model path, the catalog model's
+    folder ``<lab_root>/models/<owner>--<name>`` (tasks/settings.py ``model_dir``; a repo never holds "--")."""
+    path = next((o[len(MODEL_PATH):] for o in plan.get("overrides") or [] if o.startswith(MODEL_PATH)), None)
+    return path.rstrip("/").rsplit("/", 1)[-1].replace("--", "/", 1) if path else None
+
+
+def finetune_words(plan: dict) -> str:
+    """LoRA (its rank) or full fine-tuning, as the plan trains."""
+    lora = plan.get("lora")
+    return f"LoRA rank {lora.get('rank')}" if lora else "full fine-tuning"
+
+
 def plan_line(plan: dict) -> str:
-    """A training plan (plan.json's ``plan``) in one line."""
+    """A training plan (plan.json's ``plan``) in one line: the model, the rung, LoRA or full, then how."""
     off = [k.removesuffix("_offload").replace("_", " ") for k, on in (plan.get("offload") or {}).items() if on]
     rollout = f"{plan.get('rollout')} {plan.get('rollout_dtype')}"
     if plan.get("rollout") == "vllm":
         rollout += f" (share {plan.get('vllm_gpu_memory_utilization')})"
-    return (f"{plan.get('rung')}, train {plan.get('train_dtype')}, rollout {rollout}, offload "
-            f"{', '.join(off) or 'none'}, peak {plan.get('predicted_peak_mib')} of {plan.get('budget_mib')} MiB")
+    return (f"{model_of(plan) or '?'}, {plan.get('rung')}, {finetune_words(plan)}, train {plan.get('train_dtype')}, "
+            f"rollout {rollout}, offload {', '.join(off) or 'none'}, peak {plan.get('predicted_peak_mib')} of "
+            f"{plan.get('budget_mib')} MiB")
 
 
 def stage_words(stage: str, ops: list[tuple[bool | None, bool | None]]) -> str:

@@ -6,8 +6,9 @@ Every default lives here, once (a nested setting's keys: beside its checker, e.g
 ``settings_workload.WORKLOAD_DEFAULTS``); ``inventory/group_data/all.py`` only sets site choices.
 The checkers of a topic live in a module of their own: ``settings_catalog`` (catalog, mirrors,
 artifact names), ``settings_workload`` (workload, workload.model, gpu_override),
-``settings_cluster`` (the cluster setting, and ``check_clusters`` across hosts); the errors and
-their collector in ``settings_errors``. This module wires them together in ``load_settings``.
+``settings_cluster`` (the cluster setting, and ``check_clusters`` across hosts); which keys are read and
+which refused (dotted keys, a nested setting's key at the top, a key nothing reads) in ``settings_keys``;
+the errors and their collector in ``settings_errors``. This module wires them together in ``load_settings``.
 """
 
 from __future__ import annotations
@@ -20,19 +21,22 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from tasks.catalog import Catalog, MirrorSet, default_catalog
+from tasks.tracking import DEFAULTS as TRACKING_DEFAULTS
 from tasks.tracking import Tracking, TrackingProblems, check_tracking
 from tasks.settings_catalog import _artifact_name, _catalog, _mirrors
 from tasks.settings_errors import Problems, SettingsError, SettingsErrors, did_you_mean
-from tasks.settings_workload import WORKLOAD_DEFAULTS, _gpu_override, _workload, _workload_model
+from tasks.settings_keys import expand_dotted, nested_keys, unread_keys
+from tasks.settings_workload import GPU_OVERRIDE_KEYS, WORKLOAD_DEFAULTS, _gpu_override, _workload, _workload_model
 # Cluster, check_clusters and ipv4 are not used here, only re-exported: ``from tasks.settings import``
 # keeps naming the settings' public face (tasks/cluster.py, tasks/hostdata.py, bench/gpu/ppo_profiles.py
 # and the tests import them so), as it does the errors load_settings raises and WORKLOAD_DEFAULTS.
-from tasks.settings_cluster import Cluster, _cluster, _ip_address, check_clusters, ipv4  # noqa: F401
+from tasks.settings_cluster import CLUSTER_KEYS, Cluster, _cluster, _ip_address, check_clusters, ipv4  # noqa: F401
 
 ARTIFACT_MODES = ("relay", "direct")
 ENV_BACKENDS = ("conda", "venv")
 UNIT_STATES = ("installed", "enabled", "started", "stopped")
 DRIVER_MODES = ("check", "install")
+DRIVER_BUSY = ("refuse", "stop")
 USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,30}$")
 
 DEFAULTS: dict[str, Any] = {
@@ -52,6 +56,9 @@ DEFAULTS: dict[str, Any] = {
     "driver": "check",
     "driver_reboot": False,            # driver = install: reboot a box whose new driver needs it (one at a time)
     "driver_update": False,            # driver = install: take a newer build of the held branch (idle boxes only)
+    # driver = install, a driver change (install, update, reboot) while the training or Ray unit is busy:
+    # refuse (changing nothing) | stop (the stage masks and stops them for the change, then unmasks them)
+    "driver_busy": "refuse",
     "env_backend": "conda",            # conda | venv
     "env_prefix": "/opt/verl-lab/envs/verl",
     "conda_prefix": "/opt/verl-lab/miniforge3",
@@ -64,6 +71,9 @@ DEFAULTS: dict[str, Any] = {
     "model_artifact": "qwen_model",
     "dataset_artifact": "gsm8k",
     "train_steps": None,               # a step cap (a smoke test: e.g. 20); None: workload.epochs over GSM8K
+    # the longest run the checks let start: a plan whose speed-model step time makes the run longer is refused,
+    # with the faster plan (tasks/run_bounds.py)
+    "max_run_days": 7,
     # what to train (checked by _workload; the plan: tasks/plan/, docs/plan.md)
     "workload": {},
     # plan for this GPU instead of the box's own (a build box without a GPU, or a box whose
@@ -86,23 +96,23 @@ DEFAULTS: dict[str, Any] = {
 KNOWN_KEYS = set(DEFAULTS)
 CHECKPOINT_DEFAULTS: dict[str, int] = {"keep": 1, "every": 10}
 
-# Host data that belongs to pyinfra (its connectors' ``ssh_*``/``docker_*``... keys, its global
-# arguments ``_sudo``...) or to the site is left alone; only a near miss of a verl-lab key is an
-# error, since pyinfra would silently ignore it and the default would apply.
-PYINFRA_KEY_PREFIXES = ("_", "ssh_", "docker_", "podman_", "chroot_", "local_", "winrm_", "vagrant_",
-                        "terraform_", "fake_")
-NEAR_MISS_CUTOFF = 0.8
+# the nested settings and the keys each knows: a dotted key sets one of them (``workload.model``), a top-level
+# key that names one is refused with the dotted form (tasks/settings_keys.py)
+NESTED = nested_keys(DEFAULTS, {"workload": WORKLOAD_DEFAULTS, "checkpoints": CHECKPOINT_DEFAULTS,
+                                "tracking": TRACKING_DEFAULTS, "cluster": CLUSTER_KEYS,
+                                "gpu_override": GPU_OVERRIDE_KEYS})
 
 
-def near_miss(key: str) -> str | None:
-    """The verl-lab key that ``key`` looks like a misspelling of, or None."""
-    if key in KNOWN_KEYS or key.startswith(PYINFRA_KEY_PREFIXES):
-        return None
-    close = difflib.get_close_matches(key, sorted(KNOWN_KEYS), n=1, cutoff=NEAR_MISS_CUTOFF)
-    return close[0] if close else None
+def host_keys(host: str, data: Mapping[str, Any]) -> tuple[dict[str, Any], list[SettingsError]]:
+    """A host's data with its dotted keys set inside their settings, and every key nothing would read
+    (tasks/settings_keys.py: pyinfra's, another deploy's and the site's ``site_*`` keys pass)."""
+    expanded, problems = expand_dotted(host, data, NESTED)
+    return expanded, problems + unread_keys(host, expanded, KNOWN_KEYS, NESTED)
 
-# The systemd unit that runs training on every box (files/templates/verl-lab-train.service.j2).
+# The systemd unit that runs training on every box (files/templates/verl-lab-train.service.j2), and
+# the one that runs a cluster member's Ray node (files/templates/verl-lab-ray.service.j2).
 TRAIN_UNIT = "verl-lab-train.service"
+RAY_UNIT = "verl-lab-ray.service"
 LEGACY_STAGE_NAMES = {"env": "pyenv"}     # stage -> the marker name it had before
 
 
@@ -138,8 +148,10 @@ class LabSettings:
     driver: str = "check"
     driver_reboot: bool = False
     driver_update: bool = False
+    driver_busy: str = "refuse"
     checkpoints: Mapping[str, int] = field(default_factory=lambda: dict(CHECKPOINT_DEFAULTS))
     tracking: Tracking = field(default_factory=Tracking)
+    max_run_days: float = 7
 
     @property
     def marker_dir(self) -> str:
@@ -208,14 +220,6 @@ def _choice(host: str, key: str, value: Any, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def _near_misses(host: str, data: Mapping[str, Any]) -> None:
-    found = [SettingsError(host, key, "not a verl-lab setting (it would be ignored and the default used)",
-                           f"did you mean {near_miss(key)}? (every setting and its default: tasks/settings.py "
-                           "DEFAULTS)") for key in data if near_miss(key)]
-    if found:
-        raise SettingsErrors(found)
-
-
 def _checkpoints(host: str, value: Any) -> dict[str, int]:
     """checkpoints: how many whole saves are kept and how often one is made (positive integers)."""
     if not isinstance(value, Mapping):
@@ -267,11 +271,26 @@ def _train_steps(host: str, steps: Any) -> int | None:
                             "set e.g. train_steps = 20 (a smoke test), or leave it unset to train workload.epochs")
     return steps
 
+def _max_run_days(host: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise SettingsError(host, "max_run_days", f"{value!r} is not a positive number of days",
+                            "set e.g. max_run_days = 14 (the default 7: a week)")
+    return value
+
+
 def _driver_flag(host: str, key: str, value: Any, driver: str) -> bool:
     if _flag(host, key, value) and driver != "install":
         raise SettingsError(host, key, f"True does nothing with driver = {driver!r}",
                             f"set driver = 'install' as well, or leave {key} out")
     return value
+
+
+def _driver_busy(host: str, value: Any, driver: str) -> str:
+    choice = _choice(host, "driver_busy", value, DRIVER_BUSY)
+    if choice != "refuse" and driver != "install":
+        raise SettingsError(host, "driver_busy", f"{value!r} does nothing with driver = {driver!r}",
+                            "set driver = 'install' as well, or leave driver_busy out")
+    return choice
 
 
 def _tracking(host: str, value: Any, artifact_mode: str) -> Tracking:
@@ -292,7 +311,8 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
     """Check one host's data and return its settings; raise ``SettingsErrors`` listing every
     problem of it (each a ``SettingsError``: host, key, value, fix), not only the first."""
     p = Problems(host)
-    p.check(_near_misses, data)
+    data, unread = host_keys(host, data)
+    p.found += unread
     merged = {**DEFAULTS, **{k: v for k, v in data.items() if k in KNOWN_KEYS}}
     base = catalog or default_catalog()
     cat = p.check(_catalog, base, merged["catalog_overrides"], default=base)
@@ -331,8 +351,10 @@ def load_settings(host: str, data: Mapping[str, Any], catalog: Catalog | None = 
         driver=p.check(_choice, "driver", merged["driver"], DRIVER_MODES, default="check"),
         driver_reboot=p.check(_driver_flag, "driver_reboot", merged["driver_reboot"], merged["driver"], default=False),
         driver_update=p.check(_driver_flag, "driver_update", merged["driver_update"], merged["driver"], default=False),
+        driver_busy=p.check(_driver_busy, merged["driver_busy"], merged["driver"], default="refuse"),
         checkpoints=p.check(_checkpoints, merged["checkpoints"], default=dict(CHECKPOINT_DEFAULTS)),
         tracking=p.check(_tracking, merged["tracking"], merged["artifact_mode"], default=Tracking()),
+        max_run_days=p.check(_max_run_days, merged["max_run_days"], default=DEFAULTS["max_run_days"]),
     )
     p.check(_ssh_key, data.get("ssh_key"))
     p.raise_any()

@@ -19,13 +19,16 @@ CLUSTER_EXAMPLE = "cluster = {'name': 'lab1', 'head': 'box1'} on every box of th
 CLUSTER_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,30}$")
 
 
+CLUSTER_KEYS = ("name", "head", "port")
+
+
 def _cluster(host: str, value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
         raise SettingsError(host, "cluster", f"{value!r} is not a mapping", f"set {CLUSTER_EXAMPLE}")
     found = [SettingsError(host, f"cluster.{key}", "not a cluster key", "use name, head and port")
-             for key in value if key not in ("name", "head", "port")]
+             for key in value if key not in CLUSTER_KEYS]
     for key in ("name", "head"):
         if not isinstance(value.get(key), str) or not value[key].strip():
             found.append(SettingsError(host, f"cluster.{key}", "missing" if key not in value else f"{value[key]!r} "

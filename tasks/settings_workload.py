@@ -30,6 +30,7 @@ WORKLOAD_ALGORITHMS = ("auto", "ppo", "grpo")   # auto: PPO, else GRPO, else GRP
 # auto: vLLM where the GPU runs it (compute capability >= 7.0), else the HF rollout; vllm: vLLM or
 # this box fails (tasks.plan.rollout_refusal); hf: the HF-transformers rollout, and no vLLM in the env
 WORKLOAD_ROLLOUTS = ("auto", "vllm", "hf")
+GPU_OVERRIDE_KEYS = ("name", "compute_capability", "memory_mib", "count")
 
 
 
@@ -37,8 +38,8 @@ def _gpu_override(host: str, value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     example = '{"name": "Tesla T4", "compute_capability": "7.5", "memory_mib": 15360, "count": 1}'
-    if not isinstance(value, Mapping) or not {"name", "compute_capability", "memory_mib"} <= set(value) \
-            or set(value) - {"name", "compute_capability", "memory_mib", "count"}:
+    if not isinstance(value, Mapping) or not set(GPU_OVERRIDE_KEYS[:3]) <= set(value) \
+            or set(value) - set(GPU_OVERRIDE_KEYS):
         raise SettingsError(host, "gpu_override", f"{value!r} is not a GPU description", f"use e.g. {example}")
     cc = str(value["compute_capability"])
     count = value.get("count", 1)

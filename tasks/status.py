@@ -288,6 +288,7 @@ def render_rows(rows: list[dict]) -> str:
             out.append(f"    why: {r['reason']}")
         out += [f"    {line}" for line in (r["verdict"] or "").splitlines()]
         out += [f"    {line}" for line in r.get("driver_notes") or ()]
+        out += [f"    {line}" for line in r.get("burnin_notes") or ()]
     return "\n".join(out)
 
 

@@ -31,8 +31,9 @@ import pytest
 # e2e before unit tests, which fill the workers at the end
 LONGEST_FIRST = ("lab:env_lab", "lab:fleet_lab", "tests/e2e/test_readme_path.py", "tests/e2e/test_drills.py",
                  "tests/e2e/test_cluster.py", "tests/e2e/test_driver.py", "tests/e2e/test_refusals.py",
-                 "tests/unit/test_fsdp2_gather.py", "tests/unit/test_export.py", "tests/unit/test_cluster_two_disks.py",
-                 "tests/unit/test_gather_once.py", "tests/unit/test_gsm8k_score.py", "tests/unit/test_hf_rollout.py", "tests/unit/test_gpu_probe.py",
+                 "tests/unit/test_fsdp2_gather.py", "tests/unit/test_burnin_learning.py", "tests/unit/test_export.py",
+                 "tests/unit/test_cluster_two_disks.py", "tests/unit/test_gather_once.py",
+                 "tests/unit/test_gsm8k_score.py", "tests/unit/test_hf_rollout.py", "tests/unit/test_gpu_probe.py",
                  "tests/e2e/test_rollout_setting.py", "tests/e2e/test_cuda.py", "tests/e2e/test_data.py")
 TEARDOWN_GRACE_S = 120
 

@@ -10,12 +10,20 @@ xformers_index (where that build comes from, for the fix), verl (version), verl_
 Every check is reported as {"ok": true|false, "detail": "..."}; a skipped check is ok and its
 detail starts with "skipped:".
 
+lock (the plan's pinned ``name==version`` lines) and the modules verl's trainer loads are checked in
+both modes, without importing them (env_lock.py, this program's sibling: beside it in the repo and
+in the box's env-build/, or sent ahead of it in one program by the PythonEnv fact): every pin
+installed at its version and everything the pins and verl need installed at a version they accept,
+and every module the trainer's top-level imports reach found on the path.
+
 With "quick": true (the re-check of an env that passed every proof when it was built from the
 same plan) nothing heavy is imported: versions come from the installed metadata, Apex's
 extensions and verl's patched source are located on disk, and every installed file is checked
-against its package's RECORD (present, recorded size), which finds uninstalls, deleted or
-truncated files and swapped versions in well under a second. The imports, the GPU and the
-config compose are proven at build time, by deploy/rebuild.py, and with env_health_check=full.
+against its package's RECORD (present, recorded size), which finds deleted or truncated files
+and swapped versions; the lock and the imports find what was uninstalled (a package whose files
+and RECORD went together) — all in well under a second (bench/env_quick_check.py). The imports
+themselves, the GPU and the config compose are proven at build time, by deploy/rebuild.py, and
+with env_health_check=full.
 """
 
 import importlib
@@ -24,6 +32,11 @@ import json
 import os
 import subprocess
 import sys
+
+try:
+    import env_lock
+except ImportError:   # sent in one program with it (tasks/facts/env.py): its names are this module's
+    env_lock = sys.modules[__name__]
 
 want = json.loads(sys.argv[1])
 checks = {}
@@ -42,9 +55,7 @@ def check(name):
     return wrap
 
 
-def same_version(have, pin):
-    # a pin without a local label (+cu118) matches any local build of that version
-    return have == pin if "+" in pin else have.split("+", 1)[0] == pin
+same_version = env_lock.same_version
 
 
 def installed_records():
@@ -94,6 +105,29 @@ def _files():
     if bad:
         return False, f"{len(bad)} of {seen} installed files differ from their RECORD: " + "; ".join(bad[:4])
     return True, f"{seen} installed files present with their recorded sizes"
+
+
+@check("lock")
+def _lock():
+    if want.get("lock") is None:
+        return True, "skipped: no lock given"
+    roots = ["verl"] + (["vllm"] if want.get("vllm") else [])
+    count, bad = env_lock.lock_problems(want["lock"], roots)
+    if bad:
+        return False, f"{len(bad)} of {count} distributions differ from the lock: {env_lock.shown(bad)}"
+    return True, f"{count} distributions as the lock pins them and as each other need (not imported)"
+
+
+@check("imports")
+def _imports():
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return False, "No module named 'verl'"
+    root = os.path.dirname(list(spec.submodule_search_locations)[0])
+    count, bad = env_lock.import_problems(root)
+    if bad:
+        return False, f"verl's trainer would not load: {env_lock.shown(bad)}"
+    return True, f"every module verl's trainer imports when it loads is there ({count} of verl's read, not imported)"
 
 
 def quick_version(dist, pin, what):

@@ -1,7 +1,7 @@
 """A verl actor checkpoint as a proven Hugging Face folder: verl 0.5.0's own model merger, then a
 proof of what it wrote.
 
-    <env>/bin/python export.py --checkpoint-dir DIR [--step N] [--final]
+    <env>/bin/python export.py --checkpoint-dir DIR [--step N] [--final] [--host-ram-mib M] [--base-model REPO@REV]
 
 Placed by tasks/train.py as ``<train_dir>/verl_lab_export.py``; the training launcher runs it
 with the env's Python as the train user when a run finishes (``train-launcher --export`` on
@@ -84,16 +84,26 @@ read_json = _proof.read_json
 PROMPTS = _proof.PROMPTS            # the fixed chat prompts both proofs compute logits on
 
 
-def prove_export(partial: str, actor: str) -> dict:
+def prove_export(partial: str, actor: str, base_model: str | None = None) -> dict:
     """The proof of the merger's folder. A LoRA checkpoint's (verl saved ``actor/lora_adapter``: the merger
-    writes the base alone) is first made the merged model with the adapter beside it, then proven by
-    verl_lab_box/lora_export.py; any other by ``prove``."""
+    writes the base alone) is first made the merged model with the adapter beside it (its config naming
+    ``base_model``, REPO@REVISION, where given), then proven by verl_lab_box/lora_export.py; any other by
+    ``prove``."""
     lora = _sibling("verl_lab_lora_export", LORA_MODULES)
     if not lora.is_lora_checkpoint(actor):
         return prove(partial, actor)
     weights, facts = full_weights(actor)
     try:
-        return {**facts, **lora.export_and_prove(actor, partial, weights, list(PROMPTS))}
+        return {**facts, **lora.export_and_prove(actor, partial, weights, list(PROMPTS), base_model)}
+    except lora.LoraExportError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def check_base_model(given: str) -> None:
+    """``--base-model`` is REPO@COMMIT (lora_export.base_model's rule), else ExportError."""
+    lora = _sibling("verl_lab_lora_export", LORA_MODULES)
+    try:
+        lora.base_model({}, given)
     except lora.LoraExportError as exc:
         raise ExportError(str(exc)) from None
 
@@ -185,12 +195,13 @@ def ram_short(need_mib: int | None, step: int, meminfo: str | None = None) -> st
 
 
 def export(checkpoint_dir: str, step: int | None = None, final: bool = False, python: str = sys.executable,
-           host_ram_mib: int | None = None) -> dict:
+           host_ram_mib: int | None = None, base_model: str | None = None) -> dict:
     """The proven export of ``step`` (default: the latest checkpoint); made when it is not there yet.
     Exports of saves verl removed are pruned first; the step's lock is held throughout (a second
     export of the step waits for it, then finds it proven). ``host_ram_mib``: what the merge and
     the proof need, checked against MemAvailable under the lock before the merge (not where the
-    export is proven already)."""
+    export is proven already). ``base_model``: REPO@REVISION a LoRA export's adapter names (default: the
+    data stage's stamp beside the model folder, lora_export.base_model)."""
     if step is None:
         step = latest_step(checkpoint_dir)
         if step is None:
@@ -204,10 +215,11 @@ def export(checkpoint_dir: str, step: int | None = None, final: bool = False, py
     ck = checkpoints_module()
     ck.prune_exports(checkpoint_dir, say=log)
     with ck.step_lock(folder, f"export of step {step}", say=log):
-        return _export(checkpoint_dir, step, final, python, host_ram_mib)
+        return _export(checkpoint_dir, step, final, python, host_ram_mib, base_model)
 
 
-def _export(checkpoint_dir: str, step: int, final: bool, python: str, host_ram_mib: int | None = None) -> dict:
+def _export(checkpoint_dir: str, step: int, final: bool, python: str, host_ram_mib: int | None = None,
+            base_model: str | None = None) -> dict:
     """``export`` under the step's lock: a partial folder here is one whose maker died."""
     folder = step_dir(checkpoint_dir, step)
     actor = os.path.join(folder, "actor")
@@ -235,7 +247,7 @@ def _export(checkpoint_dir: str, step: int, final: bool, python: str, host_ram_m
     try:
         merge_s = merge(actor, partial, python)
         start = time.monotonic()
-        found = prove_export(partial, actor)
+        found = prove_export(partial, actor, base_model)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)      # never a half-made folder beside the checkpoint
         raise
@@ -276,10 +288,15 @@ def main(argv=None) -> int:
     ap.add_argument("--final", action="store_true", help="the training run finished at this step")
     ap.add_argument("--host-ram-mib", type=int, help="the host RAM the merge and the proof need (plan.json's "
                     "prediction, passed by the launcher): checked against MemAvailable before the merge")
+    ap.add_argument("--base-model", metavar="REPO@REVISION", help="a LoRA export: the base model its adapter names "
+                    "(default: the data stage's stamp beside the model folder the run trained from)")
     args = ap.parse_args(argv)
     os.umask(0o027)                     # as the training unit writes (UMask=0027)
     try:
-        proof = export(args.checkpoint_dir, args.step, args.final, host_ram_mib=args.host_ram_mib)
+        if args.base_model:             # checked before anything is merged
+            check_base_model(args.base_model)
+        proof = export(args.checkpoint_dir, args.step, args.final, host_ram_mib=args.host_ram_mib,
+                       base_model=args.base_model)
     except ExportError as exc:
         print(f"verl-lab export FAILED: {exc}", file=sys.stderr, flush=True)
         return 1

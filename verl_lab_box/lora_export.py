@@ -13,11 +13,18 @@ rest, renamed, as the model: the folder it writes is the **base model, without t
 its adapter tensors cast to bf16. So after the merger, for a LoRA checkpoint, ``finish`` (called by export.py):
 
 1. rewrites the folder's ``*.safetensors`` with the merged weights: each adapted layer's W + (B @ A) * scaling
-   (scaling = lora_alpha / r, or / sqrt(r) with rsLoRA: PEFT's), computed in the checkpoint's dtype (fp32) from
-   the shards, then cast to the dtype the merger wrote (the same names, files and dtypes: its index stays true);
+   (scaling = lora_alpha / r, or / sqrt(r) with rsLoRA: PEFT's) from the shards, computed in fp32 and rounded once
+   to the dtype the merger wrote, as PEFT merges fp32 adapters (peft keeps them fp32 on a bf16 or fp16 base: the
+   product and the sum in fp32, one rounding); the same names, files and dtypes (its index stays true);
 2. replaces the merger's ``lora_adapter/`` with the adapter from the shards in their dtype under the run's own
-   ``adapter_config.json`` (verl's save, ``inference_mode`` true as PEFT saves it): PEFT's
-   ``PeftModel.from_pretrained(base, folder)`` loads it on the base model.
+   ``adapter_config.json`` (verl's save, ``inference_mode`` true as PEFT saves it), its base model named by the
+   catalog's repository and pinned revision (``base_model_name_or_path``, ``revision``) instead of the box's model
+   folder verl wrote there, so that ``AutoPeftModelForCausalLM.from_pretrained(folder)`` finds the base anywhere;
+   PEFT's ``PeftModel.from_pretrained(base, folder)`` loads it on the base model. The repository and revision are
+   export.py's ``--base-model REPO@REVISION`` where given, else the stamp the data stage wrote beside the model
+   folder the run trained from (``<model folder>.verified.json``, verl_lab_box/hf_snapshot.py ``stamp_path``:
+   the catalog's repo and revision the folder was proven against); with neither (a checkpoint copied off its
+   box) the folder's path stays, and the record and the log say so.
 
 ``prove`` then shows, on the CPU in fp32: the folder's tensors equal the merge computed here, bit for bit; the
 adapter folder loads with PEFT onto the checkpoint's base weights; the merged model's logits (loaded by
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 ADAPTER_DIR = "lora_adapter"          # verl's save_checkpoint (actor/) and model merger (target/) both use it
@@ -41,6 +49,11 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."     # PEFT's name for the wrapped model
 ADAPTER_NAME = "default"              # verl's get_peft_model: one adapter, PEFT's default name
 LOGIT_TOLERANCE = 1e-3
+
+
+COMMIT = re.compile(r"[0-9a-f]{40}")     # a pinned revision, as the catalog and hf_snapshot insist
+STAMP_SUFFIX = ".verified.json"     # verl_lab_box/hf_snapshot.py stamp_path: <model folder><suffix>
+DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}      # safetensors' names, torch's
 
 
 class LoraExportError(Exception):
@@ -119,9 +132,10 @@ def split(weights: dict) -> tuple[dict, dict]:
     return base, adapters
 
 
-def merged_weights(weights: dict, config: dict) -> dict:
-    """The Hugging Face model's weights with every adapter merged: W + (B @ A) * scaling, as PEFT's
-    merge_and_unload computes it, in the checkpoint's dtype."""
+def merged_weights(weights: dict, config: dict, dtype=None) -> dict:
+    """The Hugging Face model's weights with every adapter merged: W + (B @ A) * scaling as PEFT's merge computes it
+    for fp32 adapters (the product, its scaling and the sum in fp32), rounded once to ``dtype`` (a torch dtype;
+    default: W's own). The other weights as they are."""
     base, adapters = split(weights)
     scale = scaling(config)
     merged = dict(base)
@@ -130,7 +144,8 @@ def merged_weights(weights: dict, config: dict) -> dict:
         if tuple(b.shape[:1]) + tuple(a.shape[1:]) != tuple(w.shape) or a.shape[0] != b.shape[1]:
             raise LoraExportError(f"{module}: lora_B {tuple(b.shape)} @ lora_A {tuple(a.shape)} does not make the "
                                   f"base weight's {tuple(w.shape)}")
-        merged[f"{module}.weight"] = w + (b.to(w.dtype) @ a.to(w.dtype)) * scale
+        delta = b.float() @ a.float()
+        merged[f"{module}.weight"] = delta.mul_(scale).add_(w).to(dtype or w.dtype)
     return merged
 
 
@@ -181,9 +196,47 @@ def write_merged(export: str, merged: dict, adapted_modules) -> int:
     return len(seen)
 
 
-def write_adapter(dest: str, weights: dict, config: dict) -> dict:
+def folder_dtype(export: str):
+    """The torch dtype of the merger's folder (every tensor's: safetensors headers)."""
+    import torch
+    from safetensors import safe_open
+
+    found = set()
+    for path in _safetensors_files(export):
+        with safe_open(path, "pt") as fh:
+            found.update(fh.get_slice(key).get_dtype() for key in fh.keys())
+    if len(found) != 1 or not found <= set(DTYPES):
+        raise LoraExportError(f"{export} holds tensors of {sorted(found) or 'no'} dtype(s): verl's merger writes one "
+                              "(bf16)")
+    return getattr(torch, DTYPES[found.pop()])
+
+
+def base_model(config: dict, given: str | None = None) -> dict:
+    """The base model the adapter names: {"repo", "revision", "source"} from ``given`` ("REPO@REVISION", export.py's
+    ``--base-model``), else the data stage's stamp beside the model folder in the run's adapter config
+    (``base_model_name_or_path``: the folder verl trained from); else the folder itself (revision None)."""
+    if given:
+        repo, _, revision = given.partition("@")
+        if repo.count("/") != 1 or not COMMIT.fullmatch(revision):
+            raise LoraExportError(f"--base-model {given!r}: give the catalog's repository and pinned revision, "
+                                  "REPO@COMMIT (e.g. Qwen/Qwen2.5-0.5B-Instruct@<its 40-digit commit>)")
+        return {"repo": repo, "revision": revision, "source": "--base-model"}
+    folder = str(config.get("base_model_name_or_path") or "")
+    stamp = folder.rstrip("/") + STAMP_SUFFIX
+    try:
+        with open(stamp) as fh:
+            found = json.load(fh)
+        if found.get("repo") and found.get("revision") and found.get("repo_type", "model") == "model":
+            return {"repo": found["repo"], "revision": found["revision"], "source": stamp}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return {"repo": folder, "revision": None, "source": None}
+
+
+def write_adapter(dest: str, weights: dict, config: dict, base: dict | None = None) -> dict:
     """The adapter alone in PEFT's format in ``dest`` (replaced): adapter_model.safetensors (the shards' tensors,
-    their dtype) and adapter_config.json (the run's, ``inference_mode`` true as PEFT's save_pretrained writes)."""
+    their dtype) and adapter_config.json (the run's, ``inference_mode`` true as PEFT's save_pretrained writes, its
+    base model ``base``'s repo and revision where known)."""
     from safetensors.torch import save_file
 
     tensors = adapter_tensors(weights)
@@ -191,10 +244,11 @@ def write_adapter(dest: str, weights: dict, config: dict) -> dict:
         shutil.rmtree(dest)
     os.makedirs(dest)
     save_file(tensors, os.path.join(dest, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    named = {"base_model_name_or_path": base["repo"], "revision": base["revision"]} if base and base["source"] else {}
     with open(os.path.join(dest, ADAPTER_CONFIG), "w") as fh:
         # runtime_config: PEFT keeps it out of saved configs (it warns on loading one)
-        json.dump({**{k: v for k, v in config.items() if k != "runtime_config"}, "inference_mode": True}, fh,
-                  indent=2, sort_keys=True)
+        json.dump({**{k: v for k, v in config.items() if k != "runtime_config"}, "inference_mode": True, **named},
+                  fh, indent=2, sort_keys=True)
         fh.write("\n")
     return {"adapter_tensors": len(tensors), "adapter_params": sum(t.numel() for t in tensors.values()),
             "adapter_bytes": sum(os.path.getsize(os.path.join(dest, n)) for n in os.listdir(dest))}
@@ -215,16 +269,25 @@ def verl_adapter_gap(actor_dir: str, weights: dict) -> float | None:
     return max(float((saved[k].float() - want[k].float()).abs().max()) for k in want)
 
 
-def finish(actor_dir: str, export: str, weights: dict) -> dict:
+def finish(actor_dir: str, export: str, weights: dict, base_model_given: str | None = None) -> dict:
     """After verl's model merger wrote ``export`` from ``actor_dir``: the merged weights into its files, the
     adapter (PEFT's format) into ``export/lora_adapter``. ``weights``: the checkpoint's full weights
-    (export.full_weights). Returns facts for the proof's record."""
+    (export.full_weights); ``base_model_given``: export.py's ``--base-model``. Returns facts for the proof's
+    record."""
     config = adapter_config(actor_dir)
-    merged = merged_weights(weights, config)
+    merged = merged_weights(weights, config, folder_dtype(export))
     replaced = write_merged(export, merged, split(weights)[1])
-    facts = write_adapter(os.path.join(export, ADAPTER_DIR), weights, config)
+    del merged
+    base = base_model(config, base_model_given)
+    if not base["source"]:
+        print(f"verl-lab export: the adapter's base model stays {base['repo']!r} (a folder of this box): no "
+              f"--base-model and no {base['repo'].rstrip('/')}{STAMP_SUFFIX} (the data stage's stamp); "
+              "AutoPeftModelForCausalLM will not find it elsewhere", flush=True)
+    facts = write_adapter(os.path.join(export, ADAPTER_DIR), weights, config, base)
     return {"lora_rank": config["r"], "lora_alpha": config["lora_alpha"], "lora_scaling": scaling(config),
             "lora_modules": len(split(weights)[1]), "merged_tensors": replaced,
+            "adapter_base_model": base["repo"], "adapter_base_revision": base["revision"],
+            "adapter_base_model_from": base["source"],
             "verl_adapter_max_abs_diff": verl_adapter_gap(actor_dir, weights), **facts}
 
 
@@ -250,14 +313,11 @@ def prove(export: str, actor_dir: str, weights: dict, prompts: list[str],
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = adapter_config(actor_dir)
-    merged = merged_weights(weights, config)
+    dtype = folder_dtype(export)
+    merged = merged_weights(weights, config, dtype)
     stored = {}
     for path in _safetensors_files(export):
         stored.update(load_file(path))
-    dtypes = {t.dtype for t in stored.values()}
-    if len(dtypes) != 1:
-        raise LoraExportError(f"{export} mixes dtypes {sorted(map(str, dtypes))}")
-    dtype = dtypes.pop()
     worst, worst_key = 0.0, None
     for key, t in stored.items():
         if key not in merged:
@@ -307,7 +367,8 @@ def prove(export: str, actor_dir: str, weights: dict, prompts: list[str],
             "lora_max_abs_logit_diff_adapter_vs_base": _max_diff(adapter_logits, base_logits)}
 
 
-def export_and_prove(actor_dir: str, export: str, weights: dict, prompts: list[str]) -> dict:
+def export_and_prove(actor_dir: str, export: str, weights: dict, prompts: list[str],
+                     base_model_given: str | None = None) -> dict:
     """``finish`` then ``prove``: what export.py calls after verl's merger for a LoRA checkpoint."""
-    facts = finish(actor_dir, export, weights)
+    facts = finish(actor_dir, export, weights, base_model_given)
     return {**facts, **prove(export, actor_dir, weights, prompts)}

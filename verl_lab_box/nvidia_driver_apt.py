@@ -33,6 +33,16 @@ def removed(text: str) -> dict[str, str]:
     return {m.group(1): m.group(2) or "" for m in map(_REMV.match, text.splitlines()) if m}
 
 
+def newly_installed(text: str, name: str) -> bool:
+    """``name`` is installed by the simulation where it was not installed before (no ``[old]``)."""
+    return any(m.group(1) == name and not m.group(2) for m in map(_INST.match, text.splitlines()) if m)
+
+
+def same_transaction(first: str, second: str) -> bool:
+    """Two simulations install the same versions and remove the same packages."""
+    return simulated(first) == simulated(second) and removed(first) == removed(second)
+
+
 def is_driver_package(name: str) -> bool:
     """A package of an NVIDIA driver: its libraries, tools, module, firmware."""
     return "nvidia" in name or name.startswith(("libcuda", "libnvcuvid", "libnvoptix"))

@@ -28,16 +28,26 @@ MODULE_NAMES = ("nvidia-current", "nvidia")   # Debian builds nvidia-current (mo
 DISPLAY_CLASSES = ("0300", "0302", "0380")    # VGA, 3D and other display controllers
 NVSWITCH_CLASS = "0680"                       # "Bridge [0680]": the NVSwitches of an HGX board
 SECTION = "@@verl-lab-driver@@ "
+UNIT_PROPS = ("Id", "LoadState", "ActiveState", "SubState", "UnitFileState")
+# where the driver stage masks a unit for the length of a driver change: a /dev/null link here outranks
+# /etc/systemd/system (where the training and Ray units live), which `systemctl mask --runtime`'s
+# /run/systemd/system does not; /run is emptied by every boot (nvidia_driver_units.py)
+MASK_DIR = "/run/systemd/system.control"
+JOB_UNIT = "verl-lab-driver-apt.service"    # the transient unit a driver change's apt runs in (nvidia_driver_job.py)
 
 
 # ---------------------------------------------------------------- what the box has (one command)
 
 
-def fact_command(pin: str, unit: str, skip_sources: str = "", watch: tuple[str, ...] = ()) -> str:
+def fact_command(pin: str, units: str | tuple[str, ...] | list[str], skip_sources: str = "",
+                 watch: tuple[str, ...] = ()) -> str:
     """One POSIX shell command printing every section ``parse_fact_output`` reads; always exits 0.
+    ``units``: the units no driver change may run under (the training unit, the Ray unit).
     ``watch``: packages whose archive versions (``apt-cache madison``) are read, besides every
     installed NVIDIA DKMS package."""
     q = shlex.quote
+    units = (units,) if isinstance(units, str) else tuple(units)
+    named = " ".join(q(u) for u in units)
     s = SECTION
 
     def section(name: str, body: str) -> str:
@@ -69,10 +79,15 @@ def fact_command(pin: str, unit: str, skip_sources: str = "", watch: tuple[str, 
         section("pci", "if command -v lspci >/dev/null; then lspci -nn -d 10de:; else "
                        f"for d in {PCI_DEVICES}/*; do [ \"$(cat $d/vendor)\" = 0x10de ] && "
                        "echo \"sysfs ${d##*/} $(cat $d/class) $(cat $d/device)\"; done; fi"),
-        section("unit", f"systemctl is-active {q(unit)}"),
-        # processes holding the GPUs: a driver changed under them fails (NVML's version mismatch)
+        # each unit's state (any but inactive or failed is busy: "activating (auto-restart)" restarts a
+        # job within RestartSec), the driver stage's own masks of them, and its apt job
+        section("units", f"systemctl show {' '.join('-p ' + p for p in UNIT_PROPS)} {named} {JOB_UNIT}"),
+        section("masks", f"for u in {named}; do [ \"$(readlink {MASK_DIR}/$u)\" = /dev/null ] && echo $u; done"),
+        # processes holding the GPUs: a driver changed under them fails (NVML's version mismatch); with
+        # the unit (cgroup) each runs in, which stopping that unit ends
         section("busy", "for p in /proc/[0-9]*; do for f in $p/fd/*; do case \"$(readlink $f)\" in /dev/nvidia*) "
-                        "echo \"${p#/proc/} $(cat $p/comm)\"; break;; esac; done; done"),
+                        "printf '%s %s\\t%s\\n' \"${p#/proc/}\" \"$(cat $p/comm)\" \"$(sed -n 's/^0:://p' $p/cgroup)\"; "
+                        "break;; esac; done; done"),
         section("origins", f"grep -H '^Origin:' {APT_LISTS}/*Release"),
         section("madison", f"apt-cache madison {watched} $(dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}}\\n' "
                            "| awk '$2 ~ /^.i/ && $1 ~ /nvidia/ && $1 ~ /dkms/ {print $1}')"),
@@ -123,8 +138,10 @@ def parse_fact_output(text: str) -> dict:
         fields = line.split("\t")
         if len(fields) == 4 and fields[0]:
             name, source, version, status = fields
+            # installed: configured (i), or with triggers pending (t) or awaited (W): dpkg has configured it
             packages.append({"name": name, "source": source or name, "version": version,
-                             "installed": status[1:2] == "i", "held": status[:1] == "h"})
+                             "installed": status[1:2] in ("i", "t", "W"), "held": status[:1] == "h",
+                             "status": status.strip()})
     built = (lines("built") or [""])[0].split()
     return {
         "kernel": (lines("kernel") or [None])[0],
@@ -139,14 +156,31 @@ def parse_fact_output(text: str) -> dict:
         "dkms": lines("dkms"),
         "pci": parse_pci(lines("pci")),
         "nvswitches": parse_pci(lines("pci"), (NVSWITCH_CLASS,)),
-        "unit_active": (lines("unit") or [""])[0] == "active",
-        "busy": [line.split(" ", 1) for line in lines("busy")],
+        "units": parse_units(sections.get("units", [])),
+        "masks": lines("masks"),
+        "busy": [[*head.split(" ", 1), *rest] for head, *rest in (line.split("\t", 1) for line in lines("busy"))],
         "lockdown": lockdown_mode(lines("lockdown")),
         "origins": parse_origins(lines("origins")),
         "archive": parse_madison(lines("madison")),
         "sources": {path: "\n".join(body) for path, body in sources.items()},
     }
 
+
+
+def parse_units(lines: list[str]) -> dict[str, dict]:
+    """``systemctl show -p Id -p LoadState ...`` of several units (blocks split by a blank line) ->
+    {unit: {"load", "active", "sub", "file"}}; a unit systemd does not know reads load "not-found",
+    active "inactive"."""
+    found, block = {}, {}
+    for line in [*lines, ""]:
+        if line.strip():
+            key, _, value = line.strip().partition("=")
+            block[key] = value
+        elif block.get("Id"):
+            found[block["Id"]] = {"load": block.get("LoadState", ""), "active": block.get("ActiveState", ""),
+                                  "sub": block.get("SubState", ""), "file": block.get("UnitFileState", "")}
+            block = {}
+    return found
 
 
 def secure_boot_state(lines: list[str]) -> dict:

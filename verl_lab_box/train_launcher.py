@@ -31,6 +31,8 @@ plan's share as it is).
     train-launcher [...] -- KEY=VALUE  extra Hydra overrides after the plan's (a run by hand,
                                        e.g. `-- trainer.total_training_steps=5 trainer.save_freq=-1`)
     train-launcher --plan PATH [...]   read another plan.json than the one beside the launcher
+    train-launcher --burnin [--keep]   the burn-in (verl_lab_burnin.py, docs/burnin.md): a few steps of this plan in
+                   [--no-preflight]    its own folder, a save, a resume and an export, judged; never beside the unit
 
 Runs with the system's Python (standard library only; the systemd unit names the interpreter,
 ``settings.launcher_python``); the env's Python is asked about torch, verl and NVIDIA's NVML in
@@ -67,6 +69,7 @@ VLLM_SHARE = ("verl_lab_vllm_share.py", "vllm_share.py")          # vLLM's share
 CHECKPOINT_READERS = ("verl_lab_checkpoints.py", "checkpoints.py")  # the checkpoint disk check
 PREFLIGHT = ("verl_lab_preflight.py", "preflight.py")            # the preflight's checks (a part)
 AFTER_RUN = ("verl_lab_after_run.py", "after_run.py")            # what follows a run (a part)
+BURNIN = ("verl_lab_burnin.py", "burnin.py")                     # the burn-in (a part, placed by deploy/burnin.py)
 SHARE_KEY = "actor_rollout_ref.rollout.gpu_memory_utilization"
 
 
@@ -185,8 +188,9 @@ def part(names, module_name):
     placed as ``train-launcher`` (no .py), the launcher is no module a part could import."""
     module = box_module(names, module_name)
     module.launcher = types.SimpleNamespace(
-        path=os.path.abspath(__file__), SHARE_KEY=SHARE_KEY, box_file=box_file, run_child=run_child, ray_env=ray_env,
-        gpu_module=gpu_module, vllm_share_module=vllm_share_module, checkpoints_module=checkpoints_module)
+        path=os.path.abspath(__file__), SHARE_KEY=SHARE_KEY, box_file=box_file, box_module=box_module,
+        run_child=run_child, ray_env=ray_env, gpu_module=gpu_module, vllm_share_module=vllm_share_module,
+        checkpoints_module=checkpoints_module, preflight_module=preflight_module, after_run_module=after_run_module)
     return module
 
 
@@ -340,6 +344,9 @@ def main(argv):
     load_env_file(launch)
     if "--check" in argv:
         return preflight_module().preflight(launch, extra)
+    if "--burnin" in argv:
+        return part(BURNIN, "verl_lab_burnin").burnin(launch, extra, keep="--keep" in argv,
+                                                      preflight_first="--no-preflight" not in argv)
     if "--export" in argv:
         after = after_run_module()
         return after.after_run(launch, final=after.finished_step(launch) == after.latest_checkpoint(launch),

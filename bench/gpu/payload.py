@@ -62,6 +62,9 @@ DEFAULT_CACHE = Path.home() / ".cache" / "verl-lab-gpu-payload"
 DEFAULT_SDIST = Path("/root/.cache/verl-lab-test/sdist/verl-0.5.0.tar.gz")
 PATCH_DIR = "files/patches/verl-0.5.0"
 DEFAULT_TREES = ("today=7d6e4b8", "speed-before=aa9f1e3", "current=WORKTREE")   # ppo_profiles.py's code refs
+# the burn-in's mutated run (bench/gpu/burnin_profiles.py): "current" with a test-only patch, as "current-<name>"
+MUTATIONS = REPO / "tests" / "fixtures" / "burnin" / "mutations"
+BURNIN_MUTATIONS = ("advantage-sign-flipped",)
 INDEX = "https://pypi.org/simple"
 PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                  "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
@@ -982,6 +985,10 @@ def main(argv: list[str] | None = None) -> int:
     sdist = verl_sdist(args.verl_sdist, args.cache, args.pip_python)
     for name, ref, commit, patches in trees:
         build_verl_tree(out, name, ref, commit, patches, sdist, record, args.force)
+        for mutation in BURNIN_MUTATIONS if name == "current" else ():
+            build_verl_tree(out, f"current-{mutation}", ref, commit,
+                            [*patches, (f"{mutation}.diff", (MUTATIONS / f"{mutation}.diff").read_bytes())], sdist,
+                            record, args.force)
     build_data(out, record, args.force)
     build_tokenizer(out, record, args.force)
     total = report(out)

@@ -367,19 +367,17 @@ def seed_overrides(profile: Profile) -> list[str]:
     return keys
 
 
-def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = None, ray_port: int = RAY_PORT,
-               node_addresses: tuple[str, ...] = NODE_ADDRESSES) -> dict:
-    """Render one profile with the planning code under ``code_root`` (imported here): the plan for its
-    ``gpus`` as deploy/train.py makes it for a box of that many (``make_plan``), or for a Ray cluster of
-    ``nodes`` such boxes as the training stage makes it for a cluster member (``tasks.plan.cluster_plan``),
-    whose nodes' units are rendered too (``render_ray_nodes``)."""
+def profile_layout(profile: Profile, code_root: Path, root: str | None = None):
+    """The training stage's layout of the profile's box (its settings, and the plan deploy/train.py makes for its
+    ``gpus``, or for a Ray cluster of ``nodes`` such boxes), with the planning code under ``code_root``; and the
+    settings' data."""
     sys.path.insert(0, str(code_root))
     from tasks.plan import GpuTarget, make_plan
     from tasks.settings import load_settings
     try:
-        from tasks.train import TrainingLayout, training_wanted, training_workload
+        from tasks.train import TrainingLayout, training_workload
     except ImportError:                  # trees before the stages had one name each
-        from tasks.training import TrainingLayout, training_wanted, training_workload
+        from tasks.training import TrainingLayout, training_workload
 
     data = settings_data({**asdict(profile), "lab_root": root or lab_root(profile)})
     settings = load_settings(profile.name, data)
@@ -394,7 +392,22 @@ def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = 
         plan = cluster_plan({host: target for host in node_hosts(profile)}, workload)
     else:
         plan = make_plan(target, workload)
-    layout = TrainingLayout(settings=settings, plan=plan, plan_source="gpu_override")
+    return TrainingLayout(settings=settings, plan=plan, plan_source="gpu_override"), data
+
+
+def render_one(profile: Profile, out: Path, code_root: Path, root: str | None = None, ray_port: int = RAY_PORT,
+               node_addresses: tuple[str, ...] = NODE_ADDRESSES) -> dict:
+    """Render one profile with the planning code under ``code_root`` (imported here): the plan for its
+    ``gpus`` as deploy/train.py makes it for a box of that many (``make_plan``), or for a Ray cluster of
+    ``nodes`` such boxes as the training stage makes it for a cluster member (``tasks.plan.cluster_plan``),
+    whose nodes' units are rendered too (``render_ray_nodes``)."""
+    layout, data = profile_layout(profile, code_root, root)
+    settings, plan = layout.settings, layout.plan
+    try:
+        from tasks.train import training_wanted
+    except ImportError:                  # trees before the stages had one name each
+        from tasks.training import training_wanted
+
     train = out / "train"
     train.mkdir(parents=True, exist_ok=True)
     for want in training_wanted(layout):

@@ -14,7 +14,9 @@ files), then runs the profile the way a box runs it:
   the checkpoint folder is copied to ``DIR/<NAME>/export/`` (``collect_export``);
 * ``print-overrides`` (a launcher from before the ``--`` passthrough): its
   ``--print-overrides`` list, train.env, then ``verl.trainer.main_ppo`` with the extras;
-* ``overrides`` (the seed recipe): ``verl.trainer.main_ppo`` with the profile's overrides.
+* ``overrides`` (the seed recipe): ``verl.trainer.main_ppo`` with the profile's overrides;
+* ``burnin``: ``train-launcher --burnin --no-preflight`` (the burn-in: bench/gpu/burnin_profiles.py), whose
+  ``burnin.json`` and records are copied to ``DIR/<NAME>/``.
 
 The probe (bench/gpu/probe/sitecustomize.py) caps the allocator at the profile's cap and writes
 per-phase memory into ``DIR/<NAME>/probe/``; the console goes to ``DIR/<NAME>/console.log``;
@@ -67,7 +69,10 @@ def lay_out(profile: dict, src: Path, model: Path, payload: Path = PAYLOAD) -> P
     for sub in ("train/work", "train/checkpoints", "train/cache", "home", "env/bin", "models", "data"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     for f in (src / "train").iterdir():
-        shutil.copy2(f, root / "train" / f.name)
+        if f.is_dir():       # the burn-in's probe folder
+            shutil.copytree(f, root / "train" / f.name)
+        else:
+            shutil.copy2(f, root / "train" / f.name)
     python = shutil.which("python3") or sys.executable
     for name, run in (("python", ""), ("ray", "-m ray.scripts.scripts ")):  # a venv's programs: found by their path
         wrapper = root / "env" / "bin" / name
@@ -112,6 +117,8 @@ def command(profile: dict, root: Path, env: dict) -> list[str]:
     if profile["kind"] == "launcher":
         return [sys.executable, str(launcher), "--no-preflight", *([] if profile.get("export") else ["--no-export"]),
                 "--", *extra]
+    if profile["kind"] == "burnin":     # the launcher's burn-in (verl_lab_box/burnin.py); the H200 is not the card
+        return [sys.executable, str(launcher), "--burnin", "--no-preflight"]
     if profile["kind"] == "print-overrides":
         out = subprocess.run([sys.executable, str(launcher), "--print-overrides"], capture_output=True, text=True,
                              check=True)
@@ -296,6 +303,13 @@ def main(argv=None) -> int:
     rc = next((r for r in rcs if r), 0)
     if profile.get("proof_baseline") and profile.get("export") and not rc and not timed_out:
         proof_baseline(root / "train" / "checkpoints", src / "old_export.py", out, args, env)
+    if profile["kind"] == "burnin":      # its record and the records it was made from
+        folder = root / "train" / "burnin"
+        if (folder / "burnin.json").is_file():
+            shutil.copy2(folder / "burnin.json", out / "burnin.json")
+        if (folder / "records").is_dir():
+            shutil.copytree(folder / "records", out / "records")
+        shutil.rmtree(folder / "checkpoints", ignore_errors=True)
     if profile.get("export"):
         collect_export(root / "train" / "checkpoints", out / "export")
         # the saves' bytes are recorded: free the disk for the runs beside and after this one

@@ -1,7 +1,7 @@
 """Facts of the Python-env stage: the env's health, the verl checkout, the build host.
 
-``PythonEnv`` runs the env's own proofs (verl_lab_box/env_prove.py, sent on stdin so it
-works before anything was uploaded) and answers what is healthy and what is broken.
+``PythonEnv`` runs the env's own proofs (verl_lab_box/env_prove.py after its sibling env_lock.py, sent
+on stdin so it works before anything was uploaded) and answers what is healthy and what is broken.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from pyinfra.api import FactBase
 from tasks.catalog import REPO_ROOT
 
 PROVE_SCRIPT = REPO_ROOT / "verl_lab_box" / "env_prove.py"
+# its sibling (the lock and the trainer's imports), sent first in the same program: env_prove.py then finds
+# its names in its own module (nothing of either is on the box before the env stage places them)
+LOCK_SCRIPT = REPO_ROOT / "verl_lab_box" / "env_lock.py"
 _EOF = "VERL_LAB_PROVE_EOF"
 
 
@@ -66,7 +69,7 @@ class PythonEnv(FactBase[dict]):
 
     def command(self, prefix: str, expect: dict) -> str:
         p = shlex.quote(prefix)
-        program = PROVE_SCRIPT.read_text()
+        program = LOCK_SCRIPT.read_text() + "\n" + PROVE_SCRIPT.read_text()
         return (
             f"if [ ! -x {p}/bin/python ]; then echo absent; exit 0; fi; "
             f"echo target=$(readlink {p} 2>/dev/null); echo prev=$(readlink {p}.prev 2>/dev/null); "

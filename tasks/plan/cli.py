@@ -68,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(every weight) or lora (adapters only): run it with full and with lora to see a card's two "
                          "plans side by side")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--burnin", type=Path, metavar="BURNIN_JSON",
+                    help="a box's burn-in record (<train_dir>/burnin/burnin.json, or the controller cache's burnin/<host>"
+                         ".json): its measured figures beside the plan's, and what to change (docs/burnin.md)")
     args = ap.parse_args(argv)
     if args.doc_table or args.model_table:
         print(gpu_table(doc_workload()) if args.doc_table else model_table(doc_workload()))
@@ -102,4 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no plan: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else _table(plan))
+    if args.burnin:
+        from tasks.burnin.hearing import hearing_words
+
+        try:
+            record = json.loads(args.burnin.read_text())
+        except (OSError, ValueError) as exc:
+            print(f"--burnin {args.burnin}: cannot read a burn-in record ({exc})", file=sys.stderr)
+            return 2
+        print("\n" + hearing_words(record, plan.to_dict()))
     return 0

@@ -104,7 +104,7 @@ def lora_memory_reasons(gpu: GpuTarget, w: Workload, precision: Precision, choic
                        "predicted_host_ram_mib: the preflight checks the box's RAM; patch 0013 merges only where "
                        "MemAvailable holds twice the box's copies, else it generates unmerged, slower), and merges "
                        "one FSDP unit at a time: one decoder layer with its adapters and one weight's fp32 delta on "
-                       "the GPU, never the whole model (tasks/memory/lora.py lora_merge; not yet run on a GPU)")]
+                       "the GPU, never the whole model (tasks/memory/lora.py lora_merge; run on one GPU only, never on several)")]
     arch = (w.model_config.get("architectures") or ["an unknown model class"])[0]
     return [Reason("vllm_lora", f"{bd.get('vllm_lora', 0)} MiB",
                    f"vLLM 0.8.5's own LoRA memory on each GPU, in its share: for verl's max_loras=1 and max_lora_rank="

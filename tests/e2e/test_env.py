@@ -9,7 +9,8 @@ into the controller's cache and are served to the boxes as the `pypi` source.
 
 converge (both boxes) -> proofs (the T4 box: vLLM and the cu118 xformers) -> idempotence -> a
 rebuild made to fail leaves the env as it was -> break the env (uninstall torch) ->
-deploy/rebuild.py restores it (old generation kept as .prev) -> idempotence again (the rebuilds
+deploy/rebuild.py restores it (old generation kept as .prev) -> idempotence again -> uninstall one of
+verl's needs (codetiming): a plain deploy's quick re-check finds it, says why and rebuilds (the rebuilds
 run on the P40 box only). The boxes are the shared ``env_lab`` (tests/e2e/conftest.py), which drill 5
 of tests/e2e/test_drills.py uses after this module.
 """
@@ -41,14 +42,14 @@ def lab(env_lab):
     return env_lab
 
 
-def deploy(lab, deploy_file="deploy/env.py", torch_requirements=None, hosts=None):
+def deploy(lab, deploy_file="deploy/env.py", torch_requirements=None, hosts=None, mode="json"):
     overrides = json.loads(json.dumps(lab.pyenv_overrides))
     if torch_requirements:
         overrides["torch"]["requirements"] = torch_requirements
     data = {"mirror_urls": {**lab.mirror_urls, "pypi": standin.pypi_base(lab.mirror_url)},
             "catalog_overrides": overrides, "env_backend": "venv", "venv_python": "python3"}
     started = time.monotonic()
-    res = lab.deploy(deploy_file, data=data, hosts=hosts, timeout=900)
+    res = lab.deploy(deploy_file, data=data, hosts=hosts, timeout=900, mode=mode)
     TIMINGS.setdefault(deploy_file, 0.0)
     TIMINGS[deploy_file] += time.monotonic() - started
     print(f"{deploy_file}: {time.monotonic() - started:.0f}s {res}")
@@ -155,16 +156,37 @@ def test_broken_env_is_rebuilt_and_the_old_one_kept(lab):
     assert marker(lab)["generation"] == new
     # the stage itself now finds a healthy env built from its plan: nothing to do
     deploy(lab).assert_idempotent()
+
+
+def test_an_uninstalled_need_of_verl_is_found_by_the_quick_check_and_rebuilt_with_the_reason(lab):
+    """pip uninstall of codetiming (one of verl's needs): the RECORD scan sees nothing (its files and RECORD went
+    together) and verl's trainer no longer loads; the quick re-check of a plain deploy finds it (the env's lock,
+    the trainer's imports), says why without -v and builds a new generation, which loads the trainer."""
+    ssh(lab, f"{PY} -m pip uninstall -y -q codetiming")
+    gone = ssh(lab, f"cd / && {PY} -c 'import verl.trainer.ppo.ray_trainer'", check=False)
+    assert gone.returncode != 0 and "No module named 'codetiming'" in gone.stderr, gone.stderr[-500:]
+    quick = proofs(lab, quick=True, compose=False, lock=lock_of(lab))
+    assert quick["checks"]["files"]["ok"], quick["checks"]["files"]
+    assert "codetiming: not installed (the lock pins codetiming==1.4.0)" in quick["checks"]["lock"]["detail"], quick
+    assert "module codetiming: not found (imported by verl.workers.fsdp_workers" in \
+        quick["checks"]["imports"]["detail"], quick
+    before = link(lab, ENV)
+    res = deploy(lab, hosts=[BOX], mode="text")
+    res.assert_ok()
+    said = [line for line in res.output.splitlines() if "verl-lab env: building a new env generation" in line]
+    assert len(said) == 1 and "the env is broken (" in said[0] and \
+        "codetiming: not installed (the lock pins codetiming==1.4.0)" in said[0], res.tail()
+    # and the operation's name, printed when it starts (the build's minutes follow), names it too (issue 44)
+    started = [ln for ln in res.output.splitlines() if "Starting operation" in ln and "Python env" in ln]
+    assert len(started) == 1 and "Python env: rebuilt (the env is broken (" in started[0] and \
+        "codetiming" in started[0], res.tail()
+    assert link(lab, ENV) not in (before, "") and link(lab, f"{ENV}.prev") == before
+    ssh(lab, f"cd / && {PY} -c 'import verl.trainer.ppo.ray_trainer'")
+    deploy(lab, hosts=[BOX]).assert_idempotent()
     print("timings (s):", {k: round(v) for k, v in TIMINGS.items()})
 
 
-def test_an_env_the_quick_check_finds_broken_is_rebuilt_saying_why(lab):
-    """deploy/env.py (as deploy/full.py runs it), not deploy/rebuild.py: the quick re-check finds the uninstalled
-    package at prepare time, and the rebuild's operation, printed while its minutes run, names why (issue 44)."""
-    before = link(lab, ENV)
-    ssh(lab, f"{PY} -m pip uninstall -y -q torch")
-    res = deploy(lab, hosts=[BOX]).assert_ok()
-    started = next((ln for ln in res.output.splitlines() if "Starting operation" in ln and "Python env" in ln), "")
-    assert "Python env: rebuilt (the env is broken (" in started and "torch" in started, res.tail()
-    assert link(lab, ENV) != before and proofs(lab)["healthy"]
-    deploy(lab).assert_idempotent()
+def lock_of(lab, box=BOX) -> list[str]:
+    """The env's lock as the env stage placed it (its constraints file)."""
+    text = ssh(lab, f"cat {LAB_ROOT}/env-build/constraints.txt", box=box).stdout
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]

@@ -107,6 +107,7 @@ def test_readme_lab_path_as_written(tmp_path):
     # the plan the box got, as bin/lab plans prints it: a P40 trains in fp32 with the HF rollout
     assert "p40: 1 x Tesla P40 (compute capability 6.1, 24576 MiB" in res.stdout, res.stdout
     assert "train fp32, rollout hf (float32)" in res.stdout
+    assert "  model Qwen/Qwen2.5-0.5B-Instruct, rung ppo, full fine-tuning" in res.stdout, res.stdout
     assert re.search(r"predicted peak \d+ MiB of a \d+ MiB budget", res.stdout)
     assert "`bin/lab up` rewrites it" in inventory_head
     text = after.stdout + after.stderr
@@ -116,4 +117,4 @@ def test_readme_lab_path_as_written(tmp_path):
     summary = [line for line in after.stderr.splitlines() if line.startswith("verl-lab: p40 (")]
     assert len(summary) == 1, text[-3000:]
     assert ("base proven, cuda proven, env proven, data proven, train proven; changed nothing; plan "
-            "ppo, train fp32, rollout hf float32") in summary[0] and summary[0].endswith("; unit enabled"), summary
+            "Qwen/Qwen2.5-0.5B-Instruct, ppo, full fine-tuning, train fp32, rollout hf float32") in summary[0] and summary[0].endswith("; unit enabled"), summary

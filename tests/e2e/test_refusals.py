@@ -1,6 +1,6 @@
 """Everything a user can get wrong is refused before any box changes (issue 26), on lab-in-a-box
-hosts: real pyinfra over SSH to real systemd boxes, stand-in nvidia-smi (a T4, a P40, and a Tesla K80
-on driver 470).
+hosts: real pyinfra over SSH to real systemd boxes, stand-in nvidia-smi (a T4, a P40, a Tesla K80
+on driver 470 and a GTX 1080).
 
 Each bad input is one run of ``deploy/full.py``, as a user would run it; the boxes' state (every
 file under /opt, /usr/local, /etc/systemd/system and /var/tmp/verl-lab with its size, mode, owner
@@ -9,7 +9,11 @@ same after it as before. deploy/full.py's checks (tasks/base.py check_run) repor
 every host of the run at once, the inventory's values and what each box told (its GPU, driver, disk,
 the plan, verl's own checks), before any host changes: nothing runs on any host. One run with many
 bad settings on two hosts lists every problem; one run with a typo, vLLM on a P40, a batch too large
-and a K80 lists all of them; --limit reports only its hosts. A workload verl 0.5.0 runs
+and a K80 lists all of them; --limit reports only its hosts, and one that matches no host stops the run.
+Every key of a host's data is read or refused (issue 44): a nested setting's key at the top (by --data, in
+group_data), a key nothing reads, a dotted key no setting has are refused naming where each was set; a dotted
+key that names a nested setting is applied (the plan placed trains that model). The 3B on a GTX 1080 (CPU
+offload) is refused for host RAM with LoRA on a smaller model as the fix. A workload verl 0.5.0 runs
 (train_batch_size 3, mini-batch 2) is deployed. ``train_unit_state = "stopped"`` stops a unit that
 crash-loops and a re-run changes nothing; status and the doctor then say it failed, not "never ran".
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -70,6 +75,26 @@ CASES = [
      {"t4": {"mirror_profle": "cn", "train_unit_state": "stoped", "workload": {"epochs": 0, "max_response_length": "256"}},
       "p40": {"hf_token_file": "/nonexistent/token", "gpu_override": K80}}, "inventory"),
 ]
+QWEN_1_5B = "Qwen/Qwen2.5-1.5B-Instruct"
+# every key of verl-lab's namespace is read or refused (issue 44): (row, what a user set, extra pyinfra arguments,
+# group_data/all.py beside the inventory, what the refusal says)
+KEY_CASES = [
+    ("a nested setting's key at the top (--data)", f"--data model={QWEN_1_5B}", ["--data", f"model={QWEN_1_5B}"],
+     None, ["host t4: model: a key of workload, not a setting of its own", "; set by --data. Fix: did you mean "
+            f"workload.model? --data workload.model={QWEN_1_5B}, or workload = {{'model': '{QWEN_1_5B}'}}"]),
+    ("a nested setting's key at the top (group_data)", f'model = "{QWEN_1_5B}" in group_data/all.py', [],
+     f'model = "{QWEN_1_5B}"\n', ["host t4: model: a key of workload", "; set by all's data (group_data/all.py). "
+                                  "Fix: did you mean workload.model?"]),
+    ("a key no deploy reads", "--data workload_size=big", ["--data", "workload_size=big"], None,
+     ["host t4: workload_size: not a verl-lab setting, nor pyinfra's", "name your site's own keys site_*"]),
+    ("a dotted key no setting has", f"--data workload.modle={QWEN_1_5B}", ["--data", f"workload.modle={QWEN_1_5B}"],
+     None, ["host t4: workload.modle: not a workload key. Fix: did you mean workload.model?"]),
+]
+# the 3B on an 8 GB GTX 1080 (its own nvidia-smi): the plan is CPU offload; host RAM is this machine's
+GTX_3B = ("the 3B on an 8 GB GTX 1080 (host RAM)", 'workload = {"model": "Qwen/Qwen2.5-3B-Instruct"}',
+          ["gtx1080"], {"gtx1080": {"workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}}}, "gtx1080")
+# rows whose numbers are this machine's (its RAM, its free disk): the doc's table is compared without digits there
+MACHINE_ROWS = {GTX_3B[0]}
 ROWS: list[dict] = []
 
 
@@ -78,7 +103,7 @@ def lab(lab_factory):
     """The three boxes, and the lab's HF endpoint stand-in (every catalog model, GSM8K): every deploy here
     points at it (``lab.hf_data``)."""
     lab = lab_factory([BoxSpec("t4", gpu="t4"), BoxSpec("p40", gpu="p40"),
-                       BoxSpec("k80", gpu="k80", gpu_count=2, driver=K80_DRIVER)])
+                       BoxSpec("k80", gpu="k80", gpu_count=2, driver=K80_DRIVER), BoxSpec("gtx1080", gpu="gtx1080")])
     endpoint = standard_endpoint().start()
     lab.hf_data = {"mirror_urls": {**lab.mirror_urls, "huggingface": endpoint.url},
                    "catalog_overrides": catalog_overrides(endpoint)}
@@ -100,12 +125,17 @@ def refusal_lines(output: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES + [GTX_3B], ids=[c[0] for c in CASES + [GTX_3B]])
 def test_each_bad_input_stops_before_any_box_changes(lab, case):
-    row, what, hosts, per_host, where = case
+    refused(lab, *case)
+
+
+def refused(lab, row, what, hosts, per_host, where, extra_args=()):
+    """One run of deploy/full.py with a bad input: refused in the first report, no box changed."""
     before = state(lab, hosts)
     started = time.monotonic()
-    res = lab.deploy("deploy/full.py", hosts=hosts, data=lab.hf_data, per_host=per_host, timeout=600)
+    res = lab.deploy("deploy/full.py", hosts=hosts, data=lab.hf_data, per_host=per_host, timeout=600,
+                     extra_args=list(extra_args))
     took = time.monotonic() - started
     printed = refusal_lines(res.output)
     assert res.rc != 0 and printed, res.tail()
@@ -117,6 +147,51 @@ def test_each_bad_input_stops_before_any_box_changes(lab, case):
     assert not res.ran_operations, res.tail()
     ROWS.append({"row": row, "input": what, "where": where, "rc": res.rc, "seconds": round(took, 1),
                  "printed": printed})
+    return printed
+
+
+@pytest.mark.parametrize("case", KEY_CASES, ids=[c[0] for c in KEY_CASES])
+def test_every_key_is_read_or_refused(lab, case):
+    """A nested setting's key at the top (by --data or in group_data), a key nothing reads, a dotted key no
+    setting has: each refused in the first report, naming where it was set and the form that works."""
+    row, what, extra_args, group_data, says = case
+    folder = lab.dir / "group_data"          # beside the inventory lab.deploy writes: pyinfra reads it from there
+    if group_data:
+        folder.mkdir(exist_ok=True)
+        (folder / "all.py").write_text(group_data)
+    try:
+        printed = refused(lab, row, what, ["t4"], {}, "inventory", extra_args)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    text = "\n".join(printed)
+    assert all(part in text for part in says), text
+
+
+def test_a_limit_that_matches_no_host_stops_the_run(lab):
+    hosts = ["t4", "p40"]
+    before = state(lab, hosts)
+    started = time.monotonic()
+    res = lab.deploy("deploy/full.py", hosts=hosts, data=lab.hf_data, extra_args=["--limit", "nosuch"], timeout=600)
+    took = time.monotonic() - started
+    said = [line.strip() for line in res.output.splitlines() if line.startswith("verl-lab: --limit")]
+    assert res.rc != 0 and not res.ran_operations, res.tail()
+    assert len(said) == 1 and said[0].startswith("verl-lab: --limit 'nosuch' matches no host or group of the "
+                                                 "inventory; nothing was changed on any host. Hosts: t4, p40;"), said
+    assert state(lab, hosts) == before
+    ROWS.append({"row": "a --limit that matches no host", "input": "--limit nosuch", "where": "limit", "rc": res.rc,
+                 "seconds": round(took, 1), "printed": said})
+
+
+def test_the_3b_on_the_gtx_1080_names_lora_as_the_fix():
+    """The plan is CPU offload at ~1055 s a step; its offloaded states (57.5 GiB) and its export (30.9 GiB) need
+    more host RAM than the box has: refused in the first report, LoRA (on the 0.5B: the 3B's LoRA rung does not fit
+    8 GiB) as the fix."""
+    text = "\n".join(next(r["printed"] for r in ROWS if r["row"] == GTX_3B[0]))
+    assert "host gtx1080: run: training's host memory (model states offloaded to the CPU or asleep, " in text, text
+    assert "MiB) needs 57.5 GiB, the box has" in text, text
+    assert "the export after the run (verl's model merger, then the proof) needs 30.9 GiB" in text, text
+    assert "Fix: LoRA on this model does not fit the GPU (short by " in text, text
+    assert "a smaller model: workload.model = 'Qwen/Qwen2.5-0.5B-Instruct' (grpo-lora, LoRA rank 32, ~" in text, text
 
 
 def test_the_messages_name_host_key_value_reason_and_fix():
@@ -232,6 +307,31 @@ def _endpoint_refusals(lab, hosts, before, hf_data, wrong_rev):
     assert state(lab, hosts) == before
 
 
+def test_a_dotted_key_sets_the_nested_setting(lab):
+    """--data workload.model=... is the workload's model: the plan placed trains it, and bin/lab plans says so."""
+    res = lab.deploy("deploy/train.py", hosts=["t4"], extra_args=["--data", f"workload.model={QWEN_1_5B}"],
+                     timeout=600)
+    res.assert_ok()
+    plan = json.loads(lab.box("t4").read_text("/opt/verl-lab/train/plan.json"))
+    assert f"actor_rollout_ref.model.path=/opt/verl-lab/models/{QWEN_1_5B.replace('/', '--')}" in plan["overrides"]
+    words = bin_lab().plan_summary("t4", plan).splitlines()[1]
+    assert words == f"  model {QWEN_1_5B}, rung {plan['rung']}, " + (
+        f"LoRA (rank {plan['lora']['rank']}, alpha {plan['lora']['alpha']}, all-linear)" if plan["lora"]
+        else "full fine-tuning"), words
+    ROWS.append({"row": "a dotted key (--data)", "input": f"--data workload.model={QWEN_1_5B}", "where": "accepted",
+                 "rc": res.rc, "seconds": None,
+                 "printed": [f"applied: the plan placed trains {QWEN_1_5B} ({plan['rung']}); bin/lab plans:{words}"]})
+
+
+def bin_lab():
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("bin_lab", str(REPO / "bin" / "lab"))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("bin_lab", loader))
+    loader.exec_module(module)
+    return module
+
+
 def test_a_workload_verl_runs_is_deployed(lab):
     """train_batch_size 3, mini-batch 2: verl 0.5.0 accepts it (tests/unit/test_verl_rules.py) and its
     updates run it (tests/unit/test_verl_uneven_mini_batch.py): planned and placed as asked."""
@@ -284,7 +384,8 @@ def render_table(rows: list[dict]) -> str:
     out = ["| bad input | what the user set | refused where | exit | s | what verl-lab printed |",
            "|---|---|---|---|---|---|"]
     for r in rows:
-        where = {"inventory": "the run's checks: the inventory's values", "accepted": "accepted"}.get(
+        where = {"inventory": "the run's checks: the inventory's values", "accepted": "accepted",
+                 "limit": "pyinfra's inventory, before any connection"}.get(
             r["where"], f"the run's checks: what {r['where']}'s box told")
         printed = "<br>".join(line.replace("|", "\\|") for line in r["printed"])
         took = r["seconds"] if r["seconds"] is not None else "-"
@@ -293,15 +394,17 @@ def render_table(rows: list[dict]) -> str:
 
 
 def test_docs_table_is_what_the_runs_printed():
-    assert len(ROWS) == len(CASES) + 1, "run the whole module: the table is made from every case"
+    assert len(ROWS) == len(CASES) + 1 + len(KEY_CASES) + 3, "run the whole module: the table is made from every case"
     text = DOC.read_text()
     head, rest = text.split(TABLE_START, 1)
     written, tail = rest.split(TABLE_END, 1)
     if os.environ.get("VERL_LAB_WRITE_DOCS"):
         DOC.write_text(f"{head}{TABLE_START}\n{render_table(ROWS)}\n{TABLE_END}{tail}")
         return
-    # the seconds (the fifth column) change from run to run; everything else must be what these runs printed
+    # the seconds (the fifth column) change from run to run; everything else must be what these runs printed, but
+    # for the digits of the rows that print this machine's RAM and disk
     def drop_seconds(table: str) -> list[str]:
-        return ["|".join(cell for i, cell in enumerate(line.split("|")) if i != 5) for line in table.strip().splitlines()]
+        rows = ["|".join(cell for i, cell in enumerate(line.split("|")) if i != 5) for line in table.strip().splitlines()]
+        return [re.sub(r"\d", "N", r) if any(f"| {m} |" in r for m in MACHINE_ROWS) else r for r in rows]
     assert drop_seconds(written) == drop_seconds(render_table(ROWS)), \
         "docs/refusals.md differs from the runs: VERL_LAB_WRITE_DOCS=1 rewrites it"

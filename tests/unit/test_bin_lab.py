@@ -51,6 +51,7 @@ def test_plan_summary_reads_the_plan_the_training_stage_writes():
            "host": "p40", "plan_source": "nvidia-smi"}
     text = lab.plan_summary("p40", p40)
     assert text.startswith("p40: 1 x Tesla P40 (compute capability 6.1, 24576 MiB")
+    assert "\n  model Qwen/Qwen2.5-0.5B-Instruct, rung ppo, full fine-tuning\n" in text
     assert "train fp32, rollout hf (float32)" in text and "HF generation chunk" in text
     assert f"predicted peak {p40['predicted_peak_mib']} MiB" in text
     t4 = make_plan(GpuTarget("Tesla T4", "7.5", 15360), doc_workload()).to_dict()

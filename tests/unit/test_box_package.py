@@ -24,6 +24,7 @@ LATE_IMPORTS = {
     "cluster_check": {"ray"},                                # the env's Ray, on the head
     "cluster_gather": {"ray", "verl_lab_checkpoints"},      # the env's Ray, on the head; checkpoints.py beside it
     "env_prove": {"torch", "vllm", "xformers", "verl"},      # the env's python proves its env
+    "env_lock": {"packaging", "pip"},                        # the env's packaging (or pip's copy): its lock
     "export_proof": {"torch", "transformers", "safetensors", "accelerate"},   # the env's python: the export's proof
     "gpu": {"pynvml"},                                       # read_nvml, in the training env
     "nvidia_driver": {"ctypes"},                             # cuInit, where the driver is proven
@@ -33,6 +34,10 @@ LATE_IMPORTS = {
     "lora_export": {"torch", "safetensors", "transformers", "peft"},        # the env's python: a LoRA export
     "hf_snapshot": {"huggingface_hub", "tqdm"},              # fetch: controller, or the env's python
     "preflight": {"torch", "verl"},                          # the launcher's --probe-env, under the env's python
+    "burnin_driver": {"ray", "verl"},                        # the burn-in's verl run, under the env's python
+    "burnin_probe": {"pynvml"},                              # sitecustomize of the burn-in's processes (the env's)
+    "burnin_reward": {"torch", "safetensors"},               # verl's reward manager in the burn-in's TaskRunner
+    "burnin_weights": {"torch", "safetensors"},              # the env's python: the saved weights against the model
 }
 
 

@@ -18,10 +18,10 @@ from tasks.driver_plan import DriverFacts, driver_want, plan_driver
 from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.plan import DOC_GPUS
-from tasks.settings import load_settings
+from tasks.settings import RAY_UNIT, TRAIN_UNIT, load_settings
 from tasks.target import decide_compiler
 from tests.lab.gpus import GPUS
-from verl_lab_box.nvidia_driver_state import verdict
+from verl_lab_box.nvidia_driver_state import JOB_UNIT, verdict
 
 TABLE = load_table()
 BOOKWORM = {"ID": "debian", "VERSION_ID": "12", "PRETTY_NAME": "Debian GNU/Linux 12 (bookworm)"}
@@ -285,20 +285,94 @@ def test_done_only_when_loaded_held_pinned_and_marked():
     assert headers.action == "headers" and "the driver and its hold stay as they are" in headers.reason
 
 
-def test_no_driver_change_while_the_training_unit_runs_or_a_process_holds_the_gpu():
-    """An install (the driver packages change) is refused on a box that trains; the headers alone
-    are not a driver change."""
-    active = dict(case("debian12_fresh"), unit_active=True)
-    plan = plan_driver(want(), facts(active))
-    assert plan.action == "refuse" and "verl-lab-train.service is active" in plan.problems[0]
-    assert "set train_unit_state = 'stopped'" in plan.problems[0]
+def with_units(state, **states):
+    """``state`` with units in the given (active, sub) states: train=("activating", "auto-restart")."""
+    names = {"train": TRAIN_UNIT, "ray": RAY_UNIT, "job": JOB_UNIT}
+    units = dict(state.get("units") or {})
+    for key, (active, sub) in states.items():
+        units[names[key]] = {"load": "loaded", "active": active, "sub": sub, "file": "static"}
+    return dict(state, units=units)
+
+
+@pytest.mark.parametrize("unit,active,sub", [
+    ("train", "activating", "auto-restart"),     # Restart=on-failure, RestartSec=30: it runs again within 30 s
+    ("train", "active", "running"),
+    ("train", "deactivating", "stop-sigterm"),
+    ("train", "reloading", "running"),
+    ("ray", "active", "running"),                # a cluster member's Ray node runs the workers
+])
+def test_no_driver_change_while_a_unit_is_in_any_state_but_inactive_or_failed(unit, active, sub):
+    """Before: only exactly "active" of the training unit counted; a unit waiting to restart after a
+    crash passed, and the Ray unit was named by no check."""
+    name = {"train": TRAIN_UNIT, "ray": RAY_UNIT}[unit]
+    plan = plan_driver(want(), facts(with_units(case("debian12_fresh"), **{unit: (active, sub)})))
+    assert plan.action == "refuse" and not plan.box_plan
+    assert f"{name} is {active} ({sub}): the driver stage changes no driver package under a running job" \
+        in plan.problems[0]
+    assert "set train_unit_state = 'stopped'" in plan.problems[0] and "driver_busy = 'stop'" in plan.problems[0]
+
+
+def test_inactive_and_failed_units_are_idle():
+    for active, sub in (("inactive", "dead"), ("failed", "failed")):
+        state = with_units(case("debian12_fresh"), train=(active, sub), ray=(active, sub))
+        assert plan_driver(want(), facts(state)).action == "install"
+
+
+def test_gpu_processes_and_the_stop_policy():
     busy = dict(case("debian12_fresh"), busy=[["4242", "python3"]])
     assert "processes hold /dev/nvidia* (4242 (python3))" in plan_driver(want(), facts(busy)).problems[0]
     daemon = dict(case("debian12_fresh"), busy=[["811", "nvidia-persiste"]])     # the persistence daemon: no job
     assert plan_driver(want(), facts(daemon)).action == "install"
-    held = dict(loaded(case("debian12_held_no_module")), unit_active=True, headers_installed=False)
-    assert plan_driver(want(), facts(held)).action == "headers"
+    # driver_busy = 'stop': the units and their own GPU processes are the box program's to stop
+    training = with_units(dict(case("debian12_fresh"), busy=[["4242", "python3", f"/system.slice/{TRAIN_UNIT}"]]),
+                          train=("active", "running"), ray=("activating", "auto-restart"))
+    assert plan_driver(want(), facts(training)).action == "refuse"
+    stop = plan_driver(want(driver_busy="stop"), facts(training))
+    assert stop.action == "install" and stop.box_plan["busy"] == "stop"
+    assert stop.box_plan["units"] == [TRAIN_UNIT, RAY_UNIT, "verl-lab-burnin.service"]
+    # a GPU process in no unit the stage may stop is refused under either policy
+    other = dict(training, busy=[["977", "jupyter", "/user.slice/user-1000.slice/session-4.scope"]])
+    refused = plan_driver(want(driver_busy="stop"), facts(other))
+    assert refused.action == "refuse" and "977 (jupyter, in session-4.scope)" in refused.problems[0]
+    assert f"{TRAIN_UNIT} is" not in refused.problems[0]
+
+
+def test_headers_alone_are_no_driver_change():
+    held = with_units(loaded(case("debian12_held_no_module")), train=("active", "running"))
+    assert plan_driver(want(), facts(dict(held, headers_installed=False))).action == "headers"
     assert plan_driver(want(), facts(dict(held, headers_installed=True))).action == "settle"
+
+
+def test_a_change_dpkg_left_unconfigured_is_finished_not_held():
+    """A job killed mid-dpkg, `dpkg --configure -a` run by hand: the configured packages at one
+    version, held and pinned, four left unconfigured. Before, the plan judged the configured ones
+    alone and said "hold": the four stayed out of the pin and unconfigured."""
+    state = copy.deepcopy(loaded(case("debian12_held_no_module")))
+    left = {"libegl-nvidia0", "libgl1-nvidia-glvnd-glx", "libglx-nvidia0", "nvidia-egl-icd"}   # as a kill left them
+    for p in state["packages"]:
+        if p["name"] in left:
+            p.update(status="iU", installed=False)
+    marker = {"stage": "driver", "branch": "535", "version": "535.261.03"}
+    plan = plan_driver(want(), facts(state, marker=marker))
+    assert plan.action == "install" and plan.reason.startswith("dpkg left ") and "(iU)" in plan.reason
+    assert "not configured (a driver change that stopped part-way): finishing it" in plan.reason
+    busy = plan_driver(want(), facts(with_units(state, train=("active", "running")), marker=marker))
+    assert busy.action == "refuse"
+
+
+def test_a_running_job_is_followed_and_leftover_masks_are_removed():
+    """A run that lost its connection left apt running in the job unit: a re-run follows it instead of
+    judging a box under a running apt (the packages half-installed look like a fresh install), and
+    removes masks only where no job runs."""
+    state = with_units(loaded(case("debian12_held_no_module")), job=("active", "running"))
+    state = dict(state, masks=[TRAIN_UNIT])
+    marker = {"stage": "driver", "branch": "535", "version": "535.261.03"}
+    plan = plan_driver(want(), facts(state, marker=marker))
+    assert plan.action == "follow" and "still running on the box (verl-lab-driver-apt.service)" in plan.reason
+    assert plan.unmask == ()
+    left = dict(state, units={})
+    assert plan_driver(want(), facts(left, marker=marker)).unmask == (TRAIN_UNIT,)
+    assert plan_driver(want(), facts(left, marker=marker)).action == "done"
 
 
 def test_refusals_on_recorded_states():

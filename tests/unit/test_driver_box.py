@@ -55,7 +55,7 @@ def test_versions():
 
 def test_pin_text_reads_back():
     plan = {"branch": 535, "source": "nvidia-graphics-drivers", "chosen_for": "Tesla P40 (6.1)"}
-    text = box.pin_text([(["libcuda1", "nvidia-driver"], "535.261.03-1")], plan)
+    text = box.hold.pin_text([(["libcuda1", "nvidia-driver"], "535.261.03-1")], plan)
     assert st.parse_pin(text) == {"packages": ["libcuda1", "nvidia-driver"], "version": "535.261.03-1",
                                   "stanzas": [{"packages": ["libcuda1", "nvidia-driver"], "version": "535.261.03-1"}]}
     assert "set driver_update = True" in text and "re-run the driver stage to change" not in text
@@ -63,27 +63,63 @@ def test_pin_text_reads_back():
     assert st.parse_pin("") is None
 
 
+# the plan fixture's headers, installed (the recorded simulation was made with the kernel's headers in place)
+HEADERS_INSTALLED = {"linux-headers-6.1.0-26-amd64": "6.1.112-1", "linux-headers-amd64": "6.1.112-1",
+                     "linux-headers-6.8.0-45-generic": "6.8.0-45.45"}
+
+
 class FakeBox:
-    """subprocess.run as the box answers it: the fact command (``states``: one a read, the last
-    repeated), apt, dpkg, nvidia-smi. ``install_rc``: the real install's exit status."""
+    """subprocess.run as the box answers it: the fact command, apt, dpkg, systemctl, nvidia-smi.
+    ``states``: the box before the install, and after it (one: the same); a failed install leaves
+    the box as before unless ``changed_on_failure``. ``simulate``: apt's --simulate answers, one a
+    call, the last repeated. ``units``: what ``systemctl show`` of the units prints (a list: one a
+    call, the last repeated). ``versions``: what dpkg-query says is installed. ``rc``: exit
+    statuses by command (``{"apt-mark hold": 1, "update-initramfs": 1, ...}``)."""
 
-    def __init__(self, states, simulate: tuple[int, str] = (0, SIMULATE), smi: tuple[int, str] = (0, ""),
-                 install_rc: int = 0, download=None):
-        self.states = [states] if isinstance(states, str) else list(states)
-        self.simulate, self.smi, self.install_rc, self.download = simulate, smi, install_rc, download
+    def __init__(self, states, simulate=(0, SIMULATE), smi: tuple[int, str] = (0, ""), install_rc: int = 0,
+                 download=None, versions: dict | None = None, units="", rc: dict | None = None,
+                 changed_on_failure: bool = False, initramfs: bool = False, then=(), job: str = "inactive",
+                 raises: dict | None = None):
+        states = [states] if isinstance(states, str) else list(states)
+        self.before, self.after = states[0], states[-1]
+        self.simulate = list(simulate) if isinstance(simulate, list) else [simulate]
+        self.units = list(units) if isinstance(units, list) else [units]
+        self.smi, self.install_rc, self.download = smi, install_rc, download
+        self.versions, self.rc = HEADERS_INSTALLED if versions is None else versions, rc or {}
+        self.changed_on_failure, self.initramfs = changed_on_failure, initramfs
+        self.installed = False
+        self.then = list(then)             # [(word, state)]: after the first call holding word, reads see state
+        self.now = None
+        self.job, self.raises = job, raises or {}
         self.calls: list[list[str]] = []
+        self.inputs: dict[str, str] = {}
 
-    def __call__(self, argv, capture_output=True, text=True, env=None, cwd=None, **kw):
+    def _next(self, answers):
+        return answers.pop(0) if len(answers) > 1 else answers[0]
+
+    def __call__(self, argv, capture_output=True, text=True, env=None, cwd=None, input=None, **kw):
         self.calls.append(list(argv))
         out, rc = "", 0
+        words = "apt-mark hold" if argv[0] == "apt-mark" and "hold" in argv else " ".join(argv[:2])
+        for word, exc in self.raises.items():
+            if word in argv:
+                raise exc
         if argv[:2] == ["sh", "-c"] and "verl-lab-driver" in argv[2]:
-            out = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+            out = self.after if self.installed else (self.now or self.before)
         elif argv[:2] == ["sh", "-c"]:
-            rc = 1                                   # command -v update-initramfs: not in a lab box
+            rc = 0 if self.initramfs else 1          # command -v update-initramfs: not in a lab box
         elif "--simulate" in argv:
-            rc, out = self.simulate
+            rc, out = self._next(self.simulate)
         elif argv[:3] == ["apt-get", "-y", "install"]:
             rc = self.install_rc
+            self.installed = rc == 0 or self.changed_on_failure
+        elif argv[:2] == ["systemctl", "show"] and any(a.startswith("-pId") for a in argv):
+            out = self._next(self.units)
+        elif argv[0] == "dpkg-query" and "-f=${Version}" in argv:      # from the state's packages, else versions
+            now = st.parse_fact_output(self.after if self.installed else self.before)
+            out = next((p["version"] for p in now["packages"] if p["name"] == argv[-1] and p["installed"]),
+                       self.versions.get(argv[-1], ""))
+            rc = 0 if out else 1
         elif argv[:2] == ["apt-get", "download"] and self.download:
             import shutil
             shutil.copy(self.download, cwd)          # the real package, from the tests' cache
@@ -91,35 +127,76 @@ class FakeBox:
             return REAL_RUN(argv, capture_output=True, text=True)            # the real dpkg-deb
         elif argv[0] == "nvidia-smi":
             rc, out = self.smi
+        elif argv[:2] == ["dpkg", "--set-selections"]:
+            self.inputs["selections"] = input
+        elif argv[:3] == ["systemctl", "show", "-p"] and argv[-1] == st.JOB_UNIT:
+            out = self.job
+        if self.then and self.then[0][0] in argv:
+            self.now = self.then.pop(0)[1]
+        rc = self.rc.get(words, self.rc.get(argv[0], rc))
         return subprocess.CompletedProcess(argv, rc, out, "")
 
 
 @pytest.fixture
-def plan(tmp_path):
+def plan(tmp_path, monkeypatch):
+    from verl_lab_box import nvidia_driver_units as units
+    monkeypatch.setattr(units, "MASK_DIR", str(tmp_path / "system.control"))     # never the machine's own /run
+    monkeypatch.setattr(units, "RECORD", str(tmp_path / "masked"))
     return {"branch": 535, "packages": ["nvidia-driver", "nvidia-smi", "libcuda1"], "module_package": "nvidia-kernel-dkms",
             "source": "nvidia-graphics-drivers", "headers": ["linux-headers-6.1.0-26-amd64", "linux-headers-amd64"],
             "distro": "Debian 12 (bookworm)", "pin": str(tmp_path / "pin"), "log": str(tmp_path / "logs" / "driver.log"),
-            "unit": "verl-lab-train.service", "chosen_for": "Tesla P40 (6.1) (read by nvidia-smi)", "reason": "R535"}
+            "units": ["verl-lab-train.service", "verl-lab-ray.service"], "busy": "refuse",
+            "job_status": str(tmp_path / "driver-job.json"),
+            "supported_gpus": None, "gpus": [{"name": "Tesla P40", "device": "1b38"}],
+            "chosen_for": "Tesla P40 (6.1) (read by nvidia-smi)", "reason": "R535"}
 
 
-def run_main(monkeypatch, tmp_path, plan, fake, command):
+def run_main(monkeypatch, tmp_path, plan, fake, command, here=True, gpu_list=False):
+    """The box program's ``command``; install and headers run their steps in this process (``--here``,
+    as the job's systemd unit runs them) unless ``here`` is False. The supported-gpus.json check
+    (its own tests: tests/unit/test_driver_box_checks.py) passes unless ``gpu_list``."""
     monkeypatch.setattr(box.subprocess, "run", fake)
+    if not gpu_list:
+        monkeypatch.setattr(box.inst, "supported_gpus_problems", lambda plan, would, log: [])
     path = tmp_path / "driver-plan.json"
     path.write_text(json.dumps(plan))
-    return box.main([command, "--plan", str(path)])
+    extra = ["--here"] if here and command in ("install", "headers") else []
+    return box.main([command, "--plan", str(path), *extra])
 
 
-def test_install_resolves_then_installs_then_holds_and_pins(monkeypatch, tmp_path, plan):
+def is_hold(call) -> bool:
+    return call[0] == "apt-mark" and "hold" in call
+
+
+def held_names(call) -> list[str]:
+    return call[call.index("hold") + 1:]
+
+
+def test_install_resolves_then_installs_exactly_the_simulated_versions_then_holds_and_pins(monkeypatch, tmp_path, plan):
     fake = FakeBox([recorded("debian12_fresh"), recorded("debian12_held_no_module")])
     assert run_main(monkeypatch, tmp_path, plan, fake, "install") == 0
     cmds = [c for c in fake.calls if c[0] in ("apt-get", "apt-mark")]
     assert cmds[0] == ["apt-get", "update"]
-    assert cmds[1][:3] == ["apt-get", "install", "--no-install-recommends"] and "--simulate" in cmds[1]
-    assert cmds[1][-5:] == ["nvidia-driver", "nvidia-smi", "libcuda1", "linux-headers-6.1.0-26-amd64", "linux-headers-amd64"]
-    assert cmds[2][:3] == ["apt-get", "-y", "install"] and "--simulate" not in cmds[2] and cmds[2][-5:] == cmds[1][-5:]
-    assert cmds[3][:2] == ["apt-mark", "hold"] and {"nvidia-driver", "libcuda1", "nvidia-kernel-dkms"} <= set(cmds[3])
+    sim = cmds[1]
+    assert sim[:3] == ["apt-get", "install", "--no-install-recommends"] and "--simulate" in sim
+    assert sim[-5:] == ["nvidia-driver", "nvidia-smi", "libcuda1", "linux-headers-6.1.0-26-amd64", "linux-headers-amd64"]
+    # the approved transaction: every package the simulation installs, at the version it showed
+    # (and the headers it left alone, at their installed version: by name, a later candidate would come)
+    exact = [f"{n}={v}" for n, v in sorted(apt.simulated(SIMULATE).items())] + [
+        "linux-headers-6.1.0-26-amd64=6.1.112-1", "linux-headers-amd64=6.1.112-1"]
+    assert len(exact) == 112 and "nvidia-driver=535.261.03-1" in exact and "dkms=3.0.10-8+deb12u1" in exact
+    resim = cmds[2]
+    assert "--simulate" in resim and resim[-112:] == exact           # simulated again, exactly, right before
+    install = next(c for c in cmds if c[:3] == ["apt-get", "-y", "install"])
+    assert "--simulate" not in install and install[-112:] == exact and "DPkg::Lock::Timeout=300" in install
+    hold = next(c for c in cmds if is_hold(c))
+    assert cmds.index(install) < cmds.index(hold)
+    assert {"nvidia-driver", "libcuda1", "nvidia-kernel-dkms"} <= set(held_names(hold))
+    # the dependencies named only for their version are automatic again (apt's own marks)
+    auto = next(c for c in cmds if c[:2] == ["apt-mark", "auto"])
+    assert "dkms" in auto and "nvidia-driver" not in auto and "linux-headers-amd64" not in auto
     pin = Path(plan["pin"])
-    assert st.parse_pin(pin.read_text())["packages"] == cmds[3][2:]
+    assert st.parse_pin(pin.read_text())["packages"] == held_names(hold)
     assert st.parse_pin(pin.read_text())["version"] == "535.261.03-1"
     assert oct(pin.stat().st_mode & 0o777) == "0o644"
     assert "+ apt-get update" in Path(plan["log"]).read_text()
@@ -150,7 +227,7 @@ def held_state(pin_version="535.261.03-1") -> str:
 
 
 def write_old_pin(plan, version="535.261.03-1"):
-    text = box.pin_text([(["libcuda1", "nvidia-driver", "nvidia-kernel-dkms"], version)], plan)
+    text = box.hold.pin_text([(["libcuda1", "nvidia-driver", "nvidia-kernel-dkms"], version)], plan)
     Path(plan["pin"]).write_text(text)
     return text
 
@@ -178,19 +255,30 @@ def test_an_update_releases_the_hold_only_for_the_proven_install_and_restores_it
     calls = apt_calls(fake)
     sim = next(c for c in calls if "--simulate" in c)
     assert any(o.startswith("Dir::Etc::PreferencesParts=") for o in sim)          # the pin may move: not read
-    assert calls.index(sim) < calls.index(next(c for c in calls if c[:2] == ["apt-mark", "unhold"]))
-    assert calls[-1][:2] == ["apt-mark", "hold"] and Path(plan["pin"]).read_text() == pin     # put back
-    assert "restored the previous hold and pin" in capsys.readouterr().out
+    assert calls.index(sim) < calls.index(next(c for c in calls if c[0] == "apt-mark" and "unhold" in c))
+    assert is_hold(calls[-1]) and Path(plan["pin"]).read_text() == pin     # put back
+    assert "apt changed no driver package: the previous hold and pin are back" in capsys.readouterr().err
 
 
-def test_the_training_unit_or_a_gpu_process_stops_the_install_before_apt(monkeypatch, tmp_path, plan, capsys):
-    active = recorded("debian12_fresh").replace(st.SECTION + "unit\ninactive", st.SECTION + "unit\nactive")
-    assert active != recorded("debian12_fresh")
-    fake = FakeBox(active)
-    assert run_main(monkeypatch, tmp_path, plan, fake, "install") == 1
-    assert apt_calls(fake) == []
-    err = capsys.readouterr().err
-    assert "verl-lab-train.service is active" in err and "train_unit_state = 'stopped'" in err
+def unit_lines(text: str, unit: str = "verl-lab-train.service", active: str = "activating",
+               sub: str = "auto-restart") -> str:
+    """A recorded state with ``unit`` in that state (``systemctl show``'s lines in the units section)."""
+    return text.replace(st.SECTION + "units\n", st.SECTION + f"units\nId={unit}\nLoadState=loaded\n"
+                        f"ActiveState={active}\nSubState={sub}\nUnitFileState=static\n\n")
+
+
+def test_a_busy_unit_or_a_gpu_process_stops_the_install_before_apt_and_masks_nothing(monkeypatch, tmp_path, plan,
+                                                                                     capsys):
+    from verl_lab_box import nvidia_driver_units as units
+    for unit, active, sub in (("verl-lab-train.service", "activating", "auto-restart"),
+                              ("verl-lab-ray.service", "active", "running")):
+        fake = FakeBox(unit_lines(recorded("debian12_fresh"), unit, active, sub))
+        assert run_main(monkeypatch, tmp_path, plan, fake, "install") == 1
+        assert apt_calls(fake) == [] and not [c for c in fake.calls if c[:2] == ["systemctl", "daemon-reload"]]
+        err = capsys.readouterr().err
+        assert f"{unit} is {active} ({sub}): no driver package is changed under a running job; nothing was changed" in err
+        assert "train_unit_state = 'stopped'" in err and "driver_busy = 'stop'" in err
+        assert not Path(units.MASK_DIR).exists() or not list(Path(units.MASK_DIR).iterdir())
     busy = recorded("debian12_fresh").replace(st.SECTION + "busy\n", st.SECTION + "busy\n4242 python3\n")
     fake = FakeBox(busy)
     assert run_main(monkeypatch, tmp_path, plan, fake, "install") == 1
@@ -202,11 +290,14 @@ HEADERS_ONLY = "Inst linux-headers-6.1.0-26-amd64 (6.1.112-1 Debian:12.8/stable 
 
 def test_headers_alone_leave_the_driver_its_hold_and_its_pin(monkeypatch, tmp_path, plan):
     pin = write_old_pin(plan)
-    fake = FakeBox(held_state(), simulate=(0, HEADERS_ONLY))
+    fake = FakeBox(held_state(), simulate=(0, HEADERS_ONLY), versions={"linux-headers-amd64": "6.1.112-1"})
     assert run_main(monkeypatch, tmp_path, plan, fake, "headers") == 0
     calls = apt_calls(fake)
-    assert [c[-2:] for c in calls if c[:2] == ["apt-get", "-y"]] == [plan["headers"]]
-    assert not [c for c in calls if c[0] == "apt-mark"] and Path(plan["pin"]).read_text() == pin
+    # the simulated headers at the simulated version, the installed metapackage at its installed one
+    assert [c[-2:] for c in calls if c[:2] == ["apt-get", "-y"]] == [
+        ["linux-headers-6.1.0-26-amd64=6.1.112-1", "linux-headers-amd64=6.1.112-1"]]
+    assert not [c for c in calls if c[0] == "apt-mark" and c[1:2] != ["showauto"]]
+    assert Path(plan["pin"]).read_text() == pin
     # a headers install that would bring a driver package is refused
     fake = FakeBox(held_state(), simulate=(0, HEADERS_ONLY + UPDATE))
     assert run_main(monkeypatch, tmp_path, plan, fake, "headers") == 1
@@ -267,8 +358,8 @@ class FakeHost:
 
     name = "box1"
 
-    def __init__(self, verdict: str, unit_active: bool = False, boots_after: int = 2):
-        self.verdict, self.unit_active, self.boots_after = verdict, unit_active, boots_after
+    def __init__(self, verdict: str, guard: str = "", boots_after: int = 2, reboot_starts: bool = True):
+        self.verdict, self.guard, self.boots_after, self.reboot_starts = verdict, guard, boots_after, reboot_starts
         self.commands, self.logged, self.connects, self.connected = [], [], 0, True
         self.token = False
 
@@ -278,10 +369,11 @@ class FakeHost:
         ok, out = True, ""
         if " verdict " in cmd:
             out = json.dumps({"verdict": self.verdict, "installed": "535.261.03", "reason": f"because {self.verdict}"})
-        elif cmd.startswith("systemctl is-active"):
-            ok = self.unit_active
+        elif " reboot-guard " in cmd:               # the box program's answer: "" passes, else its refusal
+            ok, out = not self.guard, self.guard
         elif cmd.startswith("touch "):
-            self.token = True
+            ok = self.reboot_starts
+            self.token = ok
         elif "test ! -e" in cmd:
             ok = not self.token
         return ok, SimpleNamespace(stdout=out, output=out)
@@ -300,8 +392,7 @@ class FakeHost:
 
 
 def settle(h, reboot=False):
-    return stage._settle(None, h, "/usr/bin/python3", "/p/nvidia_driver.py", "/p/driver-plan.json", reboot,
-                         "verl-lab-train.service", 60)
+    return stage._settle(None, h, "/usr/bin/python3", "/p/nvidia_driver.py", "/p/driver-plan.json", reboot, 60)
 
 
 @pytest.fixture
@@ -324,17 +415,32 @@ def test_settle_without_permission_says_reboot_needed_and_does_not_reboot():
     assert not [c for c in h.commands if "systemctl reboot" in c]
 
 
-def test_settle_never_reboots_a_box_that_trains(no_sleep):
-    h = FakeHost("reboot", unit_active=True)
+def test_settle_reboots_only_once_the_box_programs_guard_passed(no_sleep):
+    """Before: `systemctl is-active` of the training unit alone; a unit in "activating (auto-restart)"
+    or the Ray unit passed, and nothing kept them from starting before the reboot."""
+    refusal = ("+ systemctl show ...\nverl-lab driver: verl-lab-train.service is activating (auto-restart): no "
+               "driver package is changed under a running job; nothing was changed. stop training first")
+    h = FakeHost("reboot", guard=refusal)
     assert settle(h, reboot=True) is False
-    assert "verl-lab-train.service is active: not rebooting" in h.logged[0]
+    assert h.logged[0] == ("verl-lab driver: box1: reboot needed for the driver 535.261.03, but not rebooting: "
+                           "verl-lab-train.service is activating (auto-restart): no driver package is changed under "
+                           "a running job; nothing was changed. stop training first")
     assert not [c for c in h.commands if "systemctl reboot" in c]
+    assert h.commands[1] == "/usr/bin/python3 /p/nvidia_driver.py reboot-guard --plan /p/driver-plan.json"
+
+
+def test_a_reboot_that_does_not_start_unmasks_the_units(no_sleep):
+    h = FakeHost("reboot", reboot_starts=False)
+    assert settle(h, reboot=True) is False
+    assert h.commands[-1] == "/usr/bin/python3 /p/nvidia_driver.py unmask --plan /p/driver-plan.json"
 
 
 def test_settle_reboots_and_waits_for_a_new_boot(no_sleep):
     h = FakeHost("reboot", boots_after=3)
     assert settle(h, reboot=True) is True
     reboot = [c for c in h.commands if "systemctl reboot" in c]
+    assert h.commands.index(reboot[0]) == h.commands.index(next(c for c in h.commands if "reboot-guard" in c)) + 1
+    assert not [c for c in h.commands if " unmask " in c]                     # the boot ends the mask
     assert reboot and reboot[0].startswith(f"touch {stage.REBOOT_TOKEN} && ( sleep 1 && systemctl reboot )")
     assert h.connects == 3 and h.connected                    # waited through two connects that were the old boot
 

@@ -7,9 +7,12 @@ PCI fallback). The plan's helpers are tests/unit/test_driver.py's."""
 from __future__ import annotations
 
 import copy
+import datetime
 from pathlib import Path
 
-from tests.unit.test_driver import (DEBIAN, NOBLE, UBUNTU22, UBUNTU24, UBUNTU_SOURCES, case, facts, loaded,
+import pytest
+
+from tests.unit.test_driver import (DEBIAN, NOBLE, UBUNTU22, UBUNTU24, UBUNTU_SOURCES, case, facts, loaded, with_units,
                                     want)
 from tasks.driver_plan import plan_driver
 from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
@@ -119,8 +122,10 @@ def test_a_newer_build_is_taken_only_on_purpose_and_only_on_an_idle_box():
     plan = plan_driver(want(driver_update=True), facts(state, marker=marker))
     assert plan.action == "update" and plan.box_plan["update"] is True
     assert "535.261.03-1 -> 535.309.01-0+deb12u1" in plan.reason
-    busy = plan_driver(want(driver_update=True), facts(dict(state, unit_active=True), marker=marker))
-    assert busy.action == "refuse" and "verl-lab-train.service is active" in busy.problems[0]
+    for unit in ("train", "ray"):
+        busy = plan_driver(want(driver_update=True),
+                           facts(with_units(state, **{unit: ("activating", "auto-restart")}), marker=marker))
+        assert busy.action == "refuse" and "is activating (auto-restart): the driver stage" in busy.problems[0]
     # taken: the newest is installed; nothing newer, nothing to do
     taken = copy.deepcopy(state)
     for p in taken["packages"]:
@@ -147,6 +152,24 @@ def test_status_says_newer_build_and_end_of_life():
     assert driver_notes(dict(state, pin=None), DEBIAN, datetime.date(2027, 1, 1)) == []  # nothing held by the stage
     row = dict(box_status("box1", {}, {}, "", None), driver_notes=after)
     assert after[1] in render_rows([row])
+
+
+def test_status_says_a_driver_change_runs_or_left_the_units_masked():
+    from tasks.driver_status import driver_notes
+
+    state, _ = proven_with_newer_build()
+    state["archive"] = {}
+    left = dict(state, masks=["verl-lab-train.service"])
+    notes = driver_notes(left, DEBIAN, datetime.date(2026, 5, 1))
+    assert notes == ["driver: verl-lab-train.service masked by a driver change that did not end "
+                     "(/run/systemd/system.control), and no driver change runs: the unit cannot start. Re-run the "
+                     "driver stage (it removes the masks it left), or `rm /run/systemd/system.control/"
+                     "verl-lab-train.service && systemctl daemon-reload`"]
+    running = with_units(left, job=("active", "running"))
+    assert driver_notes(running, DEBIAN, datetime.date(2026, 5, 1)) == [
+        "driver: a driver change is running (verl-lab-driver-apt.service, active): verl-lab-train.service masked until "
+        "it ends; `journalctl -fu verl-lab-driver-apt.service` follows it"]
+    assert driver_notes(dict(running, pin=None), DEBIAN)[0].startswith("driver: a driver change is running")
 
 
 # ---------------------------------------------------------------- the smaller items (issue 36)
@@ -242,3 +265,27 @@ def test_the_sysfs_fallback_reads_nvidia_devices_without_lspci(tmp_path, monkeyp
     state = st.parse_fact_output(out.stdout)
     assert state["pci"] == [{"slot": "0000:3b:00.0", "name": None, "device": "1b38"}]
     assert state["nvswitches"] == [{"slot": "0000:05:00.0", "name": None, "device": "22a3"}]
+
+
+def test_the_driver_busy_setting():
+    from tasks.settings import SettingsErrors, load_settings
+
+    assert load_settings("box1", {"driver": "install"}).driver_busy == "refuse"
+    assert load_settings("box1", {"driver": "install", "driver_busy": "stop"}).driver_busy == "stop"
+    for data, said in (({"driver": "install", "driver_busy": "kill"}, "'kill' is not one of refuse, stop"),
+                       ({"driver_busy": "stop"}, "'stop' does nothing with driver = 'check'")):
+        with pytest.raises(SettingsErrors) as err:
+            load_settings("box1", data)
+        assert said in str(err.value) and "driver_busy" in str(err.value)
+
+
+def test_the_doctors_mask_fact_reads_the_stages_own_links():
+    from tasks.facts.driver import DriverMasks
+
+    cmd = DriverMasks().command(["verl-lab-train.service", "verl-lab-ray.service"])
+    assert "readlink /run/systemd/system.control/verl-lab-train.service" in cmd
+    assert "readlink /run/systemd/system.control/verl-lab-ray.service" in cmd
+    assert "systemctl is-active verl-lab-driver-apt.service" in cmd and "grep -m1 'Loaded:'" in cmd
+    assert DriverMasks().process(["", " "]) == {}
+    seen = (Path(__file__).parents[1] / "fixtures" / "doctor" / "driver-units-masked.log").read_text().splitlines()
+    assert DriverMasks().process(seen) == {"driver masks": "\n".join(seen)}     # the recorded output, as the doctor reads it

@@ -23,12 +23,13 @@ import pytest
 from pyinfra.api import FactBase
 
 from tasks.facts.bundle import HEADER, Bundle, _name, _text
-from tasks.facts.env import PROVE_SCRIPT
+from tasks.facts.env import LOCK_SCRIPT, PROVE_SCRIPT
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "facts"
-MODULES = ("cluster", "data", "disk", "driver", "endpoint", "env", "export", "files", "gpu", "logs", "nvidia")
+MODULES = ("burnin", "cluster", "data", "disk", "driver", "endpoint", "env", "export", "files", "gpu", "logs", "memory",
+           "nvidia")
 # a command that carries a file's text carries a name for it in the case instead
-PLACEHOLDERS = {PROVE_SCRIPT: "<verl_lab_box/env_prove.py>"}
+PLACEHOLDERS = {PROVE_SCRIPT: "<verl_lab_box/env_prove.py>", LOCK_SCRIPT: "<verl_lab_box/env_lock.py>"}
 
 
 def fact_classes() -> list[type]:

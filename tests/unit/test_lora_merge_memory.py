@@ -159,3 +159,16 @@ def test_plan_json_hands_the_launcher_the_merges_host_ram():
     launch = json.loads(TrainingLayout(settings=settings, plan=plan, plan_source="gpu_override").plan_json())["launch"]
     assert launch["predicted_lora_merge_host_mib"] == plan.to_dict()["predicted_lora_merge_host_mib"] > 4900
     assert launch["predicted_host_ram_mib"] == plan.to_dict()["predicted_host_ram_mib"]
+
+
+def test_the_run_checks_count_the_merges_host_copy_once_with_the_training_states():
+    """tasks/run_bounds.py reads the plan's key for 0013's copy and checks it with what training holds beside it
+    (one need: both are in host memory at once), never twice. Mutations: the copy read under another key (the
+    need loses its part), or added on top of predicted_host_ram_mib (the need grows)."""
+    from tasks.run_bounds import host_ram_needs
+    plan = make_plan(GpuTarget(GTX1080.name, GTX1080.compute_capability, GTX1080.memory_mib, 2), qwen15()).to_dict()
+    copy = plan["predicted_lora_merge_host_mib"]
+    assert copy > 4900
+    (training, *_rest) = host_ram_needs(plan)
+    assert training[1] == plan["predicted_host_ram_mib"]
+    assert f"LoRA's host copy of the adapted weights (patch 0013), {copy} MiB" in training[0], training

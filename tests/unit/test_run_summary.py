@@ -21,12 +21,24 @@ def test_stage_words():
 def test_host_line_and_plan_line():
     plan = make_plan(GpuTarget("Tesla T4", "7.5", 15360), doc_workload()).to_dict()
     words = plan_line(plan)
-    assert words.startswith("ppo, train fp32, rollout vllm float16 (share 0.") and "offload actor optimizer" in words
+    assert words.startswith("Qwen/Qwen2.5-0.5B-Instruct, ppo, full fine-tuning, train fp32, rollout vllm float16 "
+                            "(share 0.") and "offload actor optimizer" in words
     assert f"peak {plan['predicted_peak_mib']} of {plan['budget_mib']} MiB" in words
     line = host_line("t4", "1 x Tesla T4, from nvidia-smi", ["base proven", "cuda proven"], 0, words, "enabled", False)
     assert line == f"verl-lab: t4 (1 x Tesla T4, from nvidia-smi): base proven, cuda proven; changed nothing; plan {words}; unit enabled"
     assert "; changed 1 operation;" in host_line("t4", "g", ["x"], 1, None, "enabled", False)
     assert "; FAILED (see above);" in host_line("t4", "g", ["x"], 1, None, "enabled", True)
+
+
+def test_plan_line_names_the_model_the_rung_and_lora():
+    """The 3B on a P40 trains LoRA adapters (grpo-lora): the line says so, and which model."""
+    from dataclasses import replace
+    from tasks.catalog import default_catalog
+    from tasks.plan import with_model
+    w = with_model(doc_workload(), default_catalog().artifact("qwen_3b_model"))
+    w = replace(w, model_path="/opt/verl-lab/models/Qwen--Qwen2.5-3B-Instruct")
+    plan = make_plan(GpuTarget("Tesla P40", "6.1", 24576), w).to_dict()
+    assert plan_line(plan).startswith(f"Qwen/Qwen2.5-3B-Instruct, grpo-lora, LoRA rank {plan['lora']['rank']}, ")
 
 
 def test_the_last_run_is_recorded_on_the_controller(tmp_path):

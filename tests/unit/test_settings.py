@@ -38,6 +38,8 @@ def test_mirror_url_override_reaches_artifact_urls():
     ({"train_steps": 0}, "train_steps", "positive"),
     ({"hf_token_file": "/nonexistent/token"}, "hf_token_file", "chmod 600"),
     ({"model_artifact": "llama"}, "model_artifact", "files/catalog.toml"),
+    ({"max_run_days": 0}, "max_run_days", "positive number of days"),
+    ({"max_run_days": "a week"}, "max_run_days", "max_run_days = 14"),
 ])
 def test_bad_values_name_host_key_and_fix(data, key, fix):
     with pytest.raises(SettingsError) as err:
@@ -69,8 +71,9 @@ def test_near_miss_of_a_setting_names_the_setting_meant(key, meant):
     assert err.value.key == key
 
 
-@pytest.mark.parametrize("key", ["rack", "owner", "doctor_json", "ssh_user", "_sudo"])
-def test_keys_that_are_no_near_miss_pass(key):
+@pytest.mark.parametrize("key", ["site_rack", "site_owner", "doctor_json", "status_json", "ssh_user", "_sudo"])
+def test_keys_read_elsewhere_pass(key):
+    """pyinfra's, another deploy's and the site's own (site_*): tests/unit/test_settings_keys.py refuses the rest."""
     assert load_settings("b", {key: "x"}).host == "b"
 
 

@@ -113,9 +113,13 @@ def _gpu(name, cc, mib, driver="535.104.05", count=1):
                                        memory_free_mib=mib - 300, driver_version=driver) for i in range(count)))
 
 
-def _answers(inventory, free_mib=100_000):
+LAB_RAM = {"total_mib": 24105, "available_mib": 22926}     # this machine's /proc/meminfo, as the lab's boxes read it
+
+
+def _answers(inventory, free_mib=100_000, memory=LAB_RAM):
     disk = {"mount": "/", "free_mib": free_mib}
-    return [inventory, None, None, disk, {"free": {"path": "/opt/verl-lab", "free_bytes": free_mib * 2**20}, "tracker": None, "saves": []}]
+    return [inventory, None, None, disk, {"free": {"path": "/opt/verl-lab", "free_bytes": free_mib * 2**20}, "tracker": None, "saves": []},
+            memory]
 
 
 def test_box_problems_every_problem_of_every_box_at_once():
@@ -132,6 +136,39 @@ def test_box_problems_every_problem_of_every_box_at_once():
     texts = {(p.host, p.key): str(p) for p in box_problems(settings, answers)}
     assert "NVIDIA driver 470.256.02 is too old for CUDA 11.8" in texts[("k80", "driver (nvidia-smi)")]
     assert "not enough free disk" in texts[("t4", "disk (model and data)")]
+
+
+def test_the_3b_on_a_gtx_1080_is_refused_for_host_ram_with_lora_on_a_smaller_model_as_the_fix():
+    """The plan is CPU offload (~1055 s a step by the speed model); its offloaded states need 57.5 GiB and the
+    export 30.9 GiB of host RAM, on a 23.5 GiB box. LoRA on the 3B does not fit 8 GiB; the 0.5B with LoRA does."""
+    from tasks.base import BoxWarning, box_problems
+    settings = {"gtx": load_settings("gtx", {"workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}})}
+    found = box_problems(settings, {"gtx": _answers(_gpu("NVIDIA GeForce GTX 1080", "6.1", 8192))})
+    assert [(p.host, p.key) for p in found] == [("gtx", "run")], found
+    text = str(found[0])
+    assert "training's host memory (model states offloaded to the CPU or asleep, 58860 MiB) needs 57.5 GiB, " \
+           "the box has 23.5 GiB in all (MemTotal)" in text, text
+    assert "the export after the run (verl's model merger, then the proof) needs 30.9 GiB" in text, text
+    assert "Fix: LoRA on this model does not fit the GPU (short by" in text, text
+    assert "a smaller model: workload.model = 'Qwen/Qwen2.5-0.5B-Instruct' (grpo-lora, LoRA rank 32, ~" in text, text
+    assert "or a box with 57.5 GiB of RAM or more" in text, text
+    assert not any(isinstance(p, BoxWarning) for p in found)
+
+
+def test_a_run_longer_than_the_bound_is_refused_and_ram_held_by_others_is_a_warning():
+    from tasks.base import BoxWarning, box_problems
+    settings = {"t4": load_settings("t4", {"workload": {"epochs": 200}, "max_run_days": 1}),
+                "p40": load_settings("p40", {})}
+    found = box_problems(settings, {"t4": _answers(_gpu("Tesla T4", "7.5", 15360)),
+                                    "p40": _answers(_gpu("Tesla P40", "6.1", 24576),
+                                                    memory={"total_mib": 24105, "available_mib": 1000})})
+    run = [str(p) for p in found if p.key == "run"]
+    assert len(run) == 1 and run[0].startswith("host t4: run: the speed model puts a step at "), run
+    assert "days, over max_run_days = 1. Fix: " in run[0] and "a shorter run (train_steps, workload.epochs) or a " \
+           "longer bound (max_run_days)" in run[0], run
+    warned = [p for p in found if isinstance(p, BoxWarning)]
+    assert [(p.host, p.key) for p in warned] == [("p40", "host RAM")], found
+    assert "the box has 1.0 GiB available now (MemAvailable; 23.5 GiB in all)" in str(warned[0])
 
 
 def test_a_boxs_problem_refuses_that_box_and_its_cluster_the_others_go_on():
