@@ -19,7 +19,7 @@ per box.
 
 import shlex
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.operations import server
 
 from tasks.facts.bundle import ask
@@ -36,11 +36,13 @@ latest = next((e for e in exports["exports"] if e["step"] == step), None) or {}
 proven = bool((latest.get("proof") or {}).get("ok"))
 scored = proven and bool(latest.get("score")) and bool(exports["base"])
 training = unit["active"]
+# what is not done is said without -v too (host.noop's words show only with -v)
 if step is None:
-    host.noop("no checkpoint to export yet")
+    host.log_styled(f"verl-lab export: {host.name}: nothing to export: no checkpoint yet in {settings.train_dir}/"
+                    "checkpoints (a run saves one every checkpoints.every steps)", log_func=logger.info)
 elif scored or (proven and training):
-    host.noop(f"step {step} already exported and proven" + (", scores wait for the run to finish" if not scored else
-                                                            " and scored"))
+    host.log_styled(f"verl-lab export: {host.name}: step {step} already exported and proven"
+                    + (", scores wait for the run to finish" if not scored else " and scored"), log_func=logger.info)
 else:
     q = shlex.quote
     server.shell(

@@ -2,15 +2,20 @@
 
 Builds a new env generation beside the current one, proves it, then swaps it in; the current
 env stays in place (and in use) until the new one passes, and is kept as <env_prefix>.prev.
+It ends with a line per host (tasks/run_summary.py): the env rebuilt (changed) or FAILED, and why above.
 """
 
 from tasks.hostdata import check_inventory, settings_for
 from tasks.base import base_layout
 from tasks.env import install_env
+from tasks.run_summary import note_target, stage
 
 check_inventory()
 settings = settings_for()
 
-gpu = base_layout(settings)
+with stage("base"):
+    gpu = base_layout(settings)
+note_target(gpu, unit="untouched (a rebuild leaves the training unit as it is)")
 if not gpu.refused:
-    install_env(settings, gpu, force_rebuild=True)
+    with stage("env"):
+        install_env(settings, gpu, force_rebuild=True)

@@ -27,22 +27,24 @@ from tasks.driver import held_driver_notes
 from tasks.facts.bundle import ask
 from tasks.facts.burnin import BurninRecord
 from tasks.facts.export import RunExports
+from tasks.facts.files import UnitState
 from tasks.facts.logs import TrainingRun
 from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
 from tasks.run_summary import last_run
 from tasks.settings import TRAIN_UNIT
 from tasks.status import STAGES, _json_safe, box_status, boxes, nothing_to_report, parse_log, render_rows, unit_summary
-from tasks.tracking_hub import hub_words
+from tasks.tracking_hub import HUB_UNIT, hub_name, hub_words, served_dir, served_here, shares_loopback
 
 check_inventory()
 settings = settings_for()
-run, exports, burnin = ask(
+run, exports, burnin, hub_unit = ask(
     (TrainingRun, {"unit": TRAIN_UNIT, "markers": {s: settings.marker(s) for s in STAGES},
                    "plan_path": f"{settings.train_dir}/plan.json", "launcher": f"{settings.train_dir}/train-launcher",
                    "user": settings.train_user, "python": settings.launcher_python}),
     (RunExports, {"checkpoint_dir": f"{settings.train_dir}/checkpoints"}),
     (BurninRecord, {"record": burnin_paths(settings.train_dir)["record"], "user": settings.train_user,
-                    "unit": BURNIN_UNIT}))
+                    "unit": BURNIN_UNIT}),
+    (UnitState, {"unit": HUB_UNIT}))
 unit_state, _ = unit_summary(run["unit"], run["history"])
 verdict = None
 if unit_state in ("failed", "crash-looping"):
@@ -52,6 +54,7 @@ elif unit_state == "never-ran":
     verdict = never_ran(host.name, run["preflight"], run["plan"])[1]
 row = box_status(host.name, run["markers"], run["unit"], run["journal"], run["plan"], verdict, run["history"], exports,
                  last=last_run(settings.controller_cache, host.name))
+row["tensorboard_serving"] = bool((hub_unit or {}).get("active"))     # the lab's TensorBoard unit on this box
 record = burnin["record"]      # the box's last burn-in (docs/burnin.md)
 row["burnin"] = {k: record.get(k) for k in ("state", "started", "ended", "wall_s", "failed", "reward", "speed")} \
     if record else None
@@ -72,7 +75,11 @@ if rows is not None:
     idle = nothing_to_report(ordered)
     if idle:
         print(idle, flush=True)
-    print(hub_words(settings, inventory), flush=True)       # the SSH tunnel to the lab's TensorBoard
+    hub = hub_name(settings, [h.name for h in inventory])
+    serving = rows[hub]["tensorboard_serving"] if hub in rows else None
+    here = bool(serving) and shares_loopback(inventory.get_host(hub).data.dict()) and \
+        served_here(settings.tracking.port, served_dir(settings_for(inventory.get_host(hub))))
+    print(hub_words(settings, inventory, serving, here), flush=True)       # how to open the lab's TensorBoard
     target = host.data.get("status_json")
     if target:
         write_json(target, _json_safe({"hosts": ordered}))

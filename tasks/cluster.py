@@ -145,6 +145,38 @@ def hosts_file(lookup: Mapping[str, Any], address: str) -> tuple[str | None, str
     return text, f"{name} resolved to {', '.join(resolves) or 'nothing'}, not the node's address {address}"
 
 
+def write_hosts_command(text: str) -> str:
+    """Shell: ``/etc/hosts`` made ``text``, written in place (a bind-mounted or linked /etc/hosts stays one)."""
+    return (f"printf '%s' {shlex.quote(text)} > /etc/hosts.verl-lab && cat /etc/hosts.verl-lab > /etc/hosts"
+            " && rm -f /etc/hosts.verl-lab")
+
+
+def hosts_restored(text: str) -> str | None:
+    """``/etc/hosts`` as it was before ``hosts_file`` changed it (None: it holds nothing of this stage's): the
+    managed line removed, each line it turned into a comment (HOSTS_OFF) restored, and the line of that line's
+    other names which ``hosts_file`` wrote after it dropped. Every other line stays as it is."""
+    lines = text.splitlines()
+    managed = [line for line in lines if line.rstrip().endswith(HOSTS_MARK)]
+    if not managed and not any(line.startswith(HOSTS_OFF) for line in lines):
+        return None
+    ours = {n for line in managed for n in line.split("#", 1)[0].split()[1:]}
+    out, skip = [], None
+    for line in lines:
+        if line in managed:
+            continue
+        if skip is not None and line == skip:
+            skip = None
+            continue
+        skip = None
+        if line.startswith(HOSTS_OFF):
+            line = line[len(HOSTS_OFF):]
+            cells = line.split("#", 1)[0].split()
+            rest = [n for n in cells[1:] if n not in ours]
+            skip = f"{cells[0]}\t{' '.join(rest)}" if cells and rest else None
+        out.append(line)
+    return "\n".join(out) + "\n" if out else ""
+
+
 # ------------------------------------------------------------------ the stage
 
 
@@ -261,8 +293,7 @@ def install_cluster(settings: LabSettings, gpu, cluster: Cluster, targets: Mappi
     else:       # written in place (a bind-mounted or linked /etc/hosts stays one), then looked up again
         address = node.node_address
         server.shell(name=f"/etc/hosts: the hostname resolves to {address} ({hosts_why})", commands=[
-            f"printf '%s' {shlex.quote(hosts)} > /etc/hosts.verl-lab && cat /etc/hosts.verl-lab > /etc/hosts"
-            " && rm -f /etc/hosts.verl-lab",
+            write_hosts_command(hosts),
             f"got=$(getent ahostsv4 \"$(hostname)\" | awk '{{ print $1; exit }}'); [ \"$got\" = {address} ] || "
             f"{{ echo \"verl-lab: $(hostname) still resolves to ${{got:-nothing}}, not {address}: see the hosts "
             "line of /etc/nsswitch.conf\" >&2; exit 1; }"])

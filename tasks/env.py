@@ -568,4 +568,6 @@ def install_env(settings: LabSettings, gpu: HostTarget, force_rebuild: bool = Fa
         if action == "ok":
             host.noop(f"{name}: {why}")
             return
+        # the quick re-check failed: the operation's name (printed while the build runs, minutes) says why
+        name = f"Python env: {'rebuilt' if action == 'build' else 'marker rewritten'} ({why})"
     env_generation(name=name, settings=settings, plan=plan, script=script, force=force_rebuild)

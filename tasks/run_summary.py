@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 _RECORD: dict[str, dict] = {}     # host name -> {"stages": [(stage, [op_hash])], "plan": str, "unit": str, "gpu": str}
 _REGISTERED = {"atexit": False}
+QUIET_STAGES = ("undo",)         # named only where they queued something (tasks/undo.py: "undo changed 3")
 
 
 MODEL_PATH = "actor_rollout_ref.model.path="
@@ -58,6 +59,11 @@ def stage_words(stage: str, ops: list[tuple[bool | None, bool | None]]) -> str:
     return f"{stage} changed {changed}" if changed else f"{stage} checked"
 
 
+def visible_words(stages: list[tuple[str, list]]) -> list[str]:
+    """Each stage's word (``stage_words``), in order; a QUIET_STAGES one only where it queued something."""
+    return [stage_words(name, ops) for name, ops in stages if ops or name not in QUIET_STAGES]
+
+
 def host_line(name: str, gpu: str, stages: list[str], changed: int, plan: str | None, unit: str,
               failed: bool) -> str:
     what = "FAILED (see above)" if failed else (f"changed {changed} operation{'s' if changed != 1 else ''}"
@@ -72,7 +78,12 @@ def stage(name: str):
     from pyinfra import host
     before = len(host.op_hash_order)
     yield
-    _RECORD.setdefault(host.name, {"stages": []})["stages"].append((name, list(host.op_hash_order[before:])))
+    stages = _RECORD.setdefault(host.name, {"stages": []})["stages"]
+    done = next((hashes for stage_name, hashes in stages if stage_name == name), None)
+    if done is None:        # a stage entered twice (deploy/full.py's undo, before and after the train stage): one word
+        stages.append((name, list(host.op_hash_order[before:])))
+    else:
+        done.extend(host.op_hash_order[before:])
     if not _REGISTERED["atexit"]:
         _REGISTERED["atexit"] = True
         atexit.register(print_summary)
@@ -81,7 +92,28 @@ def stage(name: str):
 def note(**values) -> None:
     """The current host's plan line, unit state, GPU words."""
     from pyinfra import host
-    _RECORD.setdefault(host.name, {"stages": []}).update(values)
+    note_for(host.name, **values)
+
+
+def note_for(host_name: str, **values) -> None:
+    """``note`` for a host named, e.g. at execute time from a ``python.call`` (the train stage's wait records the
+    unit's state it found: a started unit that crash-loops is not "started")."""
+    _RECORD.setdefault(host_name, {"stages": []}).update(values)
+
+
+def note_target(gpu, **values) -> None:
+    """The host's GPU words (its target, tasks/target.py HostTarget) and ``values``."""
+    target = gpu.target
+    note(gpu=f"{target.count} x {target.name}, from {gpu.source}" if target else "no GPU", **values)
+
+
+def note_plan(settings, target, targets=None) -> None:
+    """The host's plan in one line, where it can be made (else the train stage already failed the box, saying why)."""
+    try:
+        from tasks.validation import training_plan
+        note(plan=plan_line(training_plan(settings, target, targets).to_dict()))
+    except Exception:              # noqa: BLE001 - the train stage already failed this box with why
+        pass
 
 
 def lines(state) -> list[str]:
@@ -102,7 +134,8 @@ def lines(state) -> list[str]:
                     failed_stage = stage_name
                     message = " ".join(line.strip() for line in meta.stderr_lines[-3:] if line.strip())
             total += sum(1 for c, _ in ops if c)
-            words.append(stage_words(stage_name, ops))
+            words.append((stage_name, ops))
+        words = visible_words(words)
         line = host_line(name, rec.get("gpu", "?"), words, total, rec.get("plan"), rec.get("unit", "?"),
                          h in state.failed_hosts)
         out.append(line)

@@ -222,6 +222,13 @@ def not_installed_reason(proven: list[str], last: dict | None) -> str | None:
     if last is None:
         return (f"{what}: no deploy/full.py of this box is recorded on this controller; run "
                 "pyinfra -y <inventory> deploy/full.py")
+    if not last.get("ok") and last.get("stage") == "checks":
+        # the refusal's own words were true of that run ("nothing on this box was changed", "above"); later
+        # deploys (deploy/tracking.py, a stage alone) may have changed the box since: say it of that run only
+        message = re.sub(r"[;:]? *nothing (on this box|on any host|) ?was changed", "", last.get("message") or "")
+        message = message.replace("verl-lab checks: ", "").replace(" (above)", "").replace(" above", "").strip(" ;:")
+        return (f"{what}: the last deploy/full.py ({last.get('when')}) was refused by its checks and changed nothing "
+                f"on this box then: {message or 'see its output'}")
     if not last.get("ok"):
         return f"{what}: the last deploy ({last.get('when')}) failed at {last.get('stage') or '?'}: " \
                f"{last.get('message') or 'see its output'}"
@@ -297,8 +304,13 @@ def nothing_to_report(rows: list[dict]) -> str | None:
     for r in rows:
         states.setdefault(r.get("unit") or "?", []).append(r["host"])
     words = "; ".join(f"{state}: {', '.join(hosts)}" for state, hosts in sorted(states.items()))
+    # only the lines the table printed: a `why:` line where a stage is not installed, the doctor's verdict
+    said = [w for w, printed in (("the `why:` lines", any(r.get("reason") for r in rows)),
+                                 ("the preflight", any(r.get("verdict") for r in rows))) if printed]
     return (f"status: no training run to report on {boxes(len(rows))} ({words}). Start one with "
-            "--data train_unit_state=started on a box with a GPU; `why:` and the preflight above say what stops a box")
+            "--data train_unit_state=started on a box with a GPU"
+            + (f"; {' and '.join(said)} above say{'s' if said == ['the preflight'] else ''} what stops a box"
+               if said else ""))
 
 
 def render(run: RunLog, name: str) -> str:

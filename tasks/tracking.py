@@ -208,22 +208,23 @@ def check_tracking(value: Any, artifact_mode: str) -> Tracking:
                       "set mode = 'offline' (the controller syncs the runs: deploy/tracking.py), or "
                       "tracking.internet = True if the box reaches the tracker's server"))
     online = bool(remote) and (mode == "online" or (mode == "auto" and internet))
-    keys_file, key_names = None, ()
+    keys_file, key_names, unread = None, (), False
     if v["keys_file"] is not None:
         keys_file = Path(os.path.expanduser(str(v["keys_file"])))
         if not keys_file.is_file():
             found.append(("keys_file", f"file {v['keys_file']!r} does not exist on the controller",
                           "write the keys as NAME=value lines to a file only you can read (chmod 600) and name it here"))
-            keys_file = None
+            keys_file, unread = None, True
         elif keys_file.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             found.append(("keys_file", f"{v['keys_file']!r} can be read by others "
                                        f"(mode {stat.S_IMODE(keys_file.stat().st_mode):o})", f"chmod 600 {keys_file}"))
+            unread = True       # not read: what it holds is not judged until it is the owner's alone
         else:
             try:
                 names = read_keys(keys_file)
             except TrackingProblems as exc:
                 found += exc.found
-                names = {}
+                names, unread = {}, True
             known = {n for t in KEY_VARS.values() for n in t}
             for name in names:
                 if name not in known:
@@ -232,7 +233,7 @@ def check_tracking(value: Any, artifact_mode: str) -> Tracking:
             key_names = tuple(sorted(names))
     for tracker in remote:
         need = REQUIRED_KEY.get(tracker)
-        if need and need not in key_names:
+        if need and need not in key_names and not unread:     # a file that could not be read: said above
             where = "the box's online run" if online else "the controller's sync"
             found.append(("keys_file", f"{tracker} needs {need} for {where}, and "
                                        + (f"{v['keys_file']!r} has none" if keys_file else "no keys_file is set"),

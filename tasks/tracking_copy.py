@@ -91,14 +91,17 @@ def read_command(settings: LabSettings, root: str, known: str, stream: str) -> s
 
 
 def apply_command(settings: LabSettings, root: str, stream: str) -> str:
+    """The hub's side of ``push``, as root. ``-B`` here and in ``state_command``: root's Python writes no bytecode
+    beside the placed programs (``tracking_apply`` imports ``tracking_copy``), so the box holds only what the
+    deploy placed (tests/e2e/test_converge.py compares its listing)."""
     q = shlex.quote
-    return (f"{q(settings.launcher_python)} {q(program_path(settings, APPLY))} apply {q(root)} "
+    return (f"{q(settings.launcher_python)} -B {q(program_path(settings, APPLY))} apply {q(root)} "
             f"--group {q(settings.train_user)} < {q(stream)}; rc=$?; rm -f {q(stream)}; exit $rc")
 
 
 def state_command(settings: LabSettings, root: str) -> str:
     q = shlex.quote
-    return f"{q(settings.launcher_python)} {q(program_path(settings, APPLY))} state {q(root)}"
+    return f"{q(settings.launcher_python)} -B {q(program_path(settings, APPLY))} state {q(root)}"
 
 
 def skipped_words(skipped: dict) -> str:

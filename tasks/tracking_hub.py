@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from pyinfra.api import deploy
+from pyinfra.api.exceptions import PyinfraError
 from pyinfra.operations import python, server, systemd
 
 from tasks.placed import place, rendered, wanted_dir, wanted_file
@@ -34,6 +35,11 @@ UNIT_PATH = f"/etc/systemd/system/{HUB_UNIT}"
 UNIT_TEMPLATE = Path(__file__).resolve().parent.parent / "files" / "templates" / "verl-lab-tensorboard.service.j2"
 SUMMARY_RUN = "verl-lab"           # <box>/verl-lab: the lab's own scalars
 START_WAIT_S = 90
+
+
+class HubNotProvisioned(PyinfraError):
+    """deploy/tracking.py's hub cannot serve (no train user, no TensorBoard in its env): the run stops before any
+    box changes; pyinfra prints the message once, as one line."""
 
 
 def hub_name(settings: LabSettings, hosts: list[str]) -> str:
@@ -91,19 +97,53 @@ def tunnel_command(hub: str, ssh: dict, port: int, bind: str) -> str:
     return " ".join(["ssh", "-N", "-L", f"{port}:{remote}:{port}", *opts, target])
 
 
-def hub_words(settings: LabSettings, inventory) -> str:
-    """deploy/status.py's line: where the lab's TensorBoard is and the tunnel that opens it."""
+def shares_loopback(ssh: dict) -> bool:
+    """Whether the controller reaches the hub at a loopback address (``ssh_hostname``: the lab in a box, whose
+    boxes share this machine's network; or an SSH port forward, which ``served_here`` tells apart)."""
+    import ipaddress
+
+    name = str(ssh.get("ssh_hostname") or "")
+    try:
+        return name == "localhost" or ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def served_here(port: int, logdir: str, timeout: float = 2.0) -> bool:
+    """Whether a TensorBoard serving ``logdir`` (the hub's served copy) answers on this machine's 127.0.0.1:``port``
+    (its ``/data/logdir``): the hub shares this machine's loopback, so the page opens with no tunnel."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/logdir", timeout=timeout) as answer:
+            return json.loads(answer.read()).get("logdir") == logdir
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def hub_words(settings: LabSettings, inventory, serving: bool | None = None, here: bool = False) -> str:
+    """deploy/status.py's line: where the lab's TensorBoard is and how to open it. ``serving``: whether the hub's
+    unit is active (None: the hub was not asked, e.g. left out by --limit); ``here``: the controller reaches it on
+    its own loopback (``served_here``). The SSH tunnel only to a serving hub, and not where none is needed."""
     if "tensorboard" not in settings.tracking.trackers:
         return "The lab's TensorBoard: off (settings tracking.trackers has no 'tensorboard')"
     names = [h.name for h in inventory]
     hub = hub_name(settings, names)
     if hub not in names:
         return f"The lab's TensorBoard: tracking.hub = {hub!r} is not a box of this inventory"
+    port = settings.tracking.port
+    if serving is False:
+        return (f"The lab's TensorBoard: not serving on {hub} ({HUB_UNIT} is not running there); "
+                "pyinfra -y <inventory> deploy/tracking.py copies every box's curves there and starts it")
+    if serving and here:
+        return (f"The lab's TensorBoard on {hub}: open http://127.0.0.1:{port}/ (no tunnel needed: this machine "
+                f"shares {hub}'s loopback, as the lab in a box does)")
     data = inventory.get_host(hub).data
     ssh = {k: data.get(k) for k in ("ssh_hostname", "ssh_user", "ssh_port", "ssh_key", "ssh_known_hosts_file")}
-    port = settings.tracking.port
-    return (f"The lab's TensorBoard on {hub} (filled by deploy/tracking.py): {tunnel_command(hub, ssh, port, settings.tracking.bind)}"
-            f"  then open http://localhost:{port}/")
+    asked = "" if serving else f", if it serves: {hub} was not asked in this run"
+    return (f"The lab's TensorBoard on {hub} (filled by deploy/tracking.py{asked}): "
+            f"{tunnel_command(hub, ssh, port, settings.tracking.bind)}  then open http://localhost:{port}/")
 
 
 # ------------------------------------------------------------------ the deploy

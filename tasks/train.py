@@ -54,12 +54,13 @@ from tasks.facts.disk import CheckpointDisk
 from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.facts.logs import TrainingRun
 from tasks.hostdata import cluster_for
+from tasks.run_summary import note_for
 from tasks.placed import marker_command, place, rendered, wanted_dir, wanted_file
 from tasks.plan import PlanError, TrainingPlan, Workload, workload_for
 from tasks.target import HostTarget
 from tasks.settings import TRAIN_UNIT, LabSettings
 from tasks.status import unit_summary
-from tasks.tracking_train import KEYS_FILE, keys_for_box, run_name_of, tracking_paths, tracking_values, tracking_wanted
+from tasks.tracking_train import keys_for_box, run_name_of, tracking_paths, tracking_values, tracking_wanted
 from tasks.validation import training_plan
 from verl_lab_box.checkpoints import disk_need, need_words
 
@@ -283,9 +284,12 @@ def _flash_attn(env_marker: dict | None) -> bool:
 
 
 @deploy("verl-lab training plan, launcher and unit")
-def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict | None = None):
+def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict | None = None,
+                  unit_changed_by: str | None = None):
     """Plan for the host's GPU target (in a Ray cluster: ``cluster_targets``, every member's, for
-    tasks.plan.cluster_plan); launcher, env file, plan.json and the systemd unit; proofs; marker."""
+    tasks.plan.cluster_plan); launcher, env file, plan.json and the systemd unit; proofs; marker.
+    ``unit_changed_by``: what changed the unit outside this stage in this run (tasks/undo.py: the cluster's
+    drop-in removed), so a started unit is restarted with it."""
     # one command for all this stage reads (tasks/facts/bundle.py)
     marker_path = settings.marker("train")
     env_marker, marker, states, unit, disk = ask(
@@ -321,6 +325,8 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
     unit_changed = place(wanted, states)[UNIT_PATH] is not None
     if unit_changed:
         systemd.daemon_reload(name="systemd reads the changed unit")
+    changed_words = " (the changed unit)" if unit_changed else f" ({unit_changed_by})" if unit_changed_by else ""
+    unit_changed = unit_changed or bool(unit_changed_by)
 
     state = settings.train_unit_state
     want_enabled, want_running = state in ("enabled", "started"), state == "started"
@@ -340,7 +346,7 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
         # (re)start, whatever state the last run left: a unit that crash-looped into its start limit
         # is reset first. Whether it then trains is the wait's to say, below.
         u = shlex.quote(TRAIN_UNIT)
-        server.shell(name=f"Unit {TRAIN_UNIT}: started" + (" (the changed unit)" if unit_changed else ""),
+        server.shell(name=f"Unit {TRAIN_UNIT}: started" + changed_words,
                      commands=[f"systemctl reset-failed {u} 2>/dev/null || true; systemctl restart {u} || true"])
     if proven:
         host.noop(f"training launcher and unit already proven for {target.count} x {target.name}")
@@ -349,8 +355,6 @@ def install_train(settings: LabSettings, gpu: HostTarget, cluster_targets: dict 
         server.shell(
             name="Prove the unit and the launcher",
             commands=[
-                # no online tracker now: an earlier run's keys go (tasks/tracking_train.py)
-                *([] if layout.tracker_keys else [f"rm -f {q(settings.train_dir + '/' + KEYS_FILE)}"]),
                 f"systemd-analyze verify {q(UNIT_PATH)}",
                 f"runuser -u {q(user)} -- {q(settings.launcher_python)} {q(layout.launcher)} "
                 "--print-overrides --against-plan >/dev/null",
@@ -380,10 +384,13 @@ def wait_until_training(state, host, settings: LabSettings, seconds: float = STA
         unit_state, words = unit_summary(run["unit"], run.get("history", ""))
         if PREFLIGHT_PASSED in run["journal"]:
             host.log_styled(f"{TRAIN_UNIT}: past its preflight, training ({words})", log_func=logger.info)
+            note_for(host.name, unit="started, training")
             return True
         stopped = unit_state not in ("running", "never-ran")
         if stopped or gevent.get_hub().loop.now() > deadline:
             why = f"{words}" if stopped else f"no preflight pass within {int(seconds)} s ({words})"
+            # the run's summary line says what the unit does, not what was asked of it (tasks/run_summary.py)
+            note_for(host.name, unit=f"{unit_state}, not training ({why})")
             diag = diagnose(host.name, {"journal": run["journal"]}, run["plan"], failed=True)
             host.log_styled(f"verl-lab train: {TRAIN_UNIT} did not start training: {why}\n"
                             + "\n".join(render(diag).splitlines()[1:]), fg="red", log_func=logger.error)

@@ -9,7 +9,8 @@ Runs, in this checkout (root, the lab's requirements; the venv of this Python on
 1. README.md's first command as written (its ```bash block's first paragraph, without the venv
    line: this Python's venv is that venv): `bin/lab up --gpus p40`, the first converge, `bin/lab plans`;
 2. what a newcomer tries next: a re-run (nothing to change: one line per host), a typo in `bin/lab up`
-   on the provisioned lab (refused before anything stops), `bin/lab status`, deploy/status.py,
+   on the provisioned lab (refused before anything stops), `bin/lab status`, `bin/lab up` on the running lab
+   (refused without --replace), deploy/tracking.py (the lab's TensorBoard), deploy/status.py,
    deploy/doctor.py, `train_unit_state=started` (what the lab cannot do: there is no GPU), `stopped`;
 3. each bad input of docs/refusals.md (the cases of tests/e2e/test_refusals.py, read from there), each one
    run of deploy/full.py against a second lab (`bin/lab up --gpus t4,p40,k80` in .lab-refusals/), with
@@ -161,6 +162,12 @@ had already made the venv this runs in).""")
               "A typo in `bin/lab up` on the provisioned lab: the whole command is checked before anything is "
               "stopped.")
         t.run("bin/lab status", "The lab is still up:")
+        t.run("bin/lab up --gpus p40",
+              "`bin/lab up` again on the running lab: refused, since it would discard the provisioned box "
+              "(`--replace` says to). Settings for the lab's boxes go in `.lab/group_data/all.py` instead.")
+        t.run("pyinfra -y .lab/inventory.py deploy/tracking.py",
+              "The lab's TensorBoard: every box's curves copied onto the hub (the inventory's first box) and served "
+              "there; the lab's boxes share this machine's network, so status names the address to open here.")
         t.run("pyinfra -y .lab/inventory.py deploy/status.py", "The lab's status:")
         t.run("pyinfra -y .lab/inventory.py deploy/doctor.py", "The doctor:")
         t.run("pyinfra -y .lab/inventory.py deploy/full.py --data train_unit_state=started",

@@ -291,6 +291,38 @@ def check_host_ram(rep, launch, meminfo="/proc/meminfo"):
         rep.ok("host ram", f"{total} MiB >= the plan's {what}, before the processes' own")
 
 
+LORA_RANK = "actor_rollout_ref.model.lora_rank="
+
+
+def check_resume(rep, launch):
+    """The save verl resumes from (``trainer.resume_mode=auto``: the tracker's step) is one this plan can load. A
+    LoRA run's actor save (``actor/lora_adapter`` beside its shards) holds the PEFT-wrapped model's weights, under
+    other names than the full model's, and verl 0.5.0 loads a save with the model's strict ``load_state_dict``
+    (``verl/utils/checkpoint/fsdp_checkpoint_manager.py`` ``load_checkpoint``): after ``workload.finetune`` changed,
+    the earlier run's saves (and its exports, a LoRA adapter among them) are kept, not deleted (a deploy never
+    deletes a trained model: tasks/undo.py), and the new run cannot start on them."""
+    cp = launch.checkpoints
+    if not cp:
+        return
+    ck = launcher.checkpoints_module()
+    step = ck.read_tracker(ck.read_small(os.path.join(cp["dir"], ck.TRACKER)) or "")
+    actor = os.path.join(cp["dir"], f"global_step_{step}", "actor") if step is not None else None
+    if actor is None or not os.path.isdir(actor):
+        rep.ok("resume", f"no save in {cp['dir']} to resume: the run starts at step 1")
+        return
+    saved = os.path.isdir(os.path.join(actor, "lora_adapter"))
+    rank = next((o[len(LORA_RANK):] for o in launch.overrides if o.startswith(LORA_RANK)), "0")
+    wanted = rank not in ("", "0")
+    kind = {True: "LoRA", False: "full fine-tuning"}
+    if saved == wanted:
+        rep.ok("resume", f"from step {step} ({kind[saved]}, as the plan trains)")
+        return
+    rep.fail("resume", f"the save verl would resume, {actor}, is a {kind[saved]} run's and this plan trains with "
+                       f"{kind[wanted]} (workload.finetune): verl cannot load it. That run's saves and exports are "
+                       f"kept: move them aside as root (mv {cp['dir']} {cp['dir']}.{'lora' if saved else 'full'}-"
+                       f"step{step}; deploy/train.py makes a new folder), or set workload.finetune back")
+
+
 def check_cluster(rep, launch):
     """A plan for a Ray cluster (trainer.nnodes > 1): every node joined, with the head's env, model
     and data (``cluster-check`` beside the plan, in the env's Python, with ``ray.env`` beside it)."""
@@ -323,7 +355,7 @@ def preflight(launch, extra=()):
     rep = Report()
     launch.extra = list(extra)
     for check in (check_gpu, check_vllm_share, check_driver, check_host_ram, check_env, check_data, check_dirs,
-                  check_disk, check_cluster):
+                  check_disk, check_resume, check_cluster):
         try:
             check(rep, launch)
         except Exception as exc:  # a check that breaks is a failed check, not a traceback

@@ -195,3 +195,32 @@ class RootOnlyChain(FactBase[dict[str, dict]]):
                     if part not in current["parts"]:
                         current["parts"].append(part)
         return found
+
+
+class FolderEntries(FactBase[dict[str, list[str] | None]]):
+    """The names in each folder (at most ``limit`` of them, sorted), in one command: ``{path: [name, ...]}``,
+    None where the path is no folder (missing, a file, a link: a link is never followed, nor is anything in a
+    folder: ``find -P`` lists names only). {} (the default) for no paths. What the undo stage asks before it
+    removes a folder it made that a run may have filled (tasks/undo.py): an empty one goes, one with a
+    run's files stays."""
+
+    default = dict
+
+    def command(self, paths: list[str], limit: int = 50) -> str:
+        quoted = " ".join(shlex.quote(p) for p in paths)
+        return (f"for p in {quoted}; do if [ -d \"$p\" ] && [ ! -L \"$p\" ]; then echo \"@@dir $p\"; "
+                f"find -P \"$p\" -mindepth 1 -maxdepth 1 -printf '%f\\n' 2>/dev/null | sort | head -n {int(limit)}; "
+                "else echo \"@@none $p\"; fi; done")
+
+    def process(self, output) -> dict[str, list[str] | None]:
+        found: dict[str, list[str] | None] = self.default()
+        current = None
+        for line in output:
+            line = line.rstrip("\n")
+            if line.startswith("@@dir "):
+                current = found.setdefault(line[len("@@dir "):], [])
+            elif line.startswith("@@none "):
+                found[line[len("@@none "):]] = current = None
+            elif current is not None and line:
+                current.append(line)
+        return found

@@ -22,45 +22,27 @@ network.
 from __future__ import annotations
 
 import json
-import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.lab import BoxSpec
 from tests.lab.box import free_port
+from tests.lab.env_venv import ENV, install_env
 
 HEAD, WK1, WK2 = "head", "wk1", "wk2"
 ADDRESS = {HEAD: "127.0.0.2", WK1: "127.0.0.3", WK2: "127.0.0.4"}
 GPUS = {"127.0.0.2": 1.0, "127.0.0.3": 1.0, "127.0.0.4": 2.0}
-ENV = "/opt/verl-lab/envs/verl"
 UNIT = "verl-lab-ray.service"
-RAY_WHEELS = {"ray", "attrs", "certifi", "charset_normalizer", "click", "filelock", "idna", "jsonschema",
-              "jsonschema_specifications", "msgpack", "packaging", "protobuf", "pyyaml", "referencing", "requests",
-              "rpds_py", "typing_extensions", "urllib3"}
 NODES = ("import json, ray; ray.init(address={addr!r}, _node_ip_address='127.0.0.2', log_to_driver=False); "
          "print(json.dumps([{{'ip': n['NodeManagerAddress'], 'gpus': n['Resources'].get('GPU', 0)}} "
          "for n in ray.nodes() if n['Alive']]))")
 
 
-def install_ray(box, wheels) -> None:
-    dest = box.root / "var/tmp/ray-wheels"
-    dest.mkdir(parents=True, exist_ok=True)
-    for whl in wheels:
-        shutil.copy(whl, dest / whl.name)
-    box.ssh(f"python3 -m venv {ENV} && {ENV}/bin/pip install -q --no-index --find-links /var/tmp/ray-wheels "
-            "ray==2.46.0", timeout=900)
-
-
 @pytest.fixture(scope="module")
 def lab(lab_factory):
-    from tests.fixtures.standins.env import wheelhouse
-
     lab = lab_factory([BoxSpec(HEAD, gpu="t4"), BoxSpec(WK1, gpu="p40"), BoxSpec(WK2, gpu="rtx3090", gpu_count=2)])
-    wheels = [w for w in wheelhouse().glob("*.whl") if w.name.split("-")[0].lower() in RAY_WHEELS]
-    with ThreadPoolExecutor(3) as pool:
-        list(pool.map(lambda b: install_ray(lab.box(b), wheels), (HEAD, WK1, WK2)))
+    install_env([lab.box(b) for b in (HEAD, WK1, WK2)], "ray==2.46.0")
     lab.cluster_port = free_port()
     return lab
 

@@ -18,6 +18,7 @@ of tests/e2e/test_drills.py uses after this module.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -144,7 +145,10 @@ def test_broken_env_is_rebuilt_and_the_old_one_kept(lab):
     ssh(lab, f"{PY} -m pip uninstall -y -q torch")
     broken = proofs(lab)
     assert not broken["healthy"] and "torch" in broken["broken"]
-    deploy(lab, "deploy/rebuild.py", hosts=[BOX]).assert_ok()
+    res = deploy(lab, "deploy/rebuild.py", hosts=[BOX]).assert_ok()
+    # its line per host (tasks/run_summary.py), as deploy/full.py's (issue 44)
+    assert re.search(rf"^verl-lab: {BOX} \(1 x Tesla P40, from nvidia-smi\): base proven, env changed \d+; changed \d+ "
+                     r"operations?; plan none; unit untouched", res.output, re.M), res.tail()
     new = link(lab, ENV)
     assert new.startswith("verl.gen") and new != "verl.gen1"
     assert link(lab, f"{ENV}.prev") == "verl.gen1" and lab.box(BOX).exists(f"{ENV}.gen1")
@@ -172,6 +176,10 @@ def test_an_uninstalled_need_of_verl_is_found_by_the_quick_check_and_rebuilt_wit
     said = [line for line in res.output.splitlines() if "verl-lab env: building a new env generation" in line]
     assert len(said) == 1 and "the env is broken (" in said[0] and \
         "codetiming: not installed (the lock pins codetiming==1.4.0)" in said[0], res.tail()
+    # and the operation's name, printed when it starts (the build's minutes follow), names it too (issue 44)
+    started = [ln for ln in res.output.splitlines() if "Starting operation" in ln and "Python env" in ln]
+    assert len(started) == 1 and "Python env: rebuilt (the env is broken (" in started[0] and \
+        "codetiming" in started[0], res.tail()
     assert link(lab, ENV) not in (before, "") and link(lab, f"{ENV}.prev") == before
     ssh(lab, f"cd / && {PY} -c 'import verl.trainer.ppo.ray_trainer'")
     deploy(lab, hosts=[BOX]).assert_idempotent()

@@ -16,6 +16,7 @@ real GPU log in tests/unit/test_status.py).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -45,6 +46,10 @@ def test_started_unit_that_stops_in_its_preflight_fails_that_box_only(trained):
     out = trained.output
     assert "verl-lab train: verl-lab-train.service did not start training" in out, trained.tail()
     assert "[stage-not-finished]" in out and "fix:" in out, trained.tail()
+    # its summary line says what the unit does, not what was asked of it (issue 44: not "unit started")
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"verl-lab: {LOOPING} ("))
+    assert "train FAILED; FAILED (see above)" in line and "unit started" not in line, line
+    assert re.search(r"unit (crash-looping|failed), not training \(", line), line
 
 
 def test_a_second_started_deploy_fails_again_not_silently(lab, trained):

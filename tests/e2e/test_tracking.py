@@ -14,7 +14,8 @@ tests/fixtures/tracking/gpu-run); on box2 event files and a wandb offline run ma
 ``Tracking`` class, replaying a real GPU run's logged steps (tests/fixtures/tracking). The GSM8K scores of box2 are
 JSON files as the launcher writes them (tests/e2e/test_export.py makes real ones). Proven: the train stage's
 tracker folders, environment and keys file on real boxes; deploy/tracking.py's copy through the controller
-onto the hub; the unit, bound to 127.0.0.1, opened through the SSH tunnel deploy/status.py prints; Debian's
+onto the hub; the unit, bound to 127.0.0.1, at the address deploy/status.py prints for the lab and through the
+SSH tunnel it prints for a hub elsewhere; Debian's
 chromium (driven by selenium) showing verl's metric names and their curves (coloured pixels in each chart's
 canvas); the sync reaching the server with the run's history and the key; no key in argv-visible places, logs
 or world-readable files on the boxes; curves kept after a box goes away.
@@ -53,13 +54,11 @@ from tests.fixtures.standins.wandb_server import WandbServer
 from tests.fixtures.tracking import VERL_TAGS, recorded_run, verl_event_files, verl_wandb_offline_run
 from tests.lab import BoxSpec
 from tests.lab.box import free_port
+from tests.lab.env_venv import install_env
 
 HUB, OTHER = "box1", "box2"
 ROOT = "/opt/verl-lab"
-ENV = f"{ROOT}/envs/verl"
 RUNS = {HUB: "box1-qwen2.5-0.5b-gsm8k-ppo", OTHER: "box2-qwen2.5-0.5b-gsm8k-grpo"}
-TB_WHEELS = {"tensorboard", "tensorboard_data_server", "absl_py", "grpcio", "markdown", "numpy", "packaging",
-             "pillow", "protobuf", "setuptools", "werkzeug", "markupsafe", "typing_extensions"}
 KEY = secrets.token_hex(20)           # a made-up 40-character wandb key, new each run
 KEY2 = secrets.token_hex(20)          # the key it is changed to (pyinfra --diff)
 SCORE_TAG = "verl_lab/gsm8k_accuracy"
@@ -70,22 +69,10 @@ PLANTED = {name: f"{name}-{secrets.token_hex(8)}" for name in ("root-only", "wor
                                                                 "roots")}
 
 
-def install_tensorboard(box) -> None:
-    from tests.fixtures.standins.env import wheelhouse
-
-    dest = box.root / "var/tmp/tb-wheels"
-    dest.mkdir(parents=True, exist_ok=True)
-    for whl in wheelhouse().glob("*.whl"):
-        if whl.name.split("-")[0].lower() in TB_WHEELS:
-            shutil.copy(whl, dest / whl.name)
-    box.ssh(f"python3 -m venv {ENV} && {ENV}/bin/pip install -q --no-index --find-links /var/tmp/tb-wheels "
-            "tensorboard==2.20.0", timeout=900)
-
-
 @pytest.fixture(scope="module")
 def lab(lab_factory):
     lab = lab_factory([BoxSpec(HUB, gpu="t4"), BoxSpec(OTHER, gpu="p40")])
-    install_tensorboard(lab.box(HUB))
+    install_env([lab.box(HUB)], "tensorboard==2.20.0")
     return lab
 
 
@@ -262,14 +249,24 @@ def test_offline_wandb_run_synced_by_the_controller_with_its_key(tracked, wandb_
 
 @pytest.fixture(scope="module")
 def tunnel(lab, settings, tracked):
-    """deploy/status.py's SSH tunnel, as printed (its local port moved: the boxes share this machine's
-    network, where the hub's TensorBoard already holds the port)."""
+    """deploy/status.py's line: in the lab no tunnel (the boxes share this machine's network, where the hub's
+    TensorBoard holds the port: a tunnel to it fails, "Address already in use"), the address to open instead.
+    The SSH tunnel status prints to a hub elsewhere (tasks.tracking_hub.tunnel_command, from the hub's
+    inventory data) is still opened here, its local port moved, and the page read through it."""
+    from tasks.tracking_hub import tunnel_command
+
     res = lab.deploy("deploy/status.py", per_host=settings["per_host"], mode="text", timeout=600)
     line = next((ln for ln in res.output.splitlines() if ln.startswith("The lab's TensorBoard on ")), None)
     assert line, res.tail()
     port = settings["port"]
-    command = line.split("): ", 1)[1].split("  then open ", 1)[0]
-    assert command.startswith(f"ssh -N -L {port}:127.0.0.1:{port} ") and line.endswith(f"http://localhost:{port}/")
+    assert line == (f"The lab's TensorBoard on {HUB}: open http://127.0.0.1:{port}/ (no tunnel needed: this machine "
+                    f"shares {HUB}'s loopback, as the lab in a box does)"), line
+    urllib.request.urlopen(f"http://127.0.0.1:{port}/data/logdir", timeout=10).read()
+    box = lab.box(HUB)
+    command = tunnel_command(HUB, {"ssh_hostname": "127.0.0.1", "ssh_user": "root", "ssh_port": box.port,
+                                   "ssh_key": str(lab.key), "ssh_known_hosts_file": str(lab.known_hosts)},
+                             port, "127.0.0.1")
+    assert command.startswith(f"ssh -N -L {port}:127.0.0.1:{port} ")
     local = free_port()
     argv = shlex.split(command.replace(f"-L {port}:", f"-L {local}:", 1))
     argv[1:1] = ["-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes"]

@@ -224,7 +224,7 @@ class Lab:
     def write_inventory(self, data: Mapping[str, Any] | None = None,
                         per_host: Mapping[str, Mapping[str, Any]] | None = None,
                         hosts: Iterable[str] | None = None, path: Path | None = None,
-                        rewritten_by: str = "each deploy of the lab") -> Path:
+                        rewritten_by: str = "each deploy of the lab", settings_note: str = "") -> Path:
         """The inventory for ``hosts`` (default: all boxes): lab defaults < ``data`` <
         the box spec's data < ``per_host[name]``. ``rewritten_by`` names, in the file's first
         line, what writes it again (a test's deploys; `bin/lab up`)."""
@@ -241,7 +241,7 @@ class Lab:
                                      **per_host.get(name, {})})
             rows.append((name, [box.gpu, *box.spec.groups], values))
         return write_inventory(path or self.inventory_path, rows, header=f"Run {self.run_id}, work dir {self.dir}.",
-                               rewritten_by=rewritten_by)
+                               rewritten_by=rewritten_by, settings_note=settings_note)
 
     def deploy(self, deploy_file: str | Path, data: Mapping[str, Any] | None = None,
                per_host: Mapping[str, Mapping[str, Any]] | None = None, hosts: Iterable[str] | None = None,

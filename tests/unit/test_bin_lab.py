@@ -111,3 +111,51 @@ def test_the_lab_has_8_gb_cards():
     from tests.lab.gpus import GPUS
     small = {k for k, g in GPUS.items() if g.memory_mib <= 8192}
     assert {"gtx1080", "rtx2070", "rtx4060"} <= small
+
+
+def test_up_on_a_running_lab_refuses_unless_replace_and_down_keeps_the_boxes_settings(tmp_path):
+    """`bin/lab up` on a lab that runs (a recorded box alive: a `sleep` stands in for its systemd-nspawn) refuses,
+    naming it and the way to replace it, and stops nothing (issue 44; mutation: the `running and not
+    args.replace` check dropped: the box is stopped). `bin/lab down` stops it and keeps group_data/, the boxes'
+    settings (mutation: down without keep_group_data: the folder is gone)."""
+    import json
+    import time
+    from tests.lab.box import alive, proc_start_time
+    work = tmp_path / "lab"
+    (work / "group_data").mkdir(parents=True)
+    (work / "group_data" / "all.py").write_text("tracking = {'trackers': ['tensorboard']}\n")
+    box = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while proc_start_time(box.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rec = {"pid": box.pid, "pid_start": proc_start_time(box.pid), "port": 1, "gpu": "p40",
+               "root": str(tmp_path / "root"), "dir": str(tmp_path / "boxdir")}
+        state = {"boxes": {"p40": rec}, "mirror": {}, "detached": True}
+        (work / "state.json").write_text(json.dumps(state))
+        env = {**os.environ, "VERL_LAB_DIR": str(work)}
+        res = subprocess.run([sys.executable, str(BIN_LAB), "up", "--gpus", "t4"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert f"bin/lab: a lab is running in {work} (p40)" in res.stderr, res.stderr
+        assert "bin/lab up --replace" in res.stderr and "stopping" not in res.stdout + res.stderr
+        assert alive(box.pid, rec["pid_start"]) and json.loads((work / "state.json").read_text()) == state
+        res = subprocess.run([sys.executable, str(BIN_LAB), "down"], cwd=REPO, capture_output=True, text=True,
+                             timeout=120, env=env)
+        assert res.returncode == 0, res.stdout + res.stderr
+        box.wait(timeout=30)
+        assert "kept" in res.stdout and (work / "group_data" / "all.py").read_text().startswith("tracking")
+        assert not (work / "state.json").exists()
+    finally:
+        box.kill()
+        box.wait()
+
+
+def test_the_lab_inventory_says_where_the_boxes_settings_go():
+    from tests.lab.inventory import render_inventory
+    lab = load_bin_lab()
+    text = render_inventory([("p40", ["p40"], {"ssh_port": 2222})], rewritten_by="`bin/lab up`",
+                            settings_note=lab.SETTINGS_NOTE)
+    assert "Do not edit: `bin/lab up` rewrites it." in text.splitlines()[0]
+    assert "group_data/all.py beside this file" in text and "--data key=value" in text
+    compile(text, "inventory.py", "exec")

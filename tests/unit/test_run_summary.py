@@ -4,7 +4,7 @@ checks (tests/e2e/test_readme_path.py, the transcript) read it from real runs.""
 from __future__ import annotations
 
 from tasks.plan import GpuTarget, doc_workload, make_plan
-from tasks.run_summary import host_line, last_run, plan_line, record_run, stage_words
+from tasks.run_summary import host_line, last_run, plan_line, record_run, stage_words, visible_words
 
 
 def test_stage_words():
@@ -13,6 +13,9 @@ def test_stage_words():
     assert stage_words("env", [(True, True), (False, True), (True, True)]) == "env changed 2"
     assert stage_words("data", [(True, True), (False, False)]) == "data FAILED"
     assert stage_words("train", [(None, None)]) == "train not run"
+    # the undo stage (tasks/undo.py) is named only where it queued something (issue 44)
+    assert visible_words([("base", []), ("undo", []), ("train", [(True, True)])]) == ["base proven", "train changed 1"]
+    assert visible_words([("undo", [(True, True), (True, True)])]) == ["undo changed 2"]
 
 
 def test_host_line_and_plan_line():

@@ -221,4 +221,26 @@ def test_status_says_why_stages_are_not_installed_and_when_nothing_runs():
     assert "    why: env, data, train not installed: the last deploy" in render_rows([row])
     idle = nothing_to_report([row])
     assert idle.startswith("status: no training run to report on 1 box (not-installed: b)"), idle
+    assert idle.endswith("the `why:` lines above say what stops a box"), idle
     assert nothing_to_report([{**row, "unit": "running", "step": 3}]) is None
+    # no `why:` line printed: none referred to (issue 44; mutation: the old fixed words)
+    quiet = nothing_to_report([{**row, "reason": None, "verdict": None, "unit": "enabled"}])
+    assert "why:" not in quiet and "preflight" not in quiet and quiet.endswith("on a box with a GPU"), quiet
+    looping = nothing_to_report([{**row, "reason": None, "verdict": "the unit never ran", "unit": "never-ran"}])
+    assert looping.endswith("; the preflight above says what stops a box"), looping
+
+
+def test_status_says_a_refused_deploy_changed_nothing_then_not_now():
+    """The checks' refusal said "nothing on this box was changed" of its own run; status, read after other
+    deploys (deploy/tracking.py made a folder there), says it of that run only (issue 44)."""
+    from tasks.base import refused_hosts
+    from tasks.settings import SettingsError
+    from tasks.status import not_installed_reason
+    why = refused_hosts([SettingsError("b", "workload", "bad", "fix")], ["b"], {}, False)["b"]
+    assert "nothing on this box was changed" in why
+    refused = {"when": "2026-12-05 04:00:00 UTC", "ok": False, "stage": "checks",
+               "message": f"verl-lab checks: {why}"}
+    words = not_installed_reason([], refused)
+    assert words == ("cuda, env, data, train not installed: the last deploy/full.py (2026-12-05 04:00:00 UTC) was "
+                     "refused by its checks and changed nothing on this box then: its 1 problem (workload)"), words
+    assert "nothing on this box was changed" not in words and "above" not in words

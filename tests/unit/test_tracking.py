@@ -83,6 +83,11 @@ def test_missing_or_readable_keys_file_is_refused(tmp_path):
     assert "can be read by others (mode 644)" in str(found[0]) and f"chmod 600 {loose}" in str(found[0])
     # the message names the file, never what is in it
     assert all(KEY not in str(p) for p in found)
+    # and only the true one: a file set but missing is not "no keys_file is set", one others can read is not
+    # one that "has none" (it was not read) (issue 44; mutation: the per-tracker check without `not unread`)
+    for path in (tmp_path / "nope", loose):
+        found = problems({"tracking": {"trackers": ["wandb"], "keys_file": str(path)}})
+        assert len(found) == 1 and "no keys_file is set" not in str(found[0]) and "has none" not in str(found[0]), found
 
 
 def test_wandb_without_a_key_is_refused_even_offline(tmp_path):

@@ -68,9 +68,20 @@ def test_tunnel_command_and_status_line():
             return next(h for h in self if h.name == name)
 
     inv = Inventory([Host("box1", {"ssh_hostname": "127.0.0.1", "ssh_port": 2201}), Host("box2", {})])
-    words = hub.hub_words(load_settings("box2", {}), inv)
+    words = hub.hub_words(load_settings("box2", {}), inv, serving=True)
     assert words == ("The lab's TensorBoard on box1 (filled by deploy/tracking.py): "
                      "ssh -N -L 6006:127.0.0.1:6006 -p 2201 127.0.0.1  then open http://localhost:6006/")
+    # the tunnel only to a serving hub: none to one whose unit is not running, and none where it is not needed
+    idle = hub.hub_words(load_settings("box2", {}), inv, serving=False)
+    assert idle.startswith("The lab's TensorBoard: not serving on box1 (verl-lab-tensorboard.service is not running "
+                           "there); ") and "deploy/tracking.py" in idle and "ssh" not in idle
+    here = hub.hub_words(load_settings("box2", {}), inv, serving=True, here=True)
+    assert here == ("The lab's TensorBoard on box1: open http://127.0.0.1:6006/ (no tunnel needed: this machine "
+                    "shares box1's loopback, as the lab in a box does)")
+    unasked = hub.hub_words(load_settings("box2", {}), inv)
+    assert "if it serves: box1 was not asked in this run" in unasked and "ssh -N -L" in unasked
+    assert hub.shares_loopback({"ssh_hostname": "127.0.0.1"}) and hub.shares_loopback({"ssh_hostname": "localhost"})
+    assert not hub.shares_loopback({"ssh_hostname": "10.0.0.5"}) and not hub.shares_loopback({})
     assert "box2" in hub.hub_words(load_settings("box1", {"tracking": {"hub": "box2"}}), inv)
     assert "not a box of this inventory" in hub.hub_words(load_settings("b", {"tracking": {"hub": "gone"}}), inv)
     assert "off" in hub.hub_words(load_settings("b", {"tracking": {"trackers": []}}), inv)

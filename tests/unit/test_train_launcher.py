@@ -299,28 +299,37 @@ def test_mixed_box_plan_accepts_its_own_gpus_only(box):
     assert "FAIL  gpu: the plan is for Tesla P40, Tesla T4, nvidia-smi lists Tesla T4" in out.stdout
 
 
-def test_host_ram_check_fails_a_box_too_small_for_the_offloaded_states(tmp_path):
-    """The CPU-offload rung keeps the model's states in host RAM: the preflight compares the plan's
-    figure with /proc/meminfo's MemTotal (here a written copy)."""
+class Rep:
+    """The preflight's report, its lines kept: (status, check, text)."""
+
+    def __init__(self):
+        self.lines = []
+
+    def ok(self, name, text):
+        self.lines.append(("ok", name, text))
+
+    def fail(self, name, text):
+        self.lines.append(("fail", name, text))
+
+    def skip(self, name, text):
+        self.lines.append(("skip", name, text))
+
+
+def preflight_part():
+    """verl_lab_box/preflight.py as the launcher loads it (its ``launcher`` handed in)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "launcher_mod", Path(__file__).resolve().parents[2] / "verl_lab_box" / "train_launcher.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod.preflight_module()
 
-    class Rep:
-        def __init__(self):
-            self.lines = []
 
-        def ok(self, name, text):
-            self.lines.append(("ok", name, text))
-
-        def fail(self, name, text):
-            self.lines.append(("fail", name, text))
-
-        def skip(self, name, text):
-            self.lines.append(("skip", name, text))
+def test_host_ram_check_fails_a_box_too_small_for_the_offloaded_states(tmp_path):
+    """The CPU-offload rung keeps the model's states in host RAM: the preflight compares the plan's
+    figure with /proc/meminfo's MemTotal (here a written copy)."""
+    preflight = preflight_part()
 
     class Launch:
         predicted_host_ram_mib = 49_000
@@ -328,15 +337,15 @@ def test_host_ram_check_fails_a_box_too_small_for_the_offloaded_states(tmp_path)
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       32768000 kB\nMemFree:        1000 kB\n")
     rep = Rep()
-    mod.preflight_module().check_host_ram(rep, Launch(), str(meminfo))
+    preflight.check_host_ram(rep, Launch(), str(meminfo))
     assert rep.lines == [("fail", "host ram", "the plan keeps 49000 MiB of model states in host RAM (CPU offload), "
                           "the box has 32000 MiB in all: train a smaller model (workload.model) or add RAM")]
     meminfo.write_text("MemTotal:       65536000 kB\n")
     rep = Rep()
-    mod.preflight_module().check_host_ram(rep, Launch(), str(meminfo))
+    preflight.check_host_ram(rep, Launch(), str(meminfo))
     assert rep.lines[0][0] == "ok"
     rep = Rep()
-    mod.preflight_module().check_host_ram(rep, Launch(), str(tmp_path / "missing"))
+    preflight.check_host_ram(rep, Launch(), str(tmp_path / "missing"))
     assert rep.lines[0][0] == "skip"
 
 
@@ -413,3 +422,32 @@ def test_plan_option_reads_another_plan(box, tmp_path):
     out = run_launcher(box, "--print-overrides", "--against-plan", "--plan", str(elsewhere))
     assert out.returncode == 1 and "differ" in out.stderr
     assert run_launcher(box, "--check", "--plan").returncode == 2
+
+
+def test_resume_check_refuses_a_save_of_the_other_finetune_and_keeps_it(tmp_path):
+    """After workload.finetune changed (LoRA -> full, or back), the latest save is kept (a deploy never deletes a
+    trained model) and the preflight says verl cannot resume it, with the fix (issue 44; mutation: `saved ==
+    wanted` made always true: the full plan's preflight passes over a LoRA save)."""
+    preflight = preflight_part()
+    ckpt = tmp_path / "checkpoints"
+
+    class Launch:
+        checkpoints = {"dir": str(ckpt)}
+        overrides = ["actor_rollout_ref.model.lora_rank=0"]
+
+    def check(overrides):
+        Launch.overrides = overrides
+        rep = Rep()
+        preflight.check_resume(rep, Launch())
+        return rep.lines[0]
+
+    assert check([]) == ("ok", "resume", f"no save in {ckpt} to resume: the run starts at step 1")
+    (ckpt / "global_step_5" / "actor" / "lora_adapter").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("5")
+    full = check(["actor_rollout_ref.model.lora_rank=0"])
+    assert full[0] == "fail" and "is a LoRA run's and this plan trains with full fine-tuning" in full[2], full
+    assert f"mv {ckpt} {ckpt}.lora-step5" in full[2] and "are kept" in full[2]
+    assert check(["actor_rollout_ref.model.lora_rank=32"]) == ("ok", "resume", "from step 5 (LoRA, as the plan trains)")
+    (ckpt / "global_step_5" / "actor" / "lora_adapter").rmdir()
+    assert check(["actor_rollout_ref.model.lora_rank=32"])[0] == "fail"
+    assert check([])[0] == "ok"

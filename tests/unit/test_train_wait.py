@@ -40,6 +40,9 @@ def test_a_crash_loop_fails_the_host_with_the_doctors_verdict():
     assert train.wait_until_training(None, host, launcher_test.settings_for(), seconds=30, poll_s=0) is False
     assert "did not start training: activating (auto-restart), 1 restarts" in host.logged[-1]
     assert "[stage-not-finished]" in host.logged[-1]
+    # the run's summary line says the unit crash-loops, not "started" (mutation: the wait's note_for dropped)
+    from tasks import run_summary
+    assert run_summary._RECORD["box1"]["unit"].startswith("crash-looping, not training (activating (auto-restart)")
 
 
 def test_no_pass_in_time_fails_the_host():
