@@ -22,7 +22,7 @@ from tasks.hostdata import cluster_for, settings_for
 from tasks.env import install_env
 from tasks.run_summary import note, note_plan, note_target, stage
 from tasks.train import install_train
-from tasks.undo import undo_unwanted
+from tasks.undo import driver_found, undo_unwanted
 
 
 def provision() -> None:
@@ -36,8 +36,8 @@ def provision() -> None:
             with stage("driver"):
                 gpu = install_driver(settings, gpu)
         else:                          # driver = "check": the CUDA stage judges it; a hold the stage left is released
-            with stage("undo"):
-                gpu = install_driver(settings, gpu)
+            with stage("undo"):        # its facts come with the undo stage's one bundle (no command of its own)
+                gpu = install_driver(settings, gpu, driver_found(settings))
     if not gpu.refused:                # a box that cannot train: its failure only, nothing else queued
         with stage("cuda"):
             install_cuda(settings, gpu)

@@ -107,13 +107,15 @@ def held_driver_notes(settings: LabSettings) -> list[str]:
     return driver_notes(state or DriverState.default(), want.table.distro(os_release))
 
 
-def release_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
+def release_driver(settings: LabSettings, gpu: HostTarget, found: tuple | None = None) -> HostTarget:
     """``driver = "check"``: what the stage left on this box released, an operation each saying what and why, the
     driver kept (tasks/driver_release.py); refused, nothing changed, while a driver change runs or stopped
-    part-way. One command asks the box; a box the stage never managed gets no operation."""
+    part-way. ``found``: (``DriverLeft``, the paths' states) asked already (deploy/full.py: in the undo stage's
+    bundle, tasks/undo.py ``driver_found``); else one command asks them. A box the stage never managed gets no
+    operation."""
     want = driver_want(settings)
-    left, states = ask((DriverLeft, {"pin": PIN_FILE, "units": list(want.units)}),
-                       (PathStates, {"paths": stage_paths(want)}))
+    left, states = found or ask((DriverLeft, {"pin": PIN_FILE, "units": list(want.units)}),
+                                (PathStates, {"paths": stage_paths(want)}))
     release = plan_release(settings.host, want, left or DriverLeft.default(), states or {})
     if release.refusal:
         fail_host(name="NVIDIA driver: the driver stage's hold and pin are not released (nothing changed)",
@@ -127,12 +129,12 @@ def release_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
 
 
 @deploy("NVIDIA driver")
-def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
+def install_driver(settings: LabSettings, gpu: HostTarget, found: tuple | None = None) -> HostTarget:
     """With ``driver = "install"``: choose, install, hold and prove the NVIDIA driver; return the
     host's target with the driver stage's result (the CUDA stage then trusts the proven driver). With
-    ``driver = "check"``: ``release_driver``."""
+    ``driver = "check"``: ``release_driver`` (``found``: its facts, asked already)."""
     if settings.driver != "install":
-        return release_driver(settings, gpu)
+        return release_driver(settings, gpu, found)
     want = driver_want(settings)
     facts = gather_facts(settings, want, gpu)
     plan = plan_driver(want, facts)
