@@ -87,6 +87,8 @@ class DriverLeft(FactBase[dict]):
         {"packages": [{"name", "source", "version", "installed", "held", "status"}],
          "pin": {"packages", "version", "stanzas"} | None, "job": "inactive", "masks": [unit],
          "recorded": [unit], "dpkg_updates": [file]}
+
+    The default (no output): nothing left, no job running, the same dict with empty values.
     """
 
     @staticmethod
