@@ -4,7 +4,7 @@ With driver = "check" (the default) it asks and changes nothing: the CUDA stage 
 """
 
 from tasks.base import base_layout
-from tasks.driver import install_driver
+from tasks.driver.stage import install_driver
 from tasks.hostdata import check_inventory, settings_for
 
 check_inventory()

@@ -15,8 +15,8 @@ from pyinfra import inventory
 from tasks.base import base_layout, check_run
 from tasks.cluster import install_cluster, training_in
 from tasks.cuda import install_cuda
-from tasks.data import install_data
-from tasks.driver import install_driver
+from tasks.data.stage import install_data
+from tasks.driver.stage import install_driver
 from tasks.hostdata import cluster_for, settings_for
 from tasks.env import install_env
 from tasks.run_summary import note, note_plan, note_target, stage

@@ -243,7 +243,7 @@ def run_report() -> tuple[str | None, dict[str, str]]:
 
 def _data_planned(settings: LabSettings) -> bool:
     """Whether the data stage's plan exists (else the inventory pass reported why: no box check)."""
-    from tasks.data_plan import data_plan
+    from tasks.data import data_plan
     try:
         data_plan(settings)
     except SettingsError:
@@ -258,7 +258,7 @@ def plural(n: int, word: str) -> str:
 def box_facts(settings: LabSettings) -> list[tuple[type, dict]]:
     """What the run's checks read on one box, in one bundle: its GPUs and driver, the model and
     data already there and the free disk for the rest, the disk under the checkpoint folder, its RAM."""
-    from tasks.data_plan import data_plan
+    from tasks.data import data_plan
     from tasks.facts.data import SnapshotStamp
     from tasks.facts.disk import CheckpointDisk, FreeDisk
     from tasks.facts.endpoint import EndpointServes, api_url
@@ -344,7 +344,7 @@ def served_problems(settings: LabSettings, stamps, probes) -> list[SettingsError
     """A model or dataset the endpoint does not serve, where the box still needs it: in direct mode
     from the box's own probes (tasks/facts/endpoint.py); relay mode is asked on the controller
     (``relay_problems``)."""
-    from tasks.data_plan import data_plan
+    from tasks.data import data_plan
     from tasks.facts.endpoint import served_problem
     if not probes:
         return []
@@ -366,8 +366,8 @@ def relay_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -
     """Relay mode: the controller downloads the model and data, so it asks the endpoint (the pinned
     revision's file list, sizes and sha256 against the catalog: ``hf_snapshot.list_remote``) for
     what a box still needs and the controller's cache does not hold, once per repo and revision."""
-    from tasks.data import controller_dir, hf_token
-    from tasks.data_plan import data_plan
+    from tasks.data.stage import controller_dir, hf_token
+    from tasks.data import data_plan
     from verl_lab_box.hf_snapshot import SnapshotError, list_remote, stamp_matches
     found = []
     for name, got in answers.items():
@@ -402,8 +402,8 @@ def driver_problems(settings: LabSettings, target: HostTarget) -> list[SettingsE
 
 def disk_problems(settings: LabSettings, model_stamp, data_stamp, free) -> list[SettingsError]:
     """The data stage's disk check: room for the model and data not yet on the box."""
-    from tasks.data import disk_shortfall
-    from tasks.data_plan import data_plan
+    from tasks.data.stage import disk_shortfall
+    from tasks.data import data_plan
     plan = data_plan(settings)
     todo = [spec for spec, stamp in ((plan.model, model_stamp), (plan.dataset, data_stamp))
             if not (stamp and stamp.get("digest") == spec.digest)]

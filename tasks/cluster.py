@@ -37,7 +37,7 @@ from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.hostdata import member_targets
 from tasks.plan import GpuTarget, PlanError, cluster_plan, workload_for
 from tasks.settings import RAY_UNIT, TRAIN_UNIT, Cluster, LabSettings, ipv4
-from tasks.tracking_train import keys_for_box, run_name_of, tracking_values
+from tasks.tracking import keys_for_box, run_name_of, tracking_values
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-ray.service.j2"

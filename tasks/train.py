@@ -60,7 +60,7 @@ from tasks.plan import PlanError, TrainingPlan, Workload, workload_for
 from tasks.target import HostTarget
 from tasks.settings import TRAIN_UNIT, LabSettings
 from tasks.status import unit_summary
-from tasks.tracking_train import keys_for_box, run_name_of, tracking_paths, tracking_values, tracking_wanted
+from tasks.tracking import keys_for_box, run_name_of, tracking_paths, tracking_values, tracking_wanted
 from tasks.validation import training_plan
 from verl_lab_box.checkpoints import disk_need, need_words
 

@@ -57,9 +57,9 @@ from tasks.facts.cluster import HostnameLookup
 from tasks.facts.files import FolderEntries, PathStates, UnitState
 from tasks.settings import TRAIN_UNIT, LabSettings
 from tasks.tracking import TRACKERS, Tracking
-from tasks.tracking_copy import libexec_dir, staging_dir
-from tasks.tracking_hub import HUB_UNIT, UNIT_PATH as HUB_UNIT_PATH, hub_name, served_dir
-from tasks.tracking_train import KEYS_FILE, keys_for_box, tracking_root
+from tasks.tracking.copy import libexec_dir, staging_dir
+from tasks.tracking.hub import HUB_UNIT, UNIT_PATH as HUB_UNIT_PATH, hub_name, served_dir
+from tasks.tracking import KEYS_FILE, keys_for_box, tracking_root
 
 PARTS = ("dropin", "ray", "trackers", "hub", "copy")
 

@@ -9,7 +9,7 @@ from typing import Mapping
 
 from tasks.plan.rungs import make_plan
 from tasks.plan.terms import GpuTarget, Reason, TrainingPlan, Workload
-from tasks.verl_config import Override
+from tasks.verl import Override
 
 
 def weakest_gpu(targets: Mapping[str, GpuTarget]) -> tuple[GpuTarget, str]:

@@ -12,9 +12,9 @@ from typing import Any, Callable, Mapping
 
 from verl_lab_box.gsm8k import VAL_ROWS
 from tasks.checkpoints import DEFAULT_EVERY, DEFAULT_KEEP, CheckpointPlan
-from tasks.verl_config import VERL_VERSION, Override, override_lines
+from tasks.verl import VERL_VERSION, Override, override_lines
 
-# The offload ladder, in the order the plan escalates (names shared with tasks/doctor.py).
+# The offload ladder, in the order the plan escalates (names shared with tasks/doctor/diagnosis.py).
 OFFLOAD_LADDER: tuple[str, ...] = (
     "ref_param_offload",
     "actor_optimizer_offload",
@@ -151,7 +151,7 @@ class Workload:
     val_rows: int = VAL_ROWS             # rows of val_small.parquet (HF chunks must divide them)
     train_rows: int | None = None        # prompts of the train split (verl's dataloader needs a whole batch)
     actor_offload_policy: bool = False   # the actor (and ref) on FSDP2 with CPUOffloadPolicy (RUNGS)
-    trackers: tuple[str, ...] = ("console",)   # trainer.logger (settings tracking: tasks/tracking.py)
+    trackers: tuple[str, ...] = ("console",)   # trainer.logger (settings tracking: tasks/tracking/setting.py)
     project_name: str = "verl-lab"             # trainer.project_name
     run_name: str | None = None                # the trackers' run: <run_name>-<ppo|grpo>; None: experiment_name
 

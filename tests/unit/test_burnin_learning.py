@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
+from tasks.verl import source as verl_source
 from tasks.burnin.plan import RISES, BurninSpec
 from tasks.burnin.plan import overrides as burnin_overrides
 from tasks.plan import GpuTarget, Workload, load_model_config, make_plan

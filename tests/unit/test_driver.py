@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tasks.cuda import CudaFacts, cuda_want, plan_cuda
-from tasks.driver_choice import Distro, DistroBranch, GpuSeen, choose_branch, gpus_seen, load_table
-from tasks.driver_plan import DriverFacts, driver_want, plan_driver
-from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
+from tasks.driver import Distro, DistroBranch, GpuSeen, choose_branch, gpus_seen, load_table
+from tasks.driver import DriverFacts, driver_want, plan_driver
+from tasks.driver import headers_packages, parse_sources, sources_to_add
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.plan import DOC_GPUS
 from tasks.settings import RAY_UNIT, TRAIN_UNIT, load_settings
@@ -467,7 +467,7 @@ def test_settings():
 def test_check_mode_asks_the_box_nothing(monkeypatch):
     """driver = "check": the stage returns the host's target untouched before asking any fact (the
     re-run's commands per host do not grow: bench/noop_rerun.py)."""
-    from tasks import driver as stage
+    from tasks.driver import stage
     from tasks.target import HostTarget
 
     def no_fact(*a, **k):

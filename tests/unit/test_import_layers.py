@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-KNOWN_STAGES = {"tasks.base", "tasks.driver", "tasks.cuda", "tasks.env", "tasks.data", "tasks.train", "tasks.cluster"}
+KNOWN_STAGES = {"tasks.base", "tasks.driver.stage", "tasks.cuda", "tasks.env", "tasks.data.stage", "tasks.train", "tasks.cluster"}
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -189,11 +189,11 @@ def test_a_cycle_through_a_function_level_import_is_named_edge_by_edge(tmp_path)
 
 
 def test_a_module_below_the_stages_importing_a_stage_is_named_with_its_line(tmp_path):
-    root = _tree(tmp_path, {"tasks/data.py": STAGE.format("from tasks.data_plan import plan"),
+    root = _tree(tmp_path, {"tasks/data/stage.py": STAGE.format("from tasks.data.plan import plan"),
                             "tasks/cluster.py": STAGE.format("from tasks import data"),
-                            "tasks/data_plan.py": "def plan():\n    pass\n",
+                            "tasks/data/plan.py": "def plan():\n    pass\n",
                             "tasks/hostdata.py": "import os\n"})
-    assert stage_modules(root) == {"tasks.data", "tasks.cluster"}
+    assert stage_modules(root) == {"tasks.data.stage", "tasks.cluster"}
     assert layer_problems(root) == []               # a stage may import a stage, and anything below it
     (root / "tasks/hostdata.py").write_text("import os\n\n\ndef f():\n    from tasks.cluster import install_s\n")
     assert layer_problems(root) == [

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
+from tasks.verl import source as verl_source
 from tasks.catalog import default_catalog
 from tests.unit.test_fsdp2_gather import tiny_model
 from tests.unit.test_hf_rollout import _tree

@@ -26,7 +26,7 @@ from tasks.plan import (
     offload_seconds,
     rollout_tp_choices,
 )
-from tasks.verl_config import ADDED_KEYS, DEAD_KEYS, Override, format_value
+from tasks.verl import ADDED_KEYS, DEAD_KEYS, Override, format_value
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The ``workload`` setting (tasks/settings.py): checked before any host changes, and what the
+"""The ``workload`` setting (tasks/settings/load.py): checked before any host changes, and what the
 plan makes of it (tasks/plan/workload.py ``workload_for``)."""
 
 from __future__ import annotations

@@ -42,11 +42,11 @@ from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import server
 
 from tasks.catalog import REPO_ROOT
-from tasks.driver_plan import (BLACKLIST, BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverFacts, DriverPlan, DriverWant,
+from tasks.driver.plan import (BLACKLIST, BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverFacts, DriverPlan, DriverWant,
                                driver_want, initramfs_rebuild, plan_driver, refusal_text)
-from tasks.driver_choice import gpus_seen
-from tasks.driver_settle import settle_driver
-from tasks.driver_status import driver_notes
+from tasks.driver.choice import gpus_seen
+from tasks.driver.settle import settle_driver
+from tasks.driver.status import driver_notes
 from tasks.failure import fail_host
 from tasks.facts.bundle import ask
 from tasks.facts.driver import DriverState

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Mapping, Sequence
 
-from tasks.driver_choice import Distro
+from tasks.driver.choice import Distro
 
 
 # ---------------------------------------------------------------- apt sources (pure)

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from tasks.driver_choice import BranchChoice, Distro, DriverTable, GpuSeen, choose_branch, load_table
-from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
-from tasks.driver_status import newer_build
+from tasks.driver.choice import BranchChoice, Distro, DriverTable, GpuSeen, choose_branch, load_table
+from tasks.driver.sources import headers_packages, parse_sources, sources_to_add
+from tasks.driver.status import newer_build
 from tasks.gpu_support import min_driver
 from tasks.burnin.plan import BURNIN_UNIT
 from tasks.settings import RAY_UNIT, TRAIN_UNIT, LabSettings

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from tasks.settings_errors import SettingsError, SettingsErrors
+from tasks.settings.errors import SettingsError, SettingsErrors
 
 
 CLUSTER_EXAMPLE = "cluster = {'name': 'lab1', 'head': 'box1'} on every box of the cluster (e.g. in its group_data)"

@@ -16,7 +16,7 @@ This module turns the setting into those values: the ``trainer.logger`` list, th
 ``lab_root``, the environment (non-secret: the unit's ``train.env``; the keys: a file of their own,
 readable by the train user alone), and checks it before anything changes. A box without internet (the
 settings' ``artifact_mode = "relay"`` unless ``tracking.internet`` says otherwise) logs offline; the
-controller syncs those runs afterwards (tasks/tracking_sync.py).
+controller syncs those runs afterwards (tasks/tracking/sync.py).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class Tracking:
         return env
 
     def keys_on_box(self, keys: Mapping[str, str]) -> dict[str, str]:
-        """Of ``keys``, those the chosen trackers read (only an online run gets them: tasks/tracking_train.py;
+        """Of ``keys``, those the chosen trackers read (only an online run gets them: tasks/tracking/train.py;
         offline runs are synced by the controller with the keys that stay there)."""
         return {name: keys[name] for t in self.remote for name in KEY_VARS[t] if name in keys}
 

@@ -11,7 +11,7 @@ import difflib
 from typing import Any, Mapping
 
 from tasks.facts.gpu import parse_compute_capability
-from tasks.settings_errors import SettingsError, SettingsErrors, did_you_mean
+from tasks.settings.errors import SettingsError, SettingsErrors, did_you_mean
 
 # workload keys and their defaults: verl's GSM8K quick start, one epoch, the plan's fallback ladder
 WORKLOAD_DEFAULTS: dict[str, Any] = {"algorithm": "auto", "model": None, "train_batch_size": 256,

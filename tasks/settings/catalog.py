@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from tasks.catalog import Catalog, CatalogError, MirrorSet
-from tasks.settings_errors import SettingsError
+from tasks.settings.errors import SettingsError
 
 
 def _catalog(host: str, base: Catalog, overrides: Any) -> Catalog:

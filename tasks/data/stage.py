@@ -16,7 +16,7 @@ verl's RL format.
 - GSM8K is converted on the box, in the env, by ``verl_lab_box/gsm8k.py`` (why there: see its
   docstring), into ``<data_dir>/{train,test,val_small}.parquet``.
 - What the stage fetches and makes is decided first, from the settings alone
-  (``tasks.data_plan.data_plan``, which the inventory pass also makes for every host).
+  (``tasks.data.plan.data_plan``, which the inventory pass also makes for every host).
 - Proofs on the box, then the marker ``settings.marker("data")``; a re-run whose marker digest
   matches and whose files are present does nothing (zero changed operations).
 
@@ -38,7 +38,7 @@ from pyinfra import host
 from pyinfra.api import FileUploadCommand, StringCommand, deploy, operation
 from pyinfra.operations import files, server
 
-from tasks.data_plan import SCRIPTS, DataPlan, data_plan
+from tasks.data.plan import SCRIPTS, DataPlan, data_plan
 from tasks.facts.data import FilesPresent, PythonModules, SnapshotStamp, StagedFiles
 from tasks.facts.disk import FreeDisk
 from tasks.facts.bundle import ask

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 from typing import Mapping
 
-from tasks.driver_choice import Distro, DistroBranch
+from tasks.driver.choice import Distro, DistroBranch
 from verl_lab_box.nvidia_driver_state import JOB_UNIT, MASK_DIR, branch_of, upstream
 from verl_lab_box.nvidia_driver_units import IDLE
 
