@@ -1,6 +1,6 @@
 """How a bad inventory value is told: ``SettingsError`` (host, key, value, fix), ``SettingsErrors``
 (every problem found, not only the first) and ``Problems``, which collects what each checker of
-``tasks.settings`` and its ``settings_*`` modules raises; ``did_you_mean`` for a near-miss value.
+tasks/settings/load.py and the folder's other modules raises; ``did_you_mean`` for a near-miss value.
 
 Pure; imports nothing of the project. ``tasks.settings`` re-exports these names: they are the
 errors ``load_settings`` raises.

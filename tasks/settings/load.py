@@ -3,12 +3,12 @@
 Pure: takes a plain mapping (pyinfra's ``host.data`` turned into a dict) and returns a
 frozen ``LabSettings`` or raises ``SettingsError`` naming the host, the key and the fix.
 Every default lives here, once (a nested setting's keys: beside its checker, e.g.
-``settings_workload.WORKLOAD_DEFAULTS``); ``inventory/group_data/all.py`` only sets site choices.
-The checkers of a topic live in a module of their own: ``settings_catalog`` (catalog, mirrors,
-artifact names), ``settings_workload`` (workload, workload.model, gpu_override),
-``settings_cluster`` (the cluster setting, and ``check_clusters`` across hosts); which keys are read and
-which refused (dotted keys, a nested setting's key at the top, a key nothing reads) in ``settings_keys``;
-the errors and their collector in ``settings_errors``. This module wires them together in ``load_settings``.
+``workload.WORKLOAD_DEFAULTS``); ``inventory/group_data/all.py`` only sets site choices.
+The checkers of a topic live in a module of their own beside this one (tasks/settings/): ``catalog`` (catalog,
+mirrors, artifact names), ``workload`` (workload, workload.model, gpu_override),
+``cluster`` (the cluster setting, and ``check_clusters`` across hosts); which keys are read and
+which refused (dotted keys, a nested setting's key at the top, a key nothing reads) in ``keys``;
+the errors and their collector in ``errors``. This module wires them together in ``load_settings``.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class LabSettings:
 # ------------------------------------------------------------------ the checkers
 # Each takes the host and the value(s) it checks, returns the value to keep, and raises
 # SettingsError (SettingsErrors for several problems) naming the key, the value and the fix.
-# A new setting: its default in DEFAULTS, a checker here (or in the settings_* module of its
+# A new setting: its default in DEFAULTS, a checker here (or in the folder's module of its
 # topic), one ``p.check`` line in load_settings, a field of LabSettings.
 
 

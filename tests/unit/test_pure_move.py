@@ -318,8 +318,8 @@ def test_the_comparison_finds_what_a_move_must_not_change(change, problem):
 
 
 def test_a_name_the_folder_does_not_hand_on_is_an_import_from_elsewhere():
-    problems = python_problems(OLD, NEW, "tasks/driver/plan.py",
-                               {**INIT, "tasks/driver/__init__.py": "from tasks.driver.choice import choose_branch\n"}.get)
+    init = {**INIT, "tasks/driver/__init__.py": "from tasks.driver.choice import choose_branch\n"}
+    problems = python_problems(OLD, NEW, "tasks/driver/plan.py", init.get)
     assert problems == ["tasks/driver/plan.py:2: load_table is tasks.driver.load_table, before "
                         "tasks.driver_choice.load_table (now tasks.driver.choice.load_table)"]
 
