@@ -10,7 +10,8 @@ Each moved module's file at the move commit (``MOVE``) is compared with its file
   came from, moved (``renamed_module``), or the folder whose ``__init__`` hands that name on from it;
 * any other text: the new file is the old one read through ``renamed``.
 
-The only other edit the move made is in ``EDITS`` with its reason. ``python -m tests.unit.test_pure_move``
+The only other edit the move made is in ``EDITS`` with its reason; what the boxes are sent (``BOX_BYTES``) it
+left as it was, old module paths in its comments included. ``python -m tests.unit.test_pure_move``
 prints the comparison of every file; the tests below it show the comparison fails on a changed body, a
 changed text, a lost import and an import from elsewhere.
 """
@@ -30,7 +31,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BEFORE = "c34e42de5886019b6a0110debc33b69ed552a389"     # main before the move
-MOVE = "6258144d065e80caaec5829e0acac2247e2d7b04"     # the move commit
+MOVE = "ff111ad17c1a201f649b27c96b542cc6d1a881d7"     # the move commit
 
 # old module (under tasks/) -> its file in the folder; the stage modules (a pyinfra @deploy) are marked
 MOVES = {
@@ -48,6 +49,11 @@ STAGES = {"driver", "tracking_copy", "tracking_hub", "tracking_sync", "verl_sour
 # A module whose name is now its folder's keeps that name in texts where it is not a stage: the folder hands on
 # every public name of its modules (``tasks.settings.LabSettings``, ``python -m tasks.doctor`` stay true).
 KEEPS_NAME = {"settings", "tracking", "doctor"}
+
+# What the boxes are sent (placed files, what a stamp is made of, what units and scripts are rendered from) is not
+# touched by the move, its old module paths in comments included: a changed byte there would place files again on
+# every box, rebuild every env (files/requirements/ is part of its stamp) and restart a running training (its unit).
+BOX_BYTES = ("verl_lab_box/", "files/templates/", "files/requirements/", "files/patches/")
 
 # the one edit beyond imports and module paths: new file -> ((old text, new text), ...), and why
 EDITS = {
@@ -259,6 +265,12 @@ def test_every_module_was_moved_as_it_was():
     assert moved == {old: f"tasks/{new}.py" for old, new in MOVES.items()}
     problems = [p for row in rows for p in file_problems(*row, before, after)]
     assert not problems, "\n".join(problems)
+
+
+def test_the_boxes_are_sent_what_they_were_sent_before():
+    before, after = _commits()
+    touched = [new for _, _, new in changed_files(before, after) if new.startswith(BOX_BYTES)]
+    assert touched == [], f"the move changed what the boxes are sent: {touched}"
 
 
 def test_only_the_folders_files_were_added():
