@@ -1,5 +1,5 @@
 """The driver stage's steps that run on the box (verl_lab_box/nvidia_driver.py) and its execute-time
-settle/reboot step (tasks/driver/stage.py), with the box's commands answered by recorded outputs
+settle/reboot step (tasks/driver/settle.py), with the box's commands answered by recorded outputs
 (tests/fixtures/driver/: apt 2.6.1's --simulate on a Debian 12 lab box; the DriverState cases).
 
 What this proves is plumbing: which commands run in which order, what stops before anything is
