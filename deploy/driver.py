@@ -1,6 +1,7 @@
 """The NVIDIA driver alone: `pyinfra inventory/lab.py deploy/driver.py --data driver=install`.
 
-With driver = "check" (the default) it asks and changes nothing: the CUDA stage checks the driver.
+With driver = "check" (the default) the CUDA stage checks the driver; this releases only what an earlier
+driver = "install" left, its hold and pin, keeping the driver (docs/driver.md, "Back to check").
 """
 
 from tasks.base import base_layout

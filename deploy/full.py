@@ -3,8 +3,9 @@
 Stages run in this order; each is idempotent alone and has its own deploy file
 (deploy/driver.py, cuda.py, env.py, data.py, train.py; cluster.py only for boxes in a Ray cluster). A box
 whose env is broken gets it rebuilt beside the old one (the env stage swaps only after the new env passes its proofs).
-What a setting no longer asks for (a Ray cluster left, a tracker dropped, another TensorBoard hub) is undone in
-the same run, an operation each saying what and why (tasks/undo.py; the run's outputs are kept).
+What a setting no longer asks for (a Ray cluster left, a tracker dropped, another TensorBoard hub, the driver
+stage's hold and pin after driver = "check") is undone in the same run, an operation each saying what and why
+(tasks/undo.py, tasks/driver_release.py; the run's outputs and the installed driver are kept).
 The run ends with one line per host (tasks/run_summary.py): each stage proven, checked or changed, the
 plan in one line, the unit's state.
 """
@@ -21,7 +22,7 @@ from tasks.hostdata import cluster_for, settings_for
 from tasks.env import install_env
 from tasks.run_summary import note, note_plan, note_target, stage
 from tasks.train import install_train
-from tasks.undo import undo_unwanted
+from tasks.undo import driver_found, undo_unwanted
 
 
 def provision() -> None:
@@ -34,8 +35,9 @@ def provision() -> None:
         if settings.driver == "install":
             with stage("driver"):
                 gpu = install_driver(settings, gpu)
-        else:                          # driver = "check": nothing to install; the CUDA stage judges it
-            gpu = install_driver(settings, gpu)
+        else:                          # driver = "check": the CUDA stage judges it; a hold the stage left is released
+            with stage("undo"):        # its facts come with the undo stage's one bundle (no command of its own)
+                gpu = install_driver(settings, gpu, driver_found(settings))
     if not gpu.refused:                # a box that cannot train: its failure only, nothing else queued
         with stage("cuda"):
             install_cuda(settings, gpu)

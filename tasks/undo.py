@@ -21,7 +21,18 @@ Each part, who places it, while what asks for it, which deploys undo it, and how
   deploy/full.py and deploy/tracking.py stop, disable and remove the unit and remove the served copy (the
   controller's cache keeps the curves);
 - the copy's programs and staging (``<lab_root>/libexec/tracking``, ``<lab_root>/cache/tracking``):
-  deploy/tracking.py, while a tracker of the box is copied or it is the hub; the same remove them.
+  deploy/tracking.py, while a tracker of the box is copied or it is the hub; the same remove them;
+- the driver stage's hold and pin, ``<lab_root>/libexec/driver``, its marker and the runtime masks it left: the
+  driver stage, while ``driver = "install"``; deploy/full.py (right after the base stage, its facts asked in this
+  stage's bundle: ``driver_found``) and deploy/driver.py release them and keep the installed driver, its nouveau
+  blacklist and apt sources while its packages remain, refusing while a driver change runs or stopped part-way
+  (tasks/driver_release.py says what and why).
+
+**A burn-in is no setting**: deploy/burnin.py is a command run on purpose, once before a long run, and no setting
+asks for it, so no deploy undoes it. Its record (``<train_dir>/burnin/burnin.json``, and the controller's copy and
+history) is a run's output, kept like the others below. Its unit ``verl-lab-burnin.service`` is never enabled and
+runs only when deploy/burnin.py starts it; it and its programs, probe and plan beside the launcher stay as that
+command's tools (each burn-in places them again from the box's plan of the day).
 
 **A run's outputs are never removed**: checkpoints, exports (a LoRA run's ``hf/lora_adapter`` too), GSM8K scores,
 a tracker's event files and offline runs. They are what hours of GPU time made, a setting says how the *next*
@@ -37,7 +48,8 @@ units and drop-ins in ``/etc/systemd/system``, files in ``<train_dir>`` and ``<l
 folders (``<lab_root>/ray``, a tracker's folder) are removed by their names in root's folders, ``rm -rf`` and
 ``rmdir`` never following a link (rule c), after the unit that wrote them stopped.
 
-Pure parts first (``cluster_undo``, ``tracker_undo``, ``hub_undo``, ``copy_undo``), then the ``@deploy``.
+Pure parts first (``cluster_undo``, ``tracker_undo``, ``hub_undo``, ``copy_undo``), then the ``@deploy``; the
+driver's part is the driver stage's (tasks/driver.py ``release_driver``).
 """
 
 from __future__ import annotations
@@ -52,8 +64,11 @@ from pyinfra.operations import server
 
 from tasks.cluster import (HOSTS_MARK, HOSTS_OFF, RAY_UNIT, RAY_UNIT_PATH, TRAIN_DROPIN, hosts_restored, ray_dir,
                            ray_env_file, write_hosts_command)
+from tasks.driver_plan import PIN_FILE, driver_want
+from tasks.driver_release import stage_paths
 from tasks.facts.bundle import ask
 from tasks.facts.cluster import HostnameLookup
+from tasks.facts.driver import DriverLeft
 from tasks.facts.files import FolderEntries, PathStates, UnitState
 from tasks.settings import TRAIN_UNIT, LabSettings
 from tasks.tracking import TRACKERS, Tracking
@@ -214,7 +229,7 @@ _FOUND: dict[str, tuple] = {}      # host -> the one bundle's answers, asked by 
 
 def _paths(settings: LabSettings) -> list[str]:
     return [*cluster_paths_undone(settings), f"{settings.train_dir}/{KEYS_FILE}", HUB_UNIT_PATH, served_dir(settings),
-            libexec_dir(settings), staging_dir(settings)]
+            libexec_dir(settings), staging_dir(settings), *stage_paths(driver_want(settings))]
 
 
 def _folders(settings: LabSettings) -> list[str]:
@@ -226,13 +241,21 @@ def _found(settings: LabSettings) -> tuple:
     if settings.host not in _FOUND:
         _FOUND[settings.host] = ask((PathStates, {"paths": _paths(settings)}), (UnitState, {"unit": RAY_UNIT}),
                                     (UnitState, {"unit": HUB_UNIT}), (FolderEntries, {"paths": _folders(settings)}),
-                                    (HostnameLookup, {}))
+                                    (HostnameLookup, {}),
+                                    (DriverLeft, {"pin": PIN_FILE, "units": list(driver_want(settings).units)}))
     return _FOUND[settings.host]
+
+
+def driver_found(settings: LabSettings) -> tuple[dict, dict]:
+    """What the driver stage left on this box (``DriverLeft``, the paths' states), from the same bundle: deploy/full.py
+    hands it to the driver stage with driver = "check" (tasks/driver_release.py), so it costs no command of its own."""
+    states, *_, left = _found(settings)
+    return left or DriverLeft.default(), states or {}
 
 
 def planned_undo(settings: LabSettings, parts, in_cluster: bool, worker: bool, hosts: list[str]) -> tuple[list, list]:
     """Prepare time: what this deploy undoes of ``parts`` on this box, and the lines of what it keeps."""
-    states, ray_unit, hub_unit, entries, lookup = _found(settings)
+    states, ray_unit, hub_unit, entries, lookup = _found(settings)[:5]
     states, entries = states or {}, entries or {}
     undo, kept = [], []
     if not in_cluster:

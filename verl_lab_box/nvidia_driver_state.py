@@ -40,11 +40,14 @@ JOB_UNIT = "verl-lab-driver-apt.service"    # the transient unit a driver change
 
 
 def fact_command(pin: str, units: str | tuple[str, ...] | list[str], skip_sources: str = "",
-                 watch: tuple[str, ...] = ()) -> str:
+                 watch: tuple[str, ...] = (), only: tuple[str, ...] | None = None,
+                 extra: tuple[tuple[str, str], ...] = ()) -> str:
     """One POSIX shell command printing every section ``parse_fact_output`` reads; always exits 0.
     ``units``: the units no driver change may run under (the training unit, the Ray unit).
     ``watch``: packages whose archive versions (``apt-cache madison``) are read, besides every
-    installed NVIDIA DKMS package."""
+    installed NVIDIA DKMS package. ``only``: these sections alone (``"sources"`` for the apt
+    sources files), the others read as absent; ``extra``: (name, shell) sections of the caller's,
+    which ``split_sections`` returns with the rest."""
     q = shlex.quote
     units = (units,) if isinstance(units, str) else tuple(units)
     named = " ".join(q(u) for u in units)
@@ -57,45 +60,49 @@ def fact_command(pin: str, units: str | tuple[str, ...] | list[str], skip_source
     libs = " ".join(USER_LIBS)
     watched = " ".join(q(p) for p in watch)
     parts = [
-        section("kernel", "uname -r"),
-        section("secureboot", "if command -v mokutil >/dev/null; then mokutil --sb-state 2>&1; "
-                              f"elif [ -r {efi} ]; then echo \"efivar $(od -An -t u1 -j4 -N1 {efi} | tr -d ' ')\"; "
-                              "elif [ -d /sys/firmware/efi ]; then echo efi; else echo no-efi; fi"),
-        section("lockdown", f"cat {LOCKDOWN}"),
-        section("runfile", f"[ -e {RUNFILE_UNINSTALLER} ] && echo 'uninstaller {RUNFILE_UNINSTALLER}'; "
-                           f"[ -f {RUNFILE_LOG} ] && head -n 3 {RUNFILE_LOG} | sed 's/^/log /'; "
-                           f"for lib in {libs}; do p=$(ldconfig -p | awk -v l=$lib '$1 == l {{print $NF; exit}}'); "
-                           "[ -n \"$p\" ] || continue; r=$(readlink -f \"$p\"); "
-                           "o=$(dpkg -S \"$r\" 2>/dev/null | head -n 1 | cut -d: -f1); echo \"lib $r ${o:-none}\"; done"),
-        section("packages", "dpkg-query -W -f='${Package}\\t${source:Package}\\t${Version}\\t${db:Status-Abbrev}\\n'"
-                            " | grep -i nvidia"),
-        section("headers", "dpkg-query -W -f='${db:Status-Abbrev}\\n' \"linux-headers-$(uname -r)\""),
-        section("pin", f"cat {q(pin)}"),
-        section("loaded", f"cat {PROC_VERSION}"),
-        section("nouveau", f"[ -d {NOUVEAU} ] && echo loaded"),
-        section("built", f"for m in {' '.join(MODULE_NAMES)}; do v=$(modinfo -F version $m) && "
-                         "{ echo \"$m $v\"; break; }; done"),
-        section("dkms", "dkms status"),
-        section("pci", "if command -v lspci >/dev/null; then lspci -nn -d 10de:; else "
-                       f"for d in {PCI_DEVICES}/*; do [ \"$(cat $d/vendor)\" = 0x10de ] && "
-                       "echo \"sysfs ${d##*/} $(cat $d/class) $(cat $d/device)\"; done; fi"),
+        ("kernel", "uname -r"),
+        ("secureboot", "if command -v mokutil >/dev/null; then mokutil --sb-state 2>&1; "
+                       f"elif [ -r {efi} ]; then echo \"efivar $(od -An -t u1 -j4 -N1 {efi} | tr -d ' ')\"; "
+                       "elif [ -d /sys/firmware/efi ]; then echo efi; else echo no-efi; fi"),
+        ("lockdown", f"cat {LOCKDOWN}"),
+        ("runfile", f"[ -e {RUNFILE_UNINSTALLER} ] && echo 'uninstaller {RUNFILE_UNINSTALLER}'; "
+                    f"[ -f {RUNFILE_LOG} ] && head -n 3 {RUNFILE_LOG} | sed 's/^/log /'; "
+                    f"for lib in {libs}; do p=$(ldconfig -p | awk -v l=$lib '$1 == l {{print $NF; exit}}'); "
+                    "[ -n \"$p\" ] || continue; r=$(readlink -f \"$p\"); "
+                    "o=$(dpkg -S \"$r\" 2>/dev/null | head -n 1 | cut -d: -f1); echo \"lib $r ${o:-none}\"; done"),
+        ("packages", "dpkg-query -W -f='${Package}\\t${source:Package}\\t${Version}\\t${db:Status-Abbrev}\\n'"
+                     " | grep -i nvidia"),
+        ("headers", "dpkg-query -W -f='${db:Status-Abbrev}\\n' \"linux-headers-$(uname -r)\""),
+        ("pin", f"cat {q(pin)}"),
+        ("loaded", f"cat {PROC_VERSION}"),
+        ("nouveau", f"[ -d {NOUVEAU} ] && echo loaded"),
+        ("built", f"for m in {' '.join(MODULE_NAMES)}; do v=$(modinfo -F version $m) && "
+                  "{ echo \"$m $v\"; break; }; done"),
+        ("dkms", "dkms status"),
+        ("pci", "if command -v lspci >/dev/null; then lspci -nn -d 10de:; else "
+                f"for d in {PCI_DEVICES}/*; do [ \"$(cat $d/vendor)\" = 0x10de ] && "
+                "echo \"sysfs ${d##*/} $(cat $d/class) $(cat $d/device)\"; done; fi"),
         # each unit's state (any but inactive or failed is busy: "activating (auto-restart)" restarts a
         # job within RestartSec), the driver stage's own masks of them, and its apt job
-        section("units", f"systemctl show {' '.join('-p ' + p for p in UNIT_PROPS)} {named} {JOB_UNIT}"),
-        section("masks", f"for u in {named}; do [ \"$(readlink {MASK_DIR}/$u)\" = /dev/null ] && echo $u; done"),
+        ("units", f"systemctl show {' '.join('-p ' + p for p in UNIT_PROPS)} {named} {JOB_UNIT}"),
+        ("masks", f"for u in {named}; do [ \"$(readlink {MASK_DIR}/$u)\" = /dev/null ] && echo $u; done"),
         # processes holding the GPUs: a driver changed under them fails (NVML's version mismatch); with
         # the unit (cgroup) each runs in, which stopping that unit ends
-        section("busy", "for p in /proc/[0-9]*; do for f in $p/fd/*; do case \"$(readlink $f)\" in /dev/nvidia*) "
-                        "printf '%s %s\\t%s\\n' \"${p#/proc/}\" \"$(cat $p/comm)\" \"$(sed -n 's/^0:://p' $p/cgroup)\"; "
-                        "break;; esac; done; done"),
-        section("origins", f"grep -H '^Origin:' {APT_LISTS}/*Release"),
-        section("madison", f"apt-cache madison {watched} $(dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}}\\n' "
-                           "| awk '$2 ~ /^.i/ && $1 ~ /nvidia/ && $1 ~ /dkms/ {print $1}')"),
+        ("busy", "for p in /proc/[0-9]*; do for f in $p/fd/*; do case \"$(readlink $f)\" in /dev/nvidia*) "
+                 "printf '%s %s\\t%s\\n' \"${p#/proc/}\" \"$(cat $p/comm)\" \"$(sed -n 's/^0:://p' $p/cgroup)\"; "
+                 "break;; esac; done; done"),
+        ("origins", f"grep -H '^Origin:' {APT_LISTS}/*Release"),
+        ("madison", f"apt-cache madison {watched} $(dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}}\\n' "
+                    "| awk '$2 ~ /^.i/ && $1 ~ /nvidia/ && $1 ~ /dkms/ {print $1}')"),
+        *extra,
     ]
+    names = None if only is None else {*only, *(name for name, _ in extra)}
+    out = [section(name, body) for name, body in parts if names is None or name in names]
     skip = f" && [ \"$f\" != {q(skip_sources)} ]" if skip_sources else ""
-    parts.append(f"for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; "
-                 f"do [ -f \"$f\" ]{skip} || continue; echo \"{s}source $f\"; cat \"$f\"; done")
-    return "; ".join(parts) + "; true"
+    if only is None or "sources" in only:
+        out.append(f"for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; "
+                   f"do [ -f \"$f\" ]{skip} || continue; echo \"{s}source $f\"; cat \"$f\"; done")
+    return "; ".join(out) + "; true"
 
 
 _VERSION_LINE = re.compile(r"^installer version:\s*(\S+)")
@@ -103,8 +110,8 @@ _PCI_LINE = re.compile(r"^(?P<slot>\S+) .*\[(?P<cls>[0-9a-f]{4})\]: NVIDIA Corpo
                        r"\[10de:(?P<device>[0-9a-f]{4})\]")
 
 
-def parse_fact_output(text: str) -> dict:
-    """What ``fact_command`` printed -> a plain dict (see ``tasks.facts.driver.DriverState``)."""
+def split_sections(text: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """What ``fact_command`` printed -> ({section: its lines}, {apt sources file: its lines})."""
     sections: dict[str, list[str]] = {}
     sources: dict[str, list[str]] = {}
     current: list[str] | None = None
@@ -117,6 +124,12 @@ def parse_fact_output(text: str) -> dict:
                 current = sections.setdefault(name, [])
         elif current is not None:
             current.append(line)
+    return sections, sources
+
+
+def parse_fact_output(text: str) -> dict:
+    """What ``fact_command`` printed -> a plain dict (see ``tasks.facts.driver.DriverState``)."""
+    sections, sources = split_sections(text)
 
     def lines(name):
         return [line.strip() for line in sections.get(name, []) if line.strip()]

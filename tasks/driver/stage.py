@@ -1,6 +1,7 @@
 """Stage: the NVIDIA driver, before CUDA. ``driver = "check"`` (the default) leaves it to the CUDA
-stage's check (a driver older than CUDA 11.8 needs is refused there) and asks the box nothing;
-``driver = "install"`` chooses, installs, holds and proves it.
+stage's check (a driver older than CUDA 11.8 needs is refused there) and asks the box one command:
+whether the stage left its hold and pin there, from an earlier ``driver = "install"`` (then released,
+the driver kept: tasks/driver_release.py); ``driver = "install"`` chooses, installs, holds and proves it.
 
 The choice (``choose_branch``, pure): the newest branch of the box's distro (files/drivers.toml)
 that supports every GPU of the box and CUDA 11.8: never past R580 for Maxwell, Pascal and Volta;
@@ -45,11 +46,12 @@ from tasks.catalog import REPO_ROOT
 from tasks.driver.plan import (BLACKLIST, BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverFacts, DriverPlan, DriverWant,
                                driver_want, initramfs_rebuild, plan_driver, refusal_text)
 from tasks.driver.choice import gpus_seen
+from tasks.driver_release import plan_release, stage_paths
 from tasks.driver.settle import settle_driver
 from tasks.driver.status import driver_notes
 from tasks.failure import fail_host
 from tasks.facts.bundle import ask
-from tasks.facts.driver import DriverState
+from tasks.facts.driver import DriverLeft, DriverState
 from tasks.facts.files import Marker, PathStates
 from tasks.placed import OnBox, marker_command, place, wanted_dir, wanted_file
 from tasks.settings import LabSettings
@@ -105,12 +107,34 @@ def held_driver_notes(settings: LabSettings) -> list[str]:
     return driver_notes(state or DriverState.default(), want.table.distro(os_release))
 
 
+def release_driver(settings: LabSettings, gpu: HostTarget, found: tuple | None = None) -> HostTarget:
+    """``driver = "check"``: what the stage left on this box released, an operation each saying what and why, the
+    driver kept (tasks/driver_release.py); refused, nothing changed, while a driver change runs or stopped
+    part-way. ``found``: (``DriverLeft``, the paths' states) asked already (deploy/full.py: in the undo stage's
+    bundle, tasks/undo.py ``driver_found``); else one command asks them. A box the stage never managed gets no
+    operation."""
+    want = driver_want(settings)
+    left, states = found or ask((DriverLeft, {"pin": PIN_FILE, "units": list(want.units)}),
+                                (PathStates, {"paths": stage_paths(want)}))
+    release = plan_release(settings.host, want, left or DriverLeft.default(), states or {})
+    if release.refusal:
+        fail_host(name="NVIDIA driver: the driver stage's hold and pin are not released (nothing changed)",
+                  message=release.refusal)
+        return replace(gpu, refused=release.refusal)      # deploy/full.py queues nothing after it
+    if release.kept:
+        host.log_styled(f"verl-lab: {release.kept}", log_func=logger.info)
+    for step in release.steps:
+        server.shell(name=step.name, commands=list(step.commands))
+    return gpu
+
+
 @deploy("NVIDIA driver")
-def install_driver(settings: LabSettings, gpu: HostTarget) -> HostTarget:
+def install_driver(settings: LabSettings, gpu: HostTarget, found: tuple | None = None) -> HostTarget:
     """With ``driver = "install"``: choose, install, hold and prove the NVIDIA driver; return the
-    host's target with the driver stage's result (the CUDA stage then trusts the proven driver)."""
+    host's target with the driver stage's result (the CUDA stage then trusts the proven driver). With
+    ``driver = "check"``: ``release_driver`` (``found``: its facts, asked already)."""
     if settings.driver != "install":
-        return gpu
+        return release_driver(settings, gpu, found)
     want = driver_want(settings)
     facts = gather_facts(settings, want, gpu)
     plan = plan_driver(want, facts)

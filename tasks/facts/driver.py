@@ -10,7 +10,10 @@ import shlex
 
 from pyinfra.api import FactBase
 
-from verl_lab_box.nvidia_driver_state import JOB_UNIT, MASK_DIR, fact_command, parse_fact_output
+from verl_lab_box.nvidia_driver_state import JOB_UNIT, MASK_DIR, fact_command, parse_fact_output, split_sections
+from verl_lab_box.nvidia_driver_units import RECORD
+
+DPKG_UPDATES = "/var/lib/dpkg/updates"     # files there: a dpkg run that was interrupted
 
 
 class DriverState(FactBase[dict]):
@@ -73,3 +76,36 @@ class DriverMasks(FactBase[dict]):
     def process(self, output) -> dict:
         text = "\n".join(line for line in output if line.strip())
         return {"driver masks": text} if text else {}
+
+
+class DriverLeft(FactBase[dict]):
+    """For ``driver = "check"`` (tasks/driver_release.py): what the driver stage left on a box and whether a
+    driver change runs or stopped part-way, in one command: the NVIDIA packages and the stage's pin (as
+    ``DriverState`` reads them), its apt job unit's state, its masks of ``units`` and its record of them
+    (``RECORD``: only those are the stage's), and what dpkg left in /var/lib/dpkg/updates (an interrupted run)::
+
+        {"packages": [{"name", "source", "version", "installed", "held", "status"}],
+         "pin": {"packages", "version", "stanzas"} | None, "job": "inactive", "masks": [unit],
+         "recorded": [unit], "dpkg_updates": [file]}
+
+    The default (no output): nothing left, no job running, the same dict with empty values.
+    """
+
+    @staticmethod
+    def default() -> dict:
+        return DriverLeft().process([])
+
+    def command(self, pin: str, units: list[str] | tuple[str, ...]) -> str:
+        return fact_command(pin, tuple(units), only=("packages", "pin", "units", "masks"),
+                            extra=(("recorded", f"cat {RECORD}"), ("dpkgupdates", f"ls -A {DPKG_UPDATES}")))
+
+    def process(self, output) -> dict:
+        text = "\n".join(output)
+        state, (sections, _) = parse_fact_output(text), split_sections(text)
+
+        def lines(name):
+            return [line.strip() for line in sections.get(name, []) if line.strip()]
+
+        return {"packages": state["packages"], "pin": state["pin"],
+                "job": (state["units"].get(JOB_UNIT) or {}).get("active") or "inactive", "masks": state["masks"],
+                "recorded": lines("recorded"), "dpkg_updates": lines("dpkgupdates")}

@@ -133,8 +133,9 @@ def fleet_lab(tmp_path_factory):
     (``hf_token_file``), and a fresh V100 box nothing converges. Users, in this order:
     tests/e2e/test_foundation.py (the converge, verify, idempotence, drift put back, a bad
     inventory), test_security.py (the unit's user, file modes, the token nowhere), test_export.py
-    (a checkpoint on the P40 box exported, proven and scored). A test that changes a box puts it
-    back and proves the fleet converged again (a re-run changes nothing)."""
+    (a checkpoint on the P40 box exported, proven and scored), test_full_undo.py (deploy/full.py undoes
+    on the T4 box what its settings no longer ask for). A test that changes a box puts it back and
+    proves the fleet converged again (a re-run changes nothing)."""
     token = "hf_" + secrets.token_urlsafe(24)
     token_file = tmp_path_factory.mktemp("secret") / "hf_token"
     token_file.write_text(token + "\n")

@@ -37,6 +37,7 @@ from tasks.doctor import diagnose
 from tests.fixtures.driver.unattended import would_upgrade
 from tests.fixtures.standins import driver as standin
 from tests.lab import BoxSpec
+from tests.lab.listing import box_listing, listing_diff
 
 SOURCES = "/etc/apt/sources.list.d/verl-lab-nvidia.sources"
 PIN = "/etc/apt/preferences.d/verl-lab-nvidia-driver"
@@ -72,8 +73,10 @@ def lab(lab_factory):
         BoxSpec("h200", gpu="h200"),                         # R535 does not list the H200
         BoxSpec("p590", gpu="p40", driver="590.44.01"),      # NVIDIA's CUDA repository's 590 on a Pascal box
         BoxSpec("plain", gpu="t4"),                          # driver = "check"
+        BoxSpec("byhand", gpu="p40", driver="470.256.02"),   # deb12's driver installed by hand, never by the stage
     ])
     standin.install_headers(lab.box("deb12"), standin.kernel_headers_deb(lab.dir))
+    standin.install_headers(lab.box("byhand"), standin.kernel_headers_deb(lab.dir))
     standin.after_first_simulation(lab.box("deb12"), REFRESH)          # the first install meets a list refresh
     standin.secure_boot_on(lab.box("sb"))
     standin.runfile_traces(lab.box("runfile"))
@@ -198,6 +201,119 @@ def test_a_rerun_changes_nothing(lab, converged):
     again = deploy(lab)
     assert sorted(again.failed_hosts) == sorted(converged.failed_hosts)
     assert all(again.changed_by_host.get(h, 0) == 0 for h in DRIVER_BOXES), again.changed_ops
+
+
+# ---------------------------------------------------------------- back to driver = "check" (tasks/driver_release.py)
+
+
+def check(lab, hosts=("deb12",)):
+    """deploy/driver.py with driver = "check", in text mode: the operations' names as a user sees them."""
+    return lab.deploy("deploy/driver.py", hosts=list(hosts), data={"driver": "check"}, mode="text", timeout=900)
+
+
+def untouched_since(box, pin: str, holds: set[str]) -> None:
+    assert box.read_text(PIN) == pin and held(box) == holds and box.exists(LIBEXEC)
+
+
+@pytest.mark.parametrize("kind", ["running", "unpacked"])
+def test_driver_check_is_refused_while_a_change_runs_or_stopped_part_way(lab, converged, kind):
+    """A driver change running (here a stand-in job under the job unit's name: real systemd says it is active), or
+    one that stopped part-way (nvidia-smi unpacked again by dpkg, not configured): nothing is released, the box is
+    refused with what was found and the doctor's words for it. Mutations: the job's state not read (running);
+    unconfigured packages not looked for (unpacked)."""
+    box = lab.box("deb12")
+    pin, holds = box.read_text(PIN), held(box)
+    if kind == "running":
+        box.ssh(f"systemd-run --unit={JOB} --quiet sleep 300")
+    else:
+        box.ssh("dpkg --unpack --force-hold /var/cache/apt/archives/nvidia-smi_*.deb >/dev/null 2>&1")
+    try:
+        res = check(lab)
+    finally:
+        # dpkg's unpack set nvidia-smi's selection to install: configured and held again as the stage left it
+        box.ssh(f"systemctl stop {JOB} 2>/dev/null; dpkg --configure -a >/dev/null 2>&1; apt-mark hold nvidia-smi "
+                ">/dev/null", check=False)
+    assert res.failed_hosts == ["deb12"] and res.changed_by_host.get("deb12", 0) == 0, res.tail(40)
+    said = ({"running": f"a driver change is still running here ({JOB}): it is active",
+             "unpacked": "dpkg left nvidia-smi (iU) not configured"}[kind])
+    assert ("verl-lab driver: deb12: driver = 'check' releases the driver stage's hold and pin, but not now (nothing "
+            f"was changed): {said}") in res.output, res.tail(40)
+    rule = {"running": "driver-change-running", "unpacked": "driver-dpkg-half-configured"}[kind]
+    assert f"The doctor ({rule}): " in res.output
+    assert rule in [f.rule for f in diagnose("deb12", {"deploy": res.output}).findings]
+    untouched_since(box, pin, holds)
+
+
+MASK = f"/run/systemd/system.control/{TRAIN}"
+
+
+def test_driver_check_releases_the_hold_and_pin_and_keeps_the_driver(lab, converged):
+    """driver = "install" converged (as far as a lab box goes: installed, held, pinned; no module loads), then
+    driver = "check": the pin and the hold of its packages released, the stage's programs, plan and marker removed,
+    a mask it left removed, each said; the driver, the blacklist, the sources file and the stage's log kept. The box
+    is then the listing of ``byhand`` (the same packages installed by hand with apt, from the .deb files deb12's
+    apt downloaded; never a driver stage there) but the log, kept on purpose; a hold of the user's own stays on both.
+    A second run changes nothing. Stand-ins: the marker (written as the stage writes it after its proof, which no
+    lab box reaches) and the mask with its record (as a job killed with its ExecStopPost leaves them)."""
+    box, hand = lab.box("deb12"), lab.box("byhand")
+    standin.remove_standins(box)                   # the converge's apt-get wrapper (its own test removes it too)
+    version = installed_version(box, "nvidia-driver")
+    assert check(lab, ["byhand"]).ok                # the base layout deb12 has from its converge, nothing else
+    debs = sorted((box.root / "var/cache/apt/archives").glob("*.deb"))
+    assert any(d.name.startswith("nvidia-driver_") for d in debs), debs
+    hand.ssh("mkdir -p /var/tmp/debs")
+    for deb in debs:
+        (hand.root / "var/tmp/debs" / deb.name).write_bytes(deb.read_bytes())
+    hand.ssh("cd /var/tmp/debs && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "
+             "./*.deb >/dev/null 2>&1 && rm -rf /var/tmp/debs", timeout=900)
+    assert installed_version(hand, "nvidia-driver") == version
+    for each in (box, hand):                       # the user's own hold, of a package the stage does not pin
+        each.ssh("apt-mark hold nvidia-modprobe >/dev/null")
+    box.ssh(f"printf 'stage=driver\\nbranch=535\\nversion={version.split('-')[0]}\\n' > {MARKER}")
+    box.ssh(f"mkdir -p /run/systemd/system.control && ln -sfn /dev/null {MASK} && echo {TRAIN} > "
+            "/run/verl-lab-driver-masked && systemctl daemon-reload")
+    assert standin.unit_state(box, TRAIN)["UnitFileState"] == "masked-runtime"
+    ours, sources, blacklist = set(re.search(r"^Package: (.*)$", box.read_text(PIN), re.M).group(1).split()), \
+        box.read_text(SOURCES), box.read_text(BLACKLIST)
+
+    res = check(lab)
+    assert res.ok and res.changed_by_host["deb12"] == 2, res.tail(40)
+    out = res.output
+    assert (f"NVIDIA driver: hold and pin released (driver = 'check': the driver stage no longer manages the driver): "
+            f"apt-mark unhold of its {len(ours)} packages, {PIN} removed, {LIBEXEC} removed, {MARKER} removed") \
+        in out, res.tail(40)
+    assert f"NVIDIA driver: unmask {TRAIN} (masked by a driver change that did not end, and none runs;" in out
+    assert (f"verl-lab: kept the installed NVIDIA driver ({len(ours)} packages at {version}), the nouveau blacklist "
+            f"{BLACKLIST}, {SOURCES} (the apt components its packages update from), the stage's log {LOG}") in out
+    assert held(box) == {"nvidia-modprobe"} and not box.exists(PIN) and not box.exists(LIBEXEC)
+    assert standin.unmasked(box) and not box.exists("/run/verl-lab-driver-masked")
+    # kept: the driver, working as it was; the blacklist; the sources its updates come from (apt now offers them)
+    assert installed_version(box, "nvidia-driver") == version
+    assert box.read_text(SOURCES) == sources and box.read_text(BLACKLIST) == blacklist
+    upgrade = set(re.findall(r"^Inst (\S+)", box.ssh("apt-get -s dist-upgrade").stdout, re.M))
+    assert {"nvidia-driver", "libcuda1"} <= upgrade, upgrade      # no longer held back from bookworm-security's build
+
+    mine, theirs = box_listing(box), box_listing(hand)
+    diff = listing_diff({**theirs, "hosts": ""}, {**mine, "hosts": ""})   # two boxes: each its own hostname line
+    assert diff == [f"+ /opt/verl-lab/logs ({mine['paths']['/opt/verl-lab/logs']})",
+                    f"+ {LOG} ({mine['paths'][LOG]})"], json.dumps(diff, indent=1)
+    assert theirs["holds"] == mine["holds"] == ["nvidia-modprobe"]
+
+    again = check(lab)
+    assert again.ok and again.changed_by_host["deb12"] == 0, again.tail(40)
+    assert "NVIDIA driver" not in again.output and "kept the installed" not in again.output
+
+
+def test_driver_install_again_holds_and_pins_it_as_before(lab, converged):
+    """Back to driver = "install": the stage holds and pins the installed driver again (its "hold" plan), with the
+    pin it had; the tests below start from there."""
+    box = lab.box("deb12")
+    box.ssh("apt-mark unhold nvidia-modprobe >/dev/null")
+    res = deploy(lab, hosts=["deb12"])
+    assert "holding and pinning it" in res.output, res.tail(40)
+    names = set(re.search(r"^Package: (.*)$", box.read_text(PIN), re.M).group(1).split())
+    assert f"\nPin: version {BOOKWORM}\nPin-Priority: 1001\n" in box.read_text(PIN)
+    assert names == source_packages(box) and held(box) == names and box.exists(f"{LIBEXEC}/nvidia_driver.py")
 
 
 def test_unattended_upgrades_cannot_replace_the_held_driver(lab, converged):

@@ -2,10 +2,11 @@
 
 ``box_listing`` reads, in one ssh command: every file, folder and link under ``/opt`` (which holds the lab root
 ``/opt/verl-lab``), ``/usr/local`` and ``/etc/systemd/system`` (its type, mode, owner and group; a file's sha256, a
-link's target), ``/etc/hosts``' bytes, the users (``/etc/passwd``: name, uid, home, shell) and every unit of the
-lab (``verl-lab-*``, loaded or only on disk: enabled and active). ``listing_diff`` names what differs between
-two listings, one line a path. Paths under ``skip`` (``skipped``) are left out, for a folder whose files differ
-for reasons the test names (e.g. a copy whose file names hold the time it was made).
+link's target), ``/etc/hosts``' bytes, the users (``/etc/passwd``: name, uid, home, shell), every unit of the
+lab (``verl-lab-*``, loaded or only on disk: enabled and active) and the packages on hold (``apt-mark showhold``: a
+hold outlives the setting that set it, the driver stage's, unless it is released). ``listing_diff`` names what
+differs between two listings, one line a path. Paths under ``skip`` (``skipped``) are left out, for a folder whose
+files differ for reasons the test names (e.g. a copy whose file names hold the time it was made).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ systemctl list-units --all --plain --no-legend 'verl-lab*' | awk '{{ print "load
 for u in $(systemctl list-unit-files --no-legend 'verl-lab*' | awk '{{ print $1 }}'); do
   echo "file $u $(systemctl is-enabled "$u" 2>/dev/null) $(systemctl is-active "$u" 2>/dev/null)"
 done | sort
+echo '@@holds'
+apt-mark showhold | sort
 """
 
 
@@ -41,10 +44,10 @@ def skipped(path: str, prefix: str) -> bool:
 
 def box_listing(box, roots=ROOTS, skip=()) -> dict[str, dict]:
     """``{"paths": {path: "f 644 root root <sha256>" | "d 755 root root" | "l -> target"}, "hosts": sha256,
-    "users": [...], "units": [...]}`` of ``box`` (tests/lab/box.py) now."""
+    "users": [...], "units": [...], "holds": [package]}`` of ``box`` (tests/lab/box.py) now."""
     script = _SCRIPT.format(roots=" ".join(shlex.quote(r) for r in roots))
     out = box.ssh(script, timeout=300).stdout
-    section, paths, shas, rest = "paths", {}, {}, {"hosts": [], "users": [], "units": []}
+    section, paths, shas, rest = "paths", {}, {}, {"hosts": [], "users": [], "units": [], "holds": []}
     for line in out.splitlines():
         if line.startswith("@@"):
             section = line[2:]
@@ -62,12 +65,13 @@ def box_listing(box, roots=ROOTS, skip=()) -> dict[str, dict]:
         if path in paths:
             paths[path] += f" {digest}"
     paths = {p: v for p, v in paths.items() if not any(skipped(p, s) for s in skip)}
-    return {"paths": paths, "hosts": "".join(rest["hosts"]), "users": rest["users"], "units": rest["units"]}
+    return {"paths": paths, "hosts": "".join(rest["hosts"]), "users": rest["users"], "units": rest["units"],
+            "holds": rest["holds"]}
 
 
 def listing_diff(before: dict, after: dict) -> list[str]:
     """What differs, one line each: ``+ path`` (only after), ``- path`` (only before), ``~ path: a != b``; the
-    same for /etc/hosts, the users and the units. [] where the listings are the same."""
+    same for /etc/hosts, the users, the units and the holds. [] where the listings are the same."""
     out = []
     a, b = before["paths"], after["paths"]
     for path in sorted(set(a) | set(b)):
@@ -79,7 +83,7 @@ def listing_diff(before: dict, after: dict) -> list[str]:
             out.append(f"~ {path}: {a[path]} != {b[path]}")
     if before["hosts"] != after["hosts"]:
         out.append("~ /etc/hosts: its bytes differ")
-    for key in ("users", "units"):
+    for key in ("users", "units", "holds"):
         gone, new = sorted(set(before[key]) - set(after[key])), sorted(set(after[key]) - set(before[key]))
         out += [f"- {key}: {line}" for line in gone] + [f"+ {key}: {line}" for line in new]
     return out

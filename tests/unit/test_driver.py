@@ -464,15 +464,25 @@ def test_settings():
             load_settings("b", data)
 
 
-def test_check_mode_asks_the_box_nothing(monkeypatch):
-    """driver = "check": the stage returns the host's target untouched before asking any fact (the
-    re-run's commands per host do not grow: bench/noop_rerun.py)."""
+def test_check_mode_asks_the_box_nothing_of_its_own_in_full_py(monkeypatch):
+    """driver = "check": in deploy/full.py the stage's facts (what an earlier driver = "install" left) come with the
+    undo stage's one bundle (tasks/undo.py ``driver_found``), so the re-run's commands per host do not grow
+    (bench/noop_rerun.py); a box the stage never managed gets the host's target untouched and no operation. Alone
+    (deploy/driver.py) it asks one bundle."""
     from tasks.driver import stage
+    from tasks.facts.driver import DriverLeft
     from tasks.target import HostTarget
+
+    asked = []
 
     def no_fact(*a, **k):
         raise AssertionError("the driver stage asked the box in check mode")
 
     monkeypatch.setattr(stage, "ask", no_fact)
+    monkeypatch.setattr(stage.server, "shell", no_fact)
     target = HostTarget(GpuInventory(), None, "none")
+    found = (DriverLeft.default(), {})
+    assert stage.install_driver.__wrapped__(load_settings("box1", {}), target, found) is target
+    monkeypatch.setattr(stage, "ask", lambda *facts: asked.append(facts) or [DriverLeft.default(), {}])
     assert stage.install_driver.__wrapped__(load_settings("box1", {}), target) is target
+    assert [[cls.__name__ for cls, _ in facts] for facts in asked] == [["DriverLeft", "PathStates"]]
