@@ -5,7 +5,7 @@ Stages run in this order; each is idempotent alone and has its own deploy file
 whose env is broken gets it rebuilt beside the old one (the env stage swaps only after the new env passes its proofs).
 What a setting no longer asks for (a Ray cluster left, a tracker dropped, another TensorBoard hub, the driver
 stage's hold and pin after driver = "check") is undone in the same run, an operation each saying what and why
-(tasks/undo.py, tasks/driver_release.py; the run's outputs and the installed driver are kept).
+(tasks/undo.py, tasks/driver/release.py; the run's outputs and the installed driver are kept).
 The run ends with one line per host (tasks/run_summary.py): each stage proven, checked or changed, the
 plan in one line, the unit's state.
 """

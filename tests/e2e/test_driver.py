@@ -203,7 +203,7 @@ def test_a_rerun_changes_nothing(lab, converged):
     assert all(again.changed_by_host.get(h, 0) == 0 for h in DRIVER_BOXES), again.changed_ops
 
 
-# ---------------------------------------------------------------- back to driver = "check" (tasks/driver_release.py)
+# ---------------------------------------------------------------- back to driver = "check" (tasks/driver/release.py)
 
 
 def check(lab, hosts=("deb12",)):

@@ -27,7 +27,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Mapping
 
-from tasks.driver_plan import BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverWant
+from tasks.driver.plan import BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverWant
 from verl_lab_box.nvidia_driver_hold import LOCK_WAIT, unconfigured
 from verl_lab_box.nvidia_driver_state import JOB_UNIT, MASK_DIR
 from verl_lab_box.nvidia_driver_units import IDLE, RECORD
