@@ -12,14 +12,13 @@ plan in one line, the unit's state.
 
 from pyinfra import inventory
 
-
 from tasks.base import base_layout, check_run
 from tasks.cluster import install_cluster, training_in
 from tasks.cuda import install_cuda
 from tasks.data.stage import install_data
 from tasks.driver.stage import install_driver
-from tasks.hostdata import cluster_for, settings_for
 from tasks.env import install_env
+from tasks.hostdata import cluster_for, settings_for
 from tasks.run_summary import note, note_plan, note_target, stage
 from tasks.train import install_train
 from tasks.undo import driver_found, undo_unwanted

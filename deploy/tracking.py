@@ -30,8 +30,14 @@ from tasks.hostdata import check_inventory, settings_for
 from tasks.settings import TRAIN_UNIT
 from tasks.status import STAGES, box_status
 from tasks.tracking.copy import collect, install_copy_program
-from tasks.tracking.hub import (HubNotProvisioned, box_events_dir, cache_dir, hub_name, install_tracking_hub,
-                                write_summary)
+from tasks.tracking.hub import (
+    HubNotProvisioned,
+    box_events_dir,
+    cache_dir,
+    hub_name,
+    install_tracking_hub,
+    write_summary,
+)
 from tasks.tracking.sync import boxes_root, collect_offline_runs, sync_offline_runs
 from tasks.undo import hub_role, undo_unwanted
 

@@ -18,7 +18,7 @@ from tasks.validation import inventory_problems
 
 _CHECKED = False
 _CACHE: dict[str, LabSettings] = {}
-_CLUSTERS: dict[str, "Cluster"] = {}
+_CLUSTERS: dict[str, Cluster] = {}
 
 
 class InventoryError(SystemExit):

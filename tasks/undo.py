@@ -62,8 +62,17 @@ from pyinfra import host, logger
 from pyinfra.api import deploy
 from pyinfra.operations import server
 
-from tasks.cluster import (HOSTS_MARK, HOSTS_OFF, RAY_UNIT, RAY_UNIT_PATH, TRAIN_DROPIN, hosts_restored, ray_dir,
-                           ray_env_file, write_hosts_command)
+from tasks.cluster import (
+    HOSTS_MARK,
+    HOSTS_OFF,
+    RAY_UNIT,
+    RAY_UNIT_PATH,
+    TRAIN_DROPIN,
+    hosts_restored,
+    ray_dir,
+    ray_env_file,
+    write_hosts_command,
+)
 from tasks.driver.plan import PIN_FILE, driver_want
 from tasks.driver.release import stage_paths
 from tasks.facts.bundle import ask
@@ -71,10 +80,10 @@ from tasks.facts.cluster import HostnameLookup
 from tasks.facts.driver import DriverLeft
 from tasks.facts.files import FolderEntries, PathStates, UnitState
 from tasks.settings import TRAIN_UNIT, LabSettings
-from tasks.tracking import TRACKERS, Tracking
+from tasks.tracking import KEYS_FILE, TRACKERS, Tracking, keys_for_box, tracking_root
 from tasks.tracking.copy import libexec_dir, staging_dir
-from tasks.tracking.hub import HUB_UNIT, UNIT_PATH as HUB_UNIT_PATH, hub_name, served_dir
-from tasks.tracking import KEYS_FILE, keys_for_box, tracking_root
+from tasks.tracking.hub import HUB_UNIT, hub_name, served_dir
+from tasks.tracking.hub import UNIT_PATH as HUB_UNIT_PATH
 
 PARTS = ("dropin", "ray", "trackers", "hub", "copy")
 

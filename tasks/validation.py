@@ -20,11 +20,18 @@ checked is what gets deployed.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from tasks.data import data_plan
-from tasks.plan import (GpuTarget, PlanError, TrainingPlan, cluster_plan, make_plan, plan_naming_models_that_fit,
-                        workload_for)
+from tasks.plan import (
+    GpuTarget,
+    PlanError,
+    TrainingPlan,
+    cluster_plan,
+    make_plan,
+    plan_naming_models_that_fit,
+    workload_for,
+)
 from tasks.settings import LabSettings, SettingsError
 
 GPU_KEYS = {"gpu_override": "gpu_override", "nvidia-smi": "GPU (nvidia-smi)", "none": "GPU (nvidia-smi)"}

@@ -39,14 +39,14 @@ from pyinfra.api import FileUploadCommand, StringCommand, deploy, operation
 from pyinfra.operations import files, server
 
 from tasks.data.plan import SCRIPTS, DataPlan, data_plan
+from tasks.facts.bundle import ask
 from tasks.facts.data import FilesPresent, PythonModules, SnapshotStamp, StagedFiles
 from tasks.facts.disk import FreeDisk
-from tasks.facts.bundle import ask
 from tasks.facts.files import Marker
-from tasks.placed import marker_command
 from tasks.failure import fail_host
+from tasks.placed import marker_command
 from tasks.settings import LabSettings
-from verl_lab_box import hf_snapshot as hfsnapshot      # hf_snapshot is this stage's operation below
+from verl_lab_box import hf_snapshot as hfsnapshot  # hf_snapshot is this stage's operation below
 from verl_lab_box.hf_snapshot import RepoSpec, SnapshotError
 
 MIB = 1024 * 1024

@@ -17,9 +17,10 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from tasks.catalog import REPO_ROOT, tomllib
 from tasks.doctor.disk import analyse_checkpoint_disk, analyse_disk

@@ -9,7 +9,8 @@ there from the library that prints it.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from verl_lab_box.checkpoints import gib
 

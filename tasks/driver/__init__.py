@@ -25,22 +25,59 @@ only beside it: its ``refusal_text`` (plan.py's is the folder's), ``Step`` and `
 from __future__ import annotations
 
 from tasks.driver.choice import (
-    DRIVERS_PATH, BranchChoice, Distro, DistroBranch, DriverTable, GpuSeen, choose_branch, gpus_seen, load_table,
+    DRIVERS_PATH,
+    BranchChoice,
+    Distro,
+    DistroBranch,
+    DriverTable,
+    GpuSeen,
+    choose_branch,
+    gpus_seen,
+    load_table,
 )
-from tasks.driver.sources import (
-    ARCHIVE_HOSTS, headers_packages, list_name, of_the_distro, parse_sources, sources_to_add,
-)
-from tasks.driver.status import change_notes, driver_notes, end_of_life_passed, held_branch, newer_build
 from tasks.driver.plan import (
-    BLACKLIST, BLACKLIST_FILE, FM_SERVICE, PIN_FILE, SECURE_BOOT_FIX, SOURCES_FILE, DriverFacts, DriverPlan, DriverWant,
-    busy_problem, driver_want, foreign_module, gpus_to_check, initramfs_rebuild, job_running, plan_driver, refusal_text,
+    BLACKLIST,
+    BLACKLIST_FILE,
+    FM_SERVICE,
+    PIN_FILE,
+    SECURE_BOOT_FIX,
+    SOURCES_FILE,
+    DriverFacts,
+    DriverPlan,
+    DriverWant,
+    busy_problem,
+    driver_want,
+    foreign_module,
+    gpus_to_check,
+    initramfs_rebuild,
+    job_running,
+    plan_driver,
+    refusal_text,
     refusals,
 )
-from tasks.driver.settle import REBOOT_TOKEN, REBOOT_WAIT_S, reboot_and_wait, settle_driver
 from tasks.driver.release import (
-    DRIVER_SOURCES, Release, driver_packages, kept_line, leftovers_step, pinned, plan_release, release_step,
-    stage_paths, unfinished, unmask_step,
+    DRIVER_SOURCES,
+    Release,
+    driver_packages,
+    kept_line,
+    leftovers_step,
+    pinned,
+    plan_release,
+    release_step,
+    stage_paths,
+    unfinished,
+    unmask_step,
 )
+from tasks.driver.settle import REBOOT_TOKEN, REBOOT_WAIT_S, reboot_and_wait, settle_driver
+from tasks.driver.sources import (
+    ARCHIVE_HOSTS,
+    headers_packages,
+    list_name,
+    of_the_distro,
+    parse_sources,
+    sources_to_add,
+)
+from tasks.driver.status import change_notes, driver_notes, end_of_life_passed, held_branch, newer_build
 
 __all__ = [
     "DRIVERS_PATH", "BranchChoice", "Distro", "DistroBranch", "DriverTable", "GpuSeen", "choose_branch", "gpus_seen",

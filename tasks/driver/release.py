@@ -24,8 +24,8 @@ driver. So, from what the stage left (``tasks.facts.driver.DriverLeft`` and the 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from tasks.driver.plan import BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverWant
 from verl_lab_box.nvidia_driver_hold import LOCK_WAIT, unconfigured

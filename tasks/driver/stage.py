@@ -43,16 +43,27 @@ from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import server
 
 from tasks.catalog import REPO_ROOT
-from tasks.driver.plan import (BLACKLIST, BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverFacts, DriverPlan, DriverWant,
-                               driver_want, initramfs_rebuild, plan_driver, refusal_text)
 from tasks.driver.choice import gpus_seen
+from tasks.driver.plan import (
+    BLACKLIST,
+    BLACKLIST_FILE,
+    PIN_FILE,
+    SOURCES_FILE,
+    DriverFacts,
+    DriverPlan,
+    DriverWant,
+    driver_want,
+    initramfs_rebuild,
+    plan_driver,
+    refusal_text,
+)
 from tasks.driver.release import plan_release, stage_paths
 from tasks.driver.settle import settle_driver
 from tasks.driver.status import driver_notes
-from tasks.failure import fail_host
 from tasks.facts.bundle import ask
 from tasks.facts.driver import DriverLeft, DriverState
 from tasks.facts.files import Marker, PathStates
+from tasks.failure import fail_host
 from tasks.placed import OnBox, marker_command, place, wanted_dir, wanted_file
 from tasks.settings import LabSettings
 from tasks.target import HostTarget

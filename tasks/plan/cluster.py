@@ -4,8 +4,8 @@ count) at the cluster's world size, then verl's node split (``cluster_plan``).""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Mapping
 
 from tasks.plan.rungs import make_plan
 from tasks.plan.terms import GpuTarget, Reason, TrainingPlan, Workload

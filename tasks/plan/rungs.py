@@ -67,9 +67,9 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
                         key="workload.finetune")
     estimator = estimator or default_estimator
     precision, reasons = choose_precision(gpu, workload.flash_attn_installed, workload.rollout_engine)
-    refused = vllm_rank_refusal(workload, precision)
-    if refused:
-        raise refused
+    rank_refused = vllm_rank_refusal(workload, precision)
+    if rank_refused:
+        raise rank_refused
     if gpu.mixed:
         reasons.insert(0, Reason("gpu", f"{gpu.count} x {gpu.name} ({gpu.memory_mib} MiB)",
                                  f"the box mixes GPU models ({gpu.mixed_words()}): planned for the weakest, "

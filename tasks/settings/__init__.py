@@ -18,19 +18,46 @@ Callers import from ``tasks.settings``: every public name of its modules is hand
 
 from __future__ import annotations
 
-from tasks.settings.errors import Problems, SettingsError, SettingsErrors, did_you_mean
 from tasks.settings.cluster import CLUSTER_EXAMPLE, CLUSTER_KEYS, CLUSTER_NAME_RE, Cluster, check_clusters, ipv4
+from tasks.settings.errors import Problems, SettingsError, SettingsErrors, did_you_mean
 from tasks.settings.keys import (
-    DEPLOY_KEYS, DOTTED_EXAMPLE, NEAR_MISS_CUTOFF, PYINFRA_KEYS, PYINFRA_KEY_PREFIXES, SITE_PREFIX, expand_dotted,
-    is_read_elsewhere, nested_keys, unread_keys,
-)
-from tasks.settings.workload import (
-    GPU_OVERRIDE_KEYS, LORA_MODULES, WORKLOAD_ALGORITHMS, WORKLOAD_DEFAULTS, WORKLOAD_FINETUNES, WORKLOAD_ROLLOUTS,
-    WORKLOAD_WORDS,
+    DEPLOY_KEYS,
+    DOTTED_EXAMPLE,
+    NEAR_MISS_CUTOFF,
+    PYINFRA_KEY_PREFIXES,
+    PYINFRA_KEYS,
+    SITE_PREFIX,
+    expand_dotted,
+    is_read_elsewhere,
+    nested_keys,
+    unread_keys,
 )
 from tasks.settings.load import (
-    ARTIFACT_MODES, CHECKPOINT_DEFAULTS, DEFAULTS, DRIVER_BUSY, DRIVER_MODES, ENV_BACKENDS, KNOWN_KEYS,
-    LEGACY_STAGE_NAMES, NESTED, RAY_UNIT, TRAIN_UNIT, UNIT_STATES, USER_RE, LabSettings, host_keys, load_settings,
+    ARTIFACT_MODES,
+    CHECKPOINT_DEFAULTS,
+    DEFAULTS,
+    DRIVER_BUSY,
+    DRIVER_MODES,
+    ENV_BACKENDS,
+    KNOWN_KEYS,
+    LEGACY_STAGE_NAMES,
+    NESTED,
+    RAY_UNIT,
+    TRAIN_UNIT,
+    UNIT_STATES,
+    USER_RE,
+    LabSettings,
+    host_keys,
+    load_settings,
+)
+from tasks.settings.workload import (
+    GPU_OVERRIDE_KEYS,
+    LORA_MODULES,
+    WORKLOAD_ALGORITHMS,
+    WORKLOAD_DEFAULTS,
+    WORKLOAD_FINETUNES,
+    WORKLOAD_ROLLOUTS,
+    WORKLOAD_WORDS,
 )
 
 __all__ = [

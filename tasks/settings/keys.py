@@ -22,7 +22,8 @@ Pure; imports nothing of the project. ``tasks.settings.load_settings`` runs ``ex
 from __future__ import annotations
 
 import difflib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tasks.settings.errors import SettingsError
 

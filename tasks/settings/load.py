@@ -16,21 +16,23 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from tasks.catalog import Catalog, MirrorSet, default_catalog
-from tasks.tracking import DEFAULTS as TRACKING_DEFAULTS
-from tasks.tracking import Tracking, TrackingProblems, check_tracking
 from tasks.settings.catalog import _artifact_name, _catalog, _mirrors
-from tasks.settings.errors import Problems, SettingsError, SettingsErrors, did_you_mean
-from tasks.settings.keys import expand_dotted, nested_keys, unread_keys
-from tasks.settings.workload import GPU_OVERRIDE_KEYS, WORKLOAD_DEFAULTS, _gpu_override, _workload, _workload_model
+
 # Cluster, check_clusters and ipv4 are not used here, only re-exported: ``from tasks.settings import``
 # keeps naming the settings' public face (tasks/cluster.py, tasks/hostdata.py, bench/gpu/ppo_profiles.py
 # and the tests import them so), as it does the errors load_settings raises and WORKLOAD_DEFAULTS.
 from tasks.settings.cluster import CLUSTER_KEYS, Cluster, _cluster, _ip_address, check_clusters, ipv4  # noqa: F401
+from tasks.settings.errors import Problems, SettingsError, SettingsErrors, did_you_mean
+from tasks.settings.keys import expand_dotted, nested_keys, unread_keys
+from tasks.settings.workload import GPU_OVERRIDE_KEYS, WORKLOAD_DEFAULTS, _gpu_override, _workload, _workload_model
+from tasks.tracking import DEFAULTS as TRACKING_DEFAULTS
+from tasks.tracking import Tracking, TrackingProblems, check_tracking
 
 ARTIFACT_MODES = ("relay", "direct")
 ENV_BACKENDS = ("conda", "venv")

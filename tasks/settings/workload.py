@@ -8,7 +8,8 @@ docs/plan.md). Checkers in ``tasks.settings``' form: ``check(host, *values)``, r
 from __future__ import annotations
 
 import difflib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tasks.facts.gpu import parse_compute_capability
 from tasks.settings.errors import SettingsError, SettingsErrors, did_you_mean

@@ -21,17 +21,51 @@ The box's side is verl_lab_box/tracking_copy.py and tracking_apply.py. Every pub
 
 from __future__ import annotations
 
-from tasks.tracking.setting import (
-    DEFAULTS, EXAMPLE, EXTRA_PACKAGES, KEY_VARS, MODES, REMOTE, REQUIRED_KEY, TENSORBOARD_PORT, TRACKERS, VERL_BACKENDS,
-    Tracking, TrackingProblems, check_tracking, read_keys, run_name,
-)
 from tasks.tracking.events import (
-    MEASURED_TAG, PREDICTED_TAG, SCORE_TAG, TAG_PREFIX, TEXT_TAG, crc32c, masked_crc, record, scalar_value,
-    summary_digest, summary_events, summary_file_name, summary_points, summary_text, text_value,
+    MEASURED_TAG,
+    PREDICTED_TAG,
+    SCORE_TAG,
+    TAG_PREFIX,
+    TEXT_TAG,
+    crc32c,
+    masked_crc,
+    record,
+    scalar_value,
+    summary_digest,
+    summary_events,
+    summary_file_name,
+    summary_points,
+    summary_text,
+    text_value,
+)
+from tasks.tracking.setting import (
+    DEFAULTS,
+    EXAMPLE,
+    EXTRA_PACKAGES,
+    KEY_VARS,
+    MODES,
+    REMOTE,
+    REQUIRED_KEY,
+    TENSORBOARD_PORT,
+    TRACKERS,
+    VERL_BACKENDS,
+    Tracking,
+    TrackingProblems,
+    check_tracking,
+    read_keys,
+    run_name,
 )
 from tasks.tracking.train import (
-    KEYS_FILE, box_gets_keys, keys_digest, keys_for_box, keys_text, run_name_of, tracking_paths, tracking_root,
-    tracking_values, tracking_wanted,
+    KEYS_FILE,
+    box_gets_keys,
+    keys_digest,
+    keys_for_box,
+    keys_text,
+    run_name_of,
+    tracking_paths,
+    tracking_root,
+    tracking_values,
+    tracking_wanted,
 )
 
 __all__ = [

@@ -43,8 +43,8 @@ from pyinfra.api import deploy
 from pyinfra.operations import python
 
 from tasks.settings import LabSettings
-from tasks.tracking.setting import KEY_VARS, Tracking, read_keys
 from tasks.tracking.copy import collect
+from tasks.tracking.setting import KEY_VARS, Tracking, read_keys
 
 # a run's sync: a base, and more for each MiB it holds (wandb 0.21.0 sends a run's history rows and files;
 # a 3- or 5-step run took 5 s against the stand-in server on this machine: tests/unit/test_tracking_sync.py)

@@ -16,8 +16,18 @@ from __future__ import annotations
 
 from tasks.verl.config import ADDED_KEYS, CONFIG_NAME, DEAD_KEYS, VERL_VERSION, Override, format_value, override_lines
 from tasks.verl.rules import (
-    CRITIC_ESTIMATORS, HF_CHUNK, LOSS_AGG_MODES, RAY_TRAINER, RULES, VERL_DEFAULTS, VLLM_ROLLOUT, WORKERS, Config, Rule,
-    Violation, violations,
+    CRITIC_ESTIMATORS,
+    HF_CHUNK,
+    LOSS_AGG_MODES,
+    RAY_TRAINER,
+    RULES,
+    VERL_DEFAULTS,
+    VLLM_ROLLOUT,
+    WORKERS,
+    Config,
+    Rule,
+    Violation,
+    violations,
 )
 
 __all__ = [

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import re
 import secrets
 import shlex
 import shutil
@@ -43,8 +45,6 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-import json
-import re
 from pathlib import Path
 
 import pytest
@@ -280,7 +280,7 @@ def tunnel(lab, settings, tracked):
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise AssertionError(f"tunnel {argv}: {proc.stderr.read().decode()[-800:]}")
+                raise AssertionError(f"tunnel {argv}: {proc.stderr.read().decode()[-800:]}") from None
             time.sleep(1)
     yield url
     proc.terminate()

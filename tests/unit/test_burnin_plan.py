@@ -15,8 +15,16 @@ from dataclasses import replace
 import pytest
 from omegaconf import OmegaConf
 
-from tasks.burnin.plan import (BURNIN_LR_WIDTH, BURNIN_UNIT, MANAGER, BurninSpec, burnin_lr, burnin_paths,
-                               burnin_plan, overrides)
+from tasks.burnin.plan import (
+    BURNIN_LR_WIDTH,
+    BURNIN_UNIT,
+    MANAGER,
+    BurninSpec,
+    burnin_lr,
+    burnin_paths,
+    burnin_plan,
+    overrides,
+)
 from tasks.burnin.stage import burnin_wanted
 from tasks.plan import GpuTarget, load_model_config, make_plan
 from tasks.verl import violations
@@ -51,8 +59,8 @@ def typed(value: str):
     return {"True": True, "False": False}.get(value, value)
 
 
-def run_overrides(plan, spec=BurninSpec(), which=0):
-    bp = burnin_plan(plan, TRAIN, "box1", spec)
+def run_overrides(plan, spec=None, which=0):
+    bp = burnin_plan(plan, TRAIN, "box1", spec or BurninSpec())
     return merged(plan.override_lines, bp["overrides"] + bp["runs"][which]["overrides"]), bp
 
 

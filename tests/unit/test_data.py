@@ -12,13 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from tasks.data import stage as data_stage
 from tasks.data import data_plan
+from tasks.data import stage as data_stage
+from tasks.settings import SettingsError, load_settings
+from tests.fixtures.standins.hf_endpoint import (
+    DATASET_REPO,
+    MODEL_REPO,
+    HfEndpoint,
+    StandinRepo,
+    catalog_overrides,
+    standard_repos,
+)
 from verl_lab_box import hf_snapshot
 from verl_lab_box.hf_snapshot import RepoSpec, SnapshotError
-from tasks.settings import SettingsError, load_settings
-from tests.fixtures.standins.hf_endpoint import (DATASET_REPO, MODEL_REPO, HfEndpoint, StandinRepo,
-                                                  catalog_overrides, standard_repos)
 
 BIG = "model.safetensors"
 

@@ -13,9 +13,20 @@ from pathlib import Path
 import pytest
 
 from tasks.cuda import CudaFacts, cuda_want, plan_cuda
-from tasks.driver import Distro, DistroBranch, GpuSeen, choose_branch, gpus_seen, load_table
-from tasks.driver import DriverFacts, driver_want, plan_driver
-from tasks.driver import headers_packages, parse_sources, sources_to_add
+from tasks.driver import (
+    Distro,
+    DistroBranch,
+    DriverFacts,
+    GpuSeen,
+    choose_branch,
+    driver_want,
+    gpus_seen,
+    headers_packages,
+    load_table,
+    parse_sources,
+    plan_driver,
+    sources_to_add,
+)
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.plan import DOC_GPUS
 from tasks.settings import RAY_UNIT, TRAIN_UNIT, load_settings

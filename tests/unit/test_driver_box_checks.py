@@ -10,9 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_driver_box import (UPDATE, FakeBox, apt, apt_calls, box, held_names, held_state,  # noqa: F401
-                                        is_hold, loaded_state, plan, recorded, run_main, st, write_old_pin)
-
+from tests.unit.test_driver_box import (  # noqa: F401
+    UPDATE,
+    FakeBox,
+    apt,
+    apt_calls,
+    box,
+    held_names,
+    held_state,
+    is_hold,
+    loaded_state,
+    plan,
+    recorded,
+    run_main,
+    st,
+    write_old_pin,
+)
 
 # ---------------------------------------------------------------- NVSwitch: Fabric Manager
 

@@ -12,11 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_driver import (DEBIAN, NOBLE, UBUNTU22, UBUNTU24, UBUNTU_SOURCES, case, facts, loaded, with_units,
-                                    want)
-from tasks.driver import plan_driver
-from tasks.driver import headers_packages, parse_sources, sources_to_add
-
+from tasks.driver import headers_packages, parse_sources, plan_driver, sources_to_add
+from tests.unit.test_driver import (
+    DEBIAN,
+    NOBLE,
+    UBUNTU22,
+    UBUNTU24,
+    UBUNTU_SOURCES,
+    case,
+    facts,
+    loaded,
+    want,
+    with_units,
+)
 
 # ---------------------------------------------------------------- the installed module's branch
 

@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -185,7 +186,7 @@ def layer_problems(root: Path, floors=None) -> list[str]:
     graph, stages = import_graph(root), stage_modules(root)
     # each module of a cycle with the line of its import of the next
     problems = [f"import cycle among {', '.join(among)}: "
-                + " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(c, c[1:])) + f" -> {c[0]}"
+                + " -> ".join(f"{a} (line {graph[a][b]})" for a, b in pairwise(c)) + f" -> {c[0]}"
                 for among, c in cycles(graph)]
     for name in sorted(graph):
         if name not in stages:

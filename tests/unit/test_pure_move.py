@@ -120,7 +120,7 @@ def renamed_module(dotted: str, step: Step = FIRST) -> str:
     return dotted
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pattern(names: tuple[str, ...]) -> re.Pattern:
     alternatives = "|".join(sorted(names, key=len, reverse=True))
     return re.compile(rf"(?<![\w./-])tasks(?P<sep>[./])(?P<old>{alternatives})(?P<py>\.py)?(?![\w])")
@@ -208,12 +208,12 @@ def import_problems(old: list[ast.stmt], new: list[ast.stmt], path: str, read, s
         return [f"{path}: {len(old)} import statements before, {len(new)} after"]
     problems = []
     package = _package(path)
-    for o, n in zip(old, new):
+    for o, n in zip(old, new, strict=True):
         was, now = _targets(o, package), _targets(n, package)
         if [b for b, _ in was] != [b for b, _ in now]:
             problems.append(f"{path}:{n.lineno}: binds {[b for b, _ in now]}, before {[b for b, _ in was]}")
             continue
-        for (name, before), (_, after) in zip(was, now):
+        for (name, before), (_, after) in zip(was, now, strict=True):
             moved = renamed_module(before, step)
             if after == moved:
                 continue
@@ -239,13 +239,13 @@ def python_problems(old_text: str, new_text: str, path: str, read, step: Step = 
     problems = []
     if ast.dump(old_tree) != ast.dump(new_tree):
         old_lines, new_lines = ast.unparse(old_tree).splitlines(), ast.unparse(new_tree).splitlines()
-        where = next((i for i, (a, b) in enumerate(zip(old_lines, new_lines)) if a != b),
+        where = next((i for i, (a, b) in enumerate(zip(old_lines, new_lines, strict=False)) if a != b),
                      min(len(old_lines), len(new_lines)))
         problems.append(f"{path}: the code differs beyond imports and module paths, first at (unparsed) "
                         f"{old_lines[where:where + 1]} -> {new_lines[where:where + 1]}")
     if [renamed(c, step) for c in _comments(old_text)] != _comments(new_text):
-        diff = [(a, b) for a, b in zip((renamed(c, step) for c in _comments(old_text)), _comments(new_text))
-                if a != b][:1]
+        moved = (renamed(c, step) for c in _comments(old_text))
+        diff = [(a, b) for a, b in zip(moved, _comments(new_text), strict=False) if a != b][:1]
         problems.append(f"{path}: the comments differ beyond module paths: {diff or 'a comment added or dropped'}")
     return problems + import_problems(old_imports.found, new_imports.found, path, read, step)
 
@@ -255,9 +255,14 @@ class _Git:
 
     def __init__(self) -> None:
         self.proc = None
+        self.read: dict[tuple[str, str], str | None] = {}
 
-    @functools.lru_cache(maxsize=None)
     def text(self, commit: str, path: str) -> str | None:
+        if (commit, path) not in self.read:
+            self.read[commit, path] = self._text(commit, path)
+        return self.read[commit, path]
+
+    def _text(self, commit: str, path: str) -> str | None:
         if self.proc is None:
             self.proc = subprocess.Popen(["git", "cat-file", "--batch"], cwd=REPO, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE)

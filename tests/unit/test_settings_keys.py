@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.settings import SettingsError, load_settings
-from tasks.settings import DEPLOY_KEYS, SITE_PREFIX
+from tasks.settings import DEPLOY_KEYS, SITE_PREFIX, SettingsError, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_1_5B = "Qwen/Qwen2.5-1.5B-Instruct"

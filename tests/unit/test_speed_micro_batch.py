@@ -18,8 +18,7 @@ import pytest
 
 from tasks.memory import ModelShape, VerlWorkload
 from tasks.memory.lora import LoraSpec, lora_gpu_budget
-from tasks.plan import (GpuTarget, default_estimator, gpu_seconds, make_plan, offload_levels, search_memory,
-                        speed_ranked)
+from tasks.plan import GpuTarget, default_estimator, gpu_seconds, make_plan, offload_levels, search_memory, speed_ranked
 from tasks.plan.memory_fit import _micro_choices, update_seconds
 from tasks.speed import GpuStep, gpu_step_seconds
 from tests.unit.test_plan import workload

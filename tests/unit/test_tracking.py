@@ -11,8 +11,7 @@ import pytest
 
 from tasks import train
 from tasks.settings import SettingsError, load_settings
-from tasks.tracking import VERL_BACKENDS, check_tracking, read_keys
-from tasks.tracking import KEYS_FILE, box_gets_keys, keys_for_box
+from tasks.tracking import KEYS_FILE, VERL_BACKENDS, box_gets_keys, check_tracking, keys_for_box, read_keys
 from tests.unit import test_train_launcher as launcher_test
 
 KEY = "0123456789abcdef0123456789abcdef01234567"     # a made-up wandb key (40 hex)

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.tracking import hub
 from tasks.settings import load_settings
-from tasks.tracking import check_tracking
-from tasks.tracking import MEASURED_TAG, PREDICTED_TAG, SCORE_TAG, TEXT_TAG, crc32c
+from tasks.tracking import MEASURED_TAG, PREDICTED_TAG, SCORE_TAG, TEXT_TAG, check_tracking, crc32c, hub
 from tasks.tracking.sync import sync_env
 from tests.fixtures.tracking import VERL_TAGS, recorded_run, steps_of, verl_event_files
 

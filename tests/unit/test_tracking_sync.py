@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.tracking import sync as ts
 from tasks.settings import load_settings
 from tasks.tracking import Tracking
+from tasks.tracking import sync as ts
 from tests.fixtures.standins.wandb_server import WandbServer
 
 KEY = "k" * 40

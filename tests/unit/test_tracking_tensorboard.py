@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.tracking import hub
 from tasks.settings import load_settings
+from tasks.tracking import hub
 from tasks.tracking.events import _event, record, scalar_value
 
 pytest.importorskip("tensorboard_data_server")
@@ -73,7 +73,7 @@ class Board:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise AssertionError(f"TensorBoard did not start: {self.log[-2000:]}")
+                    raise AssertionError(f"TensorBoard did not start: {self.log[-2000:]}") from None
                 time.sleep(0.5)
 
     def scalars(self) -> list:
