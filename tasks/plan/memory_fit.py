@@ -133,7 +133,8 @@ def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
             ranking = [(f[0], -f[1], f[2]) for f in fits] if ranked else None
             break
     if found is None:
-        assert best_failure is not None
+        if best_failure is None:
+            raise _no_choice(gpu, "the update")
         raise _no_fit(gpu, workload, best_failure)
     choice, est = found
 
@@ -239,9 +240,8 @@ def _search_offload_tp(gpu: GpuTarget, workload: Workload, precision: Precision,
             elif best_failure is None or est.peak_mib < best_failure.peak_mib:
                 best_failure = est
         if not fits:
-            if best_failure is None:       # no option to try: a choice list came out empty
-                raise PlanError(f"no memory choice to try for the phases {', '.join(phases) or 'of the rollout'} "
-                                f"on {gpu.count} x {gpu.name}", key="gpu")
+            if best_failure is None:
+                raise _no_choice(gpu, f"the phases {', '.join(phases) or 'of the rollout'}")
             raise _no_fit(gpu, workload, best_failure)
         return min(fits, key=lambda f: f[:3])[3:]
 
@@ -267,6 +267,12 @@ def _search_offload_tp(gpu: GpuTarget, workload: Workload, precision: Precision,
     if est.vllm_gpu_memory_utilization is not None:
         choice = replace(choice, vllm_gpu_memory_utilization=est.vllm_gpu_memory_utilization)
     return choice, est, _memory_reasons(gpu, workload, precision, choice, est, tried)
+
+
+def _no_choice(gpu: GpuTarget, what: str) -> PlanError:
+    """A choice list that came out empty (no micro-batch size divides the batch): nothing was estimated, so there
+    is no failure to describe."""
+    return PlanError(f"no memory choice to try for {what} on {gpu.count} x {gpu.name}", key="gpu")
 
 
 def _no_fit(gpu: GpuTarget, workload: Workload, best_failure: MemoryEstimate) -> PlanError:
