@@ -58,8 +58,6 @@ def token_class(column):
 def shares(responses, response_mask, in_class):
     """Per sequence, the share of its valid response tokens that are in the class (ids beyond the table are
     not); a sequence without a valid token scores 0."""
-    import torch
-
     ids = responses.clamp(0, in_class.numel() - 1)
     hit = in_class.to(responses.device)[ids] & (responses < in_class.numel()) & response_mask
     count = response_mask.sum(-1)
@@ -69,7 +67,7 @@ def shares(responses, response_mask, in_class):
 def group_means(values, uids) -> list[float]:
     """The mean score of each prompt's group of samples (verl's ``uid``), in first-seen order."""
     groups: dict = {}
-    for v, u in zip(values, uids):
+    for v, u in zip(values, uids, strict=True):
         groups.setdefault(u, []).append(float(v))
     return [sum(g) / len(g) for g in groups.values()]
 

@@ -129,7 +129,7 @@ class GpuInventory:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "GpuInventory":
+    def from_dict(cls, data: dict) -> GpuInventory:
         return cls(
             gpus=tuple(Gpu(**g) for g in data.get("gpus", ())),
             problem=data.get("problem"),
@@ -213,7 +213,7 @@ def parse_gpu_query(text: str, fields: tuple[str, ...] = QUERY_FIELDS) -> GpuInv
         if len(parts) != len(fields):
             return GpuInventory(problem=f"nvidia-smi printed a line with {len(parts)} fields, expected "
                                         f"{len(fields)} ({', '.join(fields)}): {line!r}")
-        row = dict(zip(fields, parts))
+        row = dict(zip(fields, parts, strict=True))
         try:
             index = int(row["index"])
             total = _mib(row["memory.total"])

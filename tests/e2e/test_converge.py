@@ -23,7 +23,7 @@ units run them as they would in a real env. The boxes' Ray nodes are on 127.0.0.
    b1 serves again, and each box's listing equals its listing of 2.; a second round changes nothing.
 
 Not here: deploy/full.py's wiring of the same undo (its stages need the env: tests/unit/test_undo.py checks what
-it queues), the driver's hold and pin (tasks/driver*.py is being rewritten), a LoRA run's outputs (kept by
+it queues), the driver's hold and pin (tasks/driver/ is being rewritten), a LoRA run's outputs (kept by
 decision: tasks/undo.py's docstring).
 """
 

@@ -204,7 +204,7 @@ def test_a_rerun_changes_nothing(lab, converged):
     assert all(again.changed_by_host.get(h, 0) == 0 for h in DRIVER_BOXES), again.changed_ops
 
 
-# ---------------------------------------------------------------- back to driver = "check" (tasks/driver_release.py)
+# ---------------------------------------------------------------- back to driver = "check" (tasks/driver/release.py)
 
 
 def check(lab, hosts=("deb12",)):
@@ -554,7 +554,8 @@ def test_a_dropped_connection_does_not_stop_apt_and_a_rerun_follows_it(lab, conv
     """The controller dies with every SSH session it had in the box (killed with all they run) while
     apt installs: apt runs in the job's own unit, so it goes on; a re-run finds the job running and
     follows it to its end (before, apt ran inside the session: killed with it, dpkg half-way)."""
-    from tests.e2e.test_drills import Killed, run as drill_run
+    from tests.e2e.test_drills import Killed
+    from tests.e2e.test_drills import run as drill_run
 
     box = lab.box("deb12")
     back_to_bookworm(box)

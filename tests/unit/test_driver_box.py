@@ -1,5 +1,5 @@
 """The driver stage's steps that run on the box (verl_lab_box/nvidia_driver.py) and its execute-time
-settle/reboot step (tasks/driver.py), with the box's commands answered by recorded outputs
+settle/reboot step (tasks/driver/settle.py), with the box's commands answered by recorded outputs
 (tests/fixtures/driver/: apt 2.6.1's --simulate on a Debian 12 lab box; the DriverState cases).
 
 What this proves is plumbing: which commands run in which order, what stops before anything is
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tasks import driver_settle as stage
+from tasks.driver import settle as stage
 from verl_lab_box import nvidia_driver as box
 from verl_lab_box import nvidia_driver_apt as apt
 from verl_lab_box import nvidia_driver_state as st

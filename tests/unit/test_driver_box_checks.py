@@ -10,9 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_driver_box import (UPDATE, FakeBox, apt, apt_calls, box, held_names, held_state,  # noqa: F401
-                                        is_hold, loaded_state, plan, recorded, run_main, st, write_old_pin)
-
+from tests.unit.test_driver_box import (  # noqa: F401
+    UPDATE,
+    FakeBox,
+    apt,
+    apt_calls,
+    box,
+    held_names,
+    held_state,
+    is_hold,
+    loaded_state,
+    plan,
+    recorded,
+    run_main,
+    st,
+    write_old_pin,
+)
 
 # ---------------------------------------------------------------- NVSwitch: Fabric Manager
 
@@ -98,7 +111,7 @@ def test_the_real_debian_535_list_by_pci_device_id(debian_535):
     t4 = [{"name": "TU104GL [Tesla T4]", "device": "1eb8"}]
     assert apt.unsupported(chips, t4, "535.261.03-1") == [
         "TU104GL [Tesla T4] (PCI 10de:1eb8): not in the supported-GPU list of 535.261.03-1"]
-    from tasks.driver_choice import load_table
+    from tasks.driver import load_table
     assert apt.unsupported(chips, t4, "535.261.03-1", list(load_table().unlisted)) == []
     newer = {"2335": "H200", "2685": "RTX 4090 D", "2702": "RTX 4080 SUPER", "28b0": "RTX 2000 Ada",
              "25b0": "RTX A1000", "25b2": "RTX A400"}

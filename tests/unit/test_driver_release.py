@@ -1,4 +1,4 @@
-"""driver = "check" on a box the driver stage managed (tasks/driver_release.py), on plain values: the box's packages
+"""driver = "check" on a box the driver stage managed (tasks/driver/release.py), on plain values: the box's packages
 and pin as a lab box printed them after the stage's install (tests/fixtures/facts/driver.DriverState/
 debian12_held_no_module.json), changed one way per case. The e2e (tests/e2e/test_driver.py
 ``test_driver_check_releases_the_hold_and_pin_and_keeps_the_driver``) runs it on a lab box with Debian's real
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tasks.doctor import diagnose
-from tasks.driver_plan import BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, driver_want
-from tasks.driver_release import plan_release, stage_paths
+from tasks.driver.plan import BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, driver_want
+from tasks.driver.release import plan_release, stage_paths
 from tasks.facts.driver import DriverLeft
 from tasks.settings import load_settings
 from verl_lab_box.nvidia_driver_state import PROC_VERSION, RUNFILE_UNINSTALLER

@@ -122,7 +122,7 @@ def test_the_cluster_profile_is_the_two_gpu_plan_split_over_two_nodes(rendered):
     o, b = _overrides(plan), _overrides(box)
     assert (o["trainer.n_gpus_per_node"], o["trainer.nnodes"]) == ("1", "2") and plan["gpu"]["count"] == 1
     differ = {k for k in set(o) | set(b) if o.get(k) != b.get(k)}
-    # the paths, and the run's name (the tracking setting names a run by its box: tasks/tracking.py)
+    # the paths, and the run's name (the tracking setting names a run by its box: tasks/tracking/setting.py)
     assert o["trainer.experiment_name"] != b["trainer.experiment_name"]
     assert {k for k in differ if "/tmp/vl/" not in o.get(k, "") + b.get(k, "")} == {"trainer.n_gpus_per_node",
                                                                                     "trainer.nnodes",

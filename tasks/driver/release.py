@@ -26,10 +26,10 @@ driver. So, from what the stage left (``tasks.facts.driver.DriverLeft`` and the 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping
 
-from tasks.driver_plan import BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverWant
+from tasks.driver.plan import BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverWant
 from verl_lab_box.nvidia_driver_hold import LOCK_WAIT, unconfigured
 from verl_lab_box.nvidia_driver_state import JOB_UNIT, MASK_DIR, PROC_VERSION, RUNFILE_UNINSTALLER
 from verl_lab_box.nvidia_driver_units import IDLE, RECORD
@@ -143,7 +143,7 @@ def release_step(want: DriverWant, left: Mapping, there: list[str]) -> Step:
     return Step(f"NVIDIA driver: hold and pin released ({WHY}): {', '.join(undone)}", tuple(commands))
 
 
-def kept_line(want: DriverWant, remain: list[dict], paths: Mapping, unheld: list[str] = ()) -> str:
+def kept_line(want: DriverWant, remain: list[dict], paths: Mapping, unheld: Sequence[str] = ()) -> str:
     """What stays where the hold is released and driver packages remain, and why; the driver's packages that stay
     held (``unheld``: those the release unholds) named, so the line claims no update apt will not make."""
     if not remain:
