@@ -26,7 +26,6 @@ MEMORY_PHASES = {"generate_sequences": "phase_rollout", "compute_log_prob": "pha
                  "update_critic": "phase_critic_update", "update_actor": "phase_actor_update"}
 WATCHED = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl", "critic/vf_loss",
            "critic/grad_norm", "critic/score/mean", "critic/advantages/mean", "critic/returns/mean")
-SCORE = "critic/score/mean"
 SLOWER = 2.0          # "too slow": a step takes more than twice what earlier burn-ins of this card took
 OOM = ("OutOfMemoryError", "CUDA out of memory", "CUDA error: out of memory")
 
@@ -49,16 +48,18 @@ def standard_error(groups: list[float]) -> float | None:
 
 
 def reward_steps(metrics: dict[int, dict], rewards: list[list[dict]], first_steps: list[int]) -> list[dict]:
-    """Per step: verl's mean score and the reward manager's group means. ``rewards`` holds each verl run's reward
-    lines in order, ``first_steps`` the first step each run trained (1, then the step after the save)."""
+    """Per step: the reward manager's mean share and its group means. verl's ``critic/score/mean`` is not the share
+    (it is the share standardised, verl_lab_box/burnin_reward.py): a step whose manager left no line has no score.
+    ``rewards`` holds each verl run's reward lines in order, ``first_steps`` the first step each run trained (1, then
+    the step after the save)."""
     by_step = {}
     for lines, first in zip(rewards, first_steps, strict=False):   # a record without first_steps: its first run's
         for i, line in enumerate(lines):
             by_step[first + i] = line
     out = []
     for step in sorted(set(metrics) | set(by_step)):
-        line, m = by_step.get(step, {}), metrics.get(step, {})
-        score = m.get(SCORE, line.get("mean"))
+        line = by_step.get(step, {})
+        score = line.get("mean")
         groups = line.get("group_means") or []
         out.append({"step": step, "score": score if isinstance(score, (int, float)) else None,
                     "se": standard_error(groups), "groups": len(groups), "sequences": line.get("sequences")})

@@ -14,10 +14,18 @@ along one axis of the hidden space, which every linear layer can do (LoRA's adap
 frozen); a class drawn at random from the vocabulary has no such direction in a model with random weights, and
 its share then rises only token by token (docs/burnin.md, "The task").
 
-The score is per sequence, in [0, 1], placed on its last response token as verl's own managers place theirs. Each
-call appends one JSON line to ``records/reward-<pid>.jsonl``: the batch's mean score, the number of sequences,
-and the mean of each prompt's group (verl's ``uid``), from which the burn-in's test of "rises" takes its
-standard error (verl_lab_box/burnin_judge.py). Standard library at import; torch and safetensors inside.
+What a sequence is judged by is its **share** of class tokens, in [0, 1]. What verl is handed (placed on the last
+response token, as verl's own managers place theirs) is that share standardised, the class count's z-score under a
+fair coin: ``(hits - n/2) / (sqrt(n)/2)`` over its ``n`` valid tokens, i.e. ``2 sqrt(n) (share - 1/2)``. GRPO's
+group-normalised advantage is the same either way; PPO's is ``reward - value`` whitened, and a critic with a random
+value head predicts values that scatter by about 0.5 from token to token, while the share of 256 tokens scatters
+by 0.03 from sequence to sequence: with the share as the reward the advantage would be nearly all the critic's
+noise. The z-score scatters by about 1 (docs/burnin.md, "The task").
+
+Each call appends one JSON line to ``records/reward-<pid>.jsonl``: the batch's mean share, the number of
+sequences, the mean z-score, and the mean share of each prompt's group (verl's ``uid``), from which the burn-in's
+test of "rises" takes its standard error (verl_lab_box/burnin_judge.py judges the shares, not verl's
+``critic/score/mean``, which is the z-score). Standard library at import; torch and safetensors inside.
 """
 
 from __future__ import annotations
@@ -64,6 +72,12 @@ def shares(responses, response_mask, in_class):
     return hit.sum(-1).float() / count.clamp(min=1).float(), count
 
 
+def standardised(share, count):
+    """The class count's z-score under a fair coin, ``2 sqrt(n) (share - 1/2)`` (0 for a sequence without a valid
+    token): what verl is handed as the sequence's score."""
+    return 2.0 * count.float().sqrt() * (share - 0.5)
+
+
 def group_means(values, uids) -> list[float]:
     """The mean score of each prompt's group of samples (verl's ``uid``), in first-seen order."""
     groups: dict = {}
@@ -74,7 +88,8 @@ def group_means(values, uids) -> list[float]:
 
 class BurninReward:
     """verl's reward-manager interface (``__init__(tokenizer, num_examine, compute_score, reward_fn_key, **kwargs)``,
-    ``__call__(data, return_dict)``): the score of a sequence is the share of its response tokens in the class."""
+    ``__call__(data, return_dict)``): a sequence is judged by the share of its response tokens in the class, and
+    verl is handed that share standardised (``standardised``)."""
 
     def __init__(self, tokenizer, num_examine, compute_score=None, reward_fn_key="data_source", model_path=None,
                  records=None, coordinate=0, **_unused):
@@ -93,17 +108,18 @@ class BurninReward:
         responses = data.batch["responses"]
         width = data.batch["prompts"].shape[-1]
         mask = data.batch["attention_mask"][:, width:].bool()
-        score, count = shares(responses, mask, self.in_class)
+        share, count = shares(responses, mask, self.in_class)
+        z = standardised(share, count)
         reward = torch.zeros_like(responses, dtype=torch.float32)
         last = (count - 1).clamp(min=0)
-        reward[torch.arange(len(responses)), last] = score.to(reward.dtype)
+        reward[torch.arange(len(responses)), last] = z.to(reward.dtype)
         self.calls += 1
         uids = list(data.non_tensor_batch.get("uid", range(len(responses))))
         self._record({"event": "reward", "call": self.calls, "sequences": len(responses),
-                      "mean": float(score.mean()), "tokens": int(count.sum()),
-                      "group_means": group_means(score.tolist(), uids)})
+                      "mean": float(share.mean()), "z_mean": float(z.mean()), "tokens": int(count.sum()),
+                      "group_means": group_means(share.tolist(), uids)})
         if return_dict:
-            return {"reward_tensor": reward, "reward_extra_info": {"burnin_share": score.tolist()}}
+            return {"reward_tensor": reward, "reward_extra_info": {"burnin_share": share.tolist()}}
         return reward
 
     def _record(self, line: dict) -> None:

@@ -21,6 +21,32 @@ SPEED_OF = {"generate_sequences": "rollout", "compute_log_prob": "actor_log_prob
             "compute_ref_log_prob": "ref_log_prob", "compute_values": "critic", "update_actor": "update"}
 
 
+def jsonl(folder: Path, prefix: str) -> list[dict]:
+    """Every JSON line of ``folder/<prefix>-*.jsonl`` (the burn-in's records), by time."""
+    lines = []
+    for path in sorted(folder.glob(f"{prefix}-*.jsonl")):
+        lines += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(lines, key=lambda r: r.get("t", 0))
+
+
+def per_step(folder: Path, record: dict) -> list[dict]:
+    """Each step's share of class tokens with its standard error (the judge's, or for a run cut before its verdict,
+    from the reward manager's lines in ``records/``, numbered in order: a cut run has no other numbering) and verl's
+    ``actor/ppo_kl`` and ``actor/pg_clipfrac`` (from ``records/metrics-*``)."""
+    metrics = {m["step"]: m.get("data") or {} for m in jsonl(folder / "records", "metrics")}
+    steps = record.get("steps")
+    if not steps:
+        steps = []
+        for i, line in enumerate(jsonl(folder / "records", "reward"), 1):
+            g = line.get("group_means") or []
+            m = sum(g) / len(g) if g else None
+            se = (sum((x - m) ** 2 for x in g) / (len(g) - 1) / len(g)) ** 0.5 if len(g) > 1 else None
+            steps.append({"step": i, "score": line.get("mean"), "se": se})
+    return [{"step": s["step"], "share": s.get("score"), "se": s.get("se"),
+             "ppo_kl": metrics.get(s["step"], {}).get("actor/ppo_kl"),
+             "clipfrac": metrics.get(s["step"], {}).get("actor/pg_clipfrac")} for s in steps]
+
+
 def read(folder: Path) -> dict:
     def load(name):
         try:
@@ -28,8 +54,9 @@ def read(folder: Path) -> dict:
         except (OSError, ValueError):
             return None
 
-    return {"name": folder.name, "record": load("burnin.json"), "run": load("run.json") or {},
-            "profile": load("profile.json") or {}}
+    record = load("burnin.json")
+    return {"name": folder.name, "record": record, "run": load("run.json") or {},
+            "profile": load("profile.json") or {}, "steps": per_step(folder, record or {})}
 
 
 def summary(found: dict) -> dict:
@@ -52,7 +79,7 @@ def summary(found: dict) -> dict:
             "model_step_s": (speed.get("model_s") or {}).get("step"), "measured_over_model": speed.get("measured_over_model"),
             "configured_eta_s": speed.get("configured_eta_s"), "phases": phases,
             "checks": [f"{c['id']}: {'ok' if c['ok'] else 'FAIL' if c['ok'] is False else 'skip'}: {c['words']}"
-                       for c in rec.get("checks") or []], "versions": rec.get("versions")}
+                       for c in rec.get("checks") or []], "versions": rec.get("versions"), "steps": found["steps"]}
 
 
 def fmt(v, spec="") -> str:
@@ -70,6 +97,10 @@ def words(s: dict) -> str:
              f"card {fmt(s['card_mib'])}); {fmt(s['seconds_per_step'], '.1f')} s a step (speed model "
              f"{fmt(s['model_step_s'], '.1f')}, x{fmt(s['measured_over_model'], '.2f')}); configured run's ETA "
              f"{fmt(s['configured_eta_s'] and s['configured_eta_s'] / 3600, '.1f')} h"]
+    if s["steps"]:
+        lines.append("   share by step: " + ", ".join(
+            f"{t['step']}: {fmt(t['share'], '.4f')} +- {fmt(t['se'], '.4f')}"
+            + (f" (ppo_kl {t['ppo_kl']:.3f})" if isinstance(t["ppo_kl"], (int, float)) else "") for t in s["steps"]))
     for p in s["phases"]:
         lines.append(f"   {p['phase']:<22} {fmt(p['measured_mib'], '.0f'):>7} / {fmt(p['planned_mib']):>6} MiB "
                      f"({fmt(p['ratio'], '.2f')})   {fmt(p['seconds'])} s (model {fmt(p['model_s'])})")

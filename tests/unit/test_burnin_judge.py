@@ -63,9 +63,17 @@ def test_chance_does_not_pass_it():
 def test_reward_steps_number_each_runs_lines_from_its_first_step():
     lines = [[{"mean": 0.5, "group_means": [0.5, 0.5], "sequences": 4}] * 2,
              [{"mean": 0.6, "group_means": [0.6, 0.6], "sequences": 4}] * 3]
-    steps = judge.reward_steps({3: {"critic/score/mean": 0.61}}, lines, [1, 3])
+    steps = judge.reward_steps({3: {"critic/score/mean": 3.2}}, lines, [1, 3])
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
-    assert steps[2]["score"] == 0.61 and steps[3]["score"] == 0.6       # verl's own mean where it logged one
+    assert [s["score"] for s in steps] == [0.5, 0.5, 0.6, 0.6, 0.6]
+
+
+def test_a_step_is_scored_by_the_managers_share_never_by_verls_score():
+    """verl's critic/score/mean is the share standardised (the manager hands verl a z-score): a step without the
+    manager's line has no score rather than a z-score read as a share."""
+    lines = [[{"mean": 0.5, "group_means": [0.5, 0.52], "sequences": 4}]]
+    steps = judge.reward_steps({1: {"critic/score/mean": 0.4}, 2: {"critic/score/mean": 3.2}}, lines, [1])
+    assert [(s["step"], s["score"]) for s in steps] == [(1, 0.5), (2, None)]
 
 
 def test_nan_or_inf_in_a_loss_or_gradient_norm_fails():

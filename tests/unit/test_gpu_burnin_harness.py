@@ -85,3 +85,15 @@ def test_the_read_back_says_what_each_burnin_showed(rendered, tmp_path):
     assert "burn-ins as expected: 2 of 3" in out
     found = burnin_results.summary(burnin_results.read(runs / "p40-burnin"))
     assert found["phases"] and all(p["ratio"] for p in found["phases"])
+
+
+def test_the_read_back_of_a_run_cut_before_its_verdict_prints_its_shares():
+    """GPU call 17's P40 burn-in (a real record, killed at its limit after step 3): no verdict, but each step's
+    share from the reward manager's lines and verl's ppo_kl from its metrics."""
+    runs = REPO / "bench" / "gpu" / "results" / "burnin-20261205" / "call17" / "runs"
+    found = burnin_results.summary(burnin_results.read(runs / "p40-burnin"))
+    assert found["state"] == "running" and found["as_expected"] is False
+    assert [(s["step"], round(s["share"], 4)) for s in found["steps"]] == [(1, 0.507), (2, 0.4943), (3, 0.4925),
+                                                                          (4, 0.4936)]
+    assert round(found["steps"][0]["ppo_kl"], 3) == 0.221 and found["steps"][3]["ppo_kl"] is None
+    assert "share by step: 1: 0.5070 +- 0.0031 (ppo_kl 0.221)" in burnin_results.words(found)
