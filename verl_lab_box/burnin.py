@@ -288,7 +288,7 @@ def burnin(launch, extra=(), keep=False, preflight_first=True):
     phases, metrics_lines = jsonl(records, "phases"), jsonl(records, "metrics")
     metrics = {m["step"]: m["data"] for m in metrics_lines}
     rewards = [[r for r in jsonl(records, "reward") if start <= r["t"] < end]
-               for start, end in zip(started, started[1:] + [float("inf")], strict=True)]
+               for start, end in zip(started, started[1:] + [float("inf")])]
     result = {"runs": runs, "metrics": metrics, "rewards": rewards, "phases": phases,
               "first_steps": [r["first_step"] for r in bp["runs"][:len(runs)]], **saves}
     if len(runs) > 1 and runs[1]["rc"] == 0:

@@ -81,7 +81,7 @@ def standardised(share, count):
 def group_means(values, uids) -> list[float]:
     """The mean score of each prompt's group of samples (verl's ``uid``), in first-seen order."""
     groups: dict = {}
-    for v, u in zip(values, uids, strict=True):
+    for v, u in zip(values, uids):
         groups.setdefault(u, []).append(float(v))
     return [sum(g) / len(g) for g in groups.values()]
 

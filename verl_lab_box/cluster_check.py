@@ -123,7 +123,7 @@ def main(argv=None) -> int:
             .remote(packages, model_dir, data_files) for n in alive]
     prints = ray.get(refs, timeout=args.timeout)
     nodes = [{"ip": n["NodeManagerAddress"], "gpus": n["Resources"].get("GPU", 0), "fingerprint": fp}
-             for n, fp in zip(alive, prints, strict=True)]
+             for n, fp in zip(alive, prints)]
     problems = compare(nodes, head_ip, nnodes, gpus_per_node)
     if problems:
         print(FAILED + ":\n  " + "\n  ".join(problems))

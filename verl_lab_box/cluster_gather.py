@@ -355,7 +355,7 @@ def gather(step: int, checkpoint_dir: str, nnodes: int, timeout: float) -> int:
     try:
         _, waiting = ray.wait(refs, num_returns=len(refs), timeout=deadline.left())
         if waiting:
-            hung = [ip for ip, ref in zip(ips, refs, strict=True) if ref in waiting]
+            hung = [ip for ip, ref in zip(ips, refs) if ref in waiting]
             print("\n".join(f"{failed}: node {ip} did not answer within {timeout:g} s (its listing of "
                             f"global_step_{step}/actor): it hangs or is cut off (journalctl -u verl-lab-ray.service "
                             "there)" for ip in hung), flush=True)
@@ -364,7 +364,7 @@ def gather(step: int, checkpoint_dir: str, nnodes: int, timeout: float) -> int:
     except ray.exceptions.RayError as exc:
         print(f"{failed}: the nodes {', '.join(ips)} did not all answer ({type(exc).__name__}: {exc})", flush=True)
         return 1
-    nodes = dict(zip(ips, found, strict=True))
+    nodes = dict(zip(ips, found))
     before = _read_json(os.path.join(actor, RECORD)) or {}
     fetch, problems = plan_fetch(head, nodes, step, nnodes, [c["name"] for c in before.get("copied") or []])
     if problems:                            # a line each: the doctor reads them (files/doctor/cluster.toml)

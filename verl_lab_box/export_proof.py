@@ -345,7 +345,7 @@ def prove(export: str, actor_dir: str, device: str | None = None) -> dict:
 
 
 def _max_diff(a: list, b: list) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
 def _parameters_of(config: dict) -> int:

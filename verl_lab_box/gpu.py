@@ -213,7 +213,7 @@ def parse_gpu_query(text: str, fields: tuple[str, ...] = QUERY_FIELDS) -> GpuInv
         if len(parts) != len(fields):
             return GpuInventory(problem=f"nvidia-smi printed a line with {len(parts)} fields, expected "
                                         f"{len(fields)} ({', '.join(fields)}): {line!r}")
-        row = dict(zip(fields, parts, strict=True))
+        row = dict(zip(fields, parts))
         try:
             index = int(row["index"])
             total = _mib(row["memory.total"])

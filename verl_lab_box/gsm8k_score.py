@@ -259,7 +259,7 @@ def _score(args) -> dict:
     responses, facts = (generate_vllm if args.engine == "vllm" else generate_hf)(args, tokenizer, ids, eos)
     seconds = time.monotonic() - start
     scores, examples = [], []
-    for row, response in zip(rows, responses, strict=True):
+    for row, response in zip(rows, responses):
         text = tokenizer.decode(response, skip_special_tokens=True)
         truth = row["reward_model"]["ground_truth"]
         scores.append(float(default_compute_score(row["data_source"], text, truth)))

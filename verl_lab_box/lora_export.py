@@ -299,7 +299,7 @@ def _logits(model, inputs: list) -> list:
 
 
 def _max_diff(a: list, b: list) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
 def prove(export: str, actor_dir: str, weights: dict, prompts: list[str],
