@@ -144,6 +144,9 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=100)
+    ap.add_argument("--head", type=int, default=30, help="prompt ids shared by every prompt at its start (a chat "
+                    "template's system turn)")
+    ap.add_argument("--tail", type=int, default=5, help="... and at its end (the assistant's opening)")
     ap.add_argument("--response", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
@@ -191,15 +194,15 @@ def main(argv=None):
 
     gen = torch.Generator().manual_seed(a.data_seed)
     # GSM8K's prompts in the chat template: a fixed head and tail around each question (random ids here)
-    head = torch.randint(3, vocab, (1, 30), generator=gen)
-    tail = torch.randint(3, vocab, (1, 5), generator=gen)
+    head = torch.randint(3, vocab, (1, a.head), generator=gen)
+    tail = torch.randint(3, vocab, (1, a.tail), generator=gen)
     rows = []
     n = a.n if a.algo == "grpo" else 1
     batch = a.prompts * n
     print(json.dumps(vars(a)), flush=True)
     for step in range(1, a.steps + 1):
         t0 = time.time()
-        question = torch.randint(3, vocab, (a.prompts, a.prompt_len - 35), generator=gen)
+        question = torch.randint(3, vocab, (a.prompts, a.prompt_len - a.head - a.tail), generator=gen)
         prompts = torch.cat([head.expand(a.prompts, -1), question, tail.expand(a.prompts, -1)], 1)
         prompts = prompts.repeat_interleave(n, 0)
         torch.manual_seed(1000 * a.seed + step)
@@ -253,9 +256,25 @@ def main(argv=None):
                "s": round(time.time() - t0, 1)}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    summary = rise(rows)
+    print(json.dumps(summary), flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "steps": rows}))
+        Path(a.json).write_text(json.dumps({"args": vars(a), "steps": rows, "summary": summary}))
     return rows
+
+
+def rise(rows: list[dict], last: int = 2) -> dict:
+    """The burn-in's comparison (step 1 against the mean of the last ``last`` steps) on the class mass (``expected``:
+    the policy's, no sampling noise) and on the sampled score, with the sampled score's standard error as the
+    product's judge combines it (verl_lab_box/burnin_judge.py)."""
+    if len(rows) <= last:
+        return {"summary": "too few steps"}
+    first, tail = rows[0], rows[-last:]
+    se = math.sqrt(first["se"] ** 2 + sum(r["se"] ** 2 for r in tail) / last ** 2)
+    return {"summary": f"step 1 -> mean of steps {tail[0]['step']}-{tail[-1]['step']}",
+            "expected_rise": round(sum(r["expected"] for r in tail) / last - first["expected"], 5),
+            "score_rise": round(sum(r["score"] for r in tail) / last - first["score"], 5),
+            "score_se": round(se, 5), "moved_per_step": [r.get("moved") for r in rows]}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ ids over the whole vocabulary). It prints each step's share, its standard error 
 
     .venv/bin/python bench/burnin_verl_shape.py [--layers 1] [--steps 5] [--response 32] [--mutation NAME]
 
-About 5 minutes of one core a step at the defaults (16 prompts x 4 x 32 tokens); several GiB of memory.
+About 10 minutes a step on one busy core at the defaults (16 prompts x 4, 48 prompt and 32 response tokens); about
+6 GiB of memory.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def main(argv=None) -> int:
     ap.add_argument("--finetune", choices=["full", "lora"], default="full")
     ap.add_argument("--mutation", default="", help="a tests/fixtures/burnin/mutations/<name>.diff on the verl tree")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt", default="48,30,5,8", help="WIDTH,HEAD,TAIL,PAD: prompt ids a row, of them shared "
+                    "by every prompt at its start and end (a chat template's), left padding of every other prompt "
+                    "(GSM8K's chat prompts on the GPU: 97-181 tokens; 48 here, as verl computes the logits of the prompt's positions too); 7,0,0,3 is the tiny test's")
+    ap.add_argument("--timeout", type=int, default=4 * 3600)
     ap.add_argument("--keep", type=Path, default=None, help="work here (kept) instead of a temporary folder")
     a = ap.parse_args(argv)
 
@@ -83,11 +88,13 @@ def main(argv=None) -> int:
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "16",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "16"}
     overrides = merged(burnin_run_overrides(model, work / "run", a.finetune), [f"{k}={v}" for k, v in mine.items()])
+    width, head, tail, pad = (int(x) for x in a.prompt.split(","))
     spec = {"overrides": overrides, "prompts": a.prompts, "steps": a.steps, "rises": RISES,
-            "vocab": json.loads((model / "config.json").read_text())["vocab_size"]}
+            "vocab": json.loads((model / "config.json").read_text())["vocab_size"],
+            "prompt": {"width": width, "head": head, "tail": tail, "pad": pad}}
     print(json.dumps({k: v for k, v in vars(a).items() if k != "keep"}), flush=True)
     print("\n".join(o for o in overrides if "lr" in o or "batch" in o or "length" in o), flush=True)
-    found, log, seconds = _run(python, tree, spec, work / "run")
+    found, log, seconds = _run(python, tree, spec, work / "run", timeout=a.timeout)
     if found is None:
         print(log)
         return 1

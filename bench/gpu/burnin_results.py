@@ -32,7 +32,8 @@ def jsonl(folder: Path, prefix: str) -> list[dict]:
 def per_step(folder: Path, record: dict) -> list[dict]:
     """Each step's share of class tokens with its standard error (the judge's, or for a run cut before its verdict,
     from the reward manager's lines in ``records/``, numbered in order: a cut run has no other numbering) and verl's
-    ``actor/ppo_kl`` and ``actor/pg_clipfrac`` (from ``records/metrics-*``)."""
+    ``actor/ppo_kl``, ``actor/pg_clipfrac``, ``critic/score/mean`` (what verl was handed: the share's z-score since
+    the burn-in standardises it) and, with a critic, ``critic/vf_explained_var`` (from ``records/metrics-*``)."""
     metrics = {m["step"]: m.get("data") or {} for m in jsonl(folder / "records", "metrics")}
     steps = record.get("steps")
     if not steps:
@@ -44,7 +45,9 @@ def per_step(folder: Path, record: dict) -> list[dict]:
             steps.append({"step": i, "score": line.get("mean"), "se": se})
     return [{"step": s["step"], "share": s.get("score"), "se": s.get("se"),
              "ppo_kl": metrics.get(s["step"], {}).get("actor/ppo_kl"),
-             "clipfrac": metrics.get(s["step"], {}).get("actor/pg_clipfrac")} for s in steps]
+             "clipfrac": metrics.get(s["step"], {}).get("actor/pg_clipfrac"),
+             "verl_score": metrics.get(s["step"], {}).get("critic/score/mean"),
+             "vf_explained_var": metrics.get(s["step"], {}).get("critic/vf_explained_var")} for s in steps]
 
 
 def read(folder: Path) -> dict:
@@ -101,6 +104,12 @@ def words(s: dict) -> str:
         lines.append("   share by step: " + ", ".join(
             f"{t['step']}: {fmt(t['share'], '.4f')} +- {fmt(t['se'], '.4f')}"
             + (f" (ppo_kl {t['ppo_kl']:.3f})" if isinstance(t["ppo_kl"], (int, float)) else "") for t in s["steps"]))
+        told = [t for t in s["steps"] if isinstance(t["verl_score"], (int, float))]
+        if told:
+            lines.append("   verl's critic/score/mean by step: " + ", ".join(
+                f"{t['step']}: {t['verl_score']:.3f}" + (f" (vf_explained_var {t['vf_explained_var']:.1f})"
+                                                        if isinstance(t["vf_explained_var"], (int, float)) else "")
+                for t in told))
     for p in s["phases"]:
         lines.append(f"   {p['phase']:<22} {fmt(p['measured_mib'], '.0f'):>7} / {fmt(p['planned_mib']):>6} MiB "
                      f"({fmt(p['ratio'], '.2f')})   {fmt(p['seconds'])} s (model {fmt(p['model_s'])})")

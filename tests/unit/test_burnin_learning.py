@@ -59,7 +59,7 @@ def burnin_run_overrides(model_dir: Path, folder: Path, finetune: str = "full") 
     return merged(base + [f"{k}={v}" for k, v in SHRINK.items()], mine)
 
 
-def _run(python, tree: Path, spec: dict, out: Path) -> tuple[dict | None, str, float]:
+def _run(python, tree: Path, spec: dict, out: Path, timeout: int = 900) -> tuple[dict | None, str, float]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec))
     probe = out / "probe"
@@ -70,7 +70,7 @@ def _run(python, tree: Path, spec: dict, out: Path) -> tuple[dict | None, str, f
     env = {**os.environ, "PYTHONPATH": str(probe), "VERL_LAB_BURNIN_RECORDS": records}   # as the driver sets it
     start = time.monotonic()
     res = subprocess.run([str(python), str(RUN), str(out / "spec.json"), str(out)], cwd=tree, capture_output=True,
-                         text=True, timeout=900, env=env)
+                         text=True, timeout=timeout, env=env)
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     found = json.loads(lines[-1][len("RESULT "):]) if res.returncode == 0 and lines else None
     return found, res.stdout[-3000:] + res.stderr[-3000:], round(time.monotonic() - start, 1)
@@ -110,6 +110,10 @@ def test_the_reward_rises_with_verls_own_update(runs):
     # the probe saw the worker's calls and the trainer's metrics, as on a box
     assert {"generate_sequences", "compute_log_prob", "compute_ref_log_prob", "update_actor"} <= set(found["phase_calls"])
     assert [s["step"] for s in found["steps"]] == list(range(1, STEPS + 1))
+    # verl's advantage was computed from the share's z-score (its critic/score/mean), the judge read the shares
+    for s in found["steps"]:
+        handed, z = found["verl_scores"][str(s["step"])], found["z_means"][str(s["step"])]
+        assert abs(handed - z) < 1e-4 and abs(handed - s["score"]) > 0.05, (s, handed, z)
 
 
 def test_the_advantage_sign_flipped_fails_it_as_reward_fell(runs):

@@ -96,4 +96,7 @@ def test_the_read_back_of_a_run_cut_before_its_verdict_prints_its_shares():
     assert [(s["step"], round(s["share"], 4)) for s in found["steps"]] == [(1, 0.507), (2, 0.4943), (3, 0.4925),
                                                                           (4, 0.4936)]
     assert round(found["steps"][0]["ppo_kl"], 3) == 0.221 and found["steps"][3]["ppo_kl"] is None
-    assert "share by step: 1: 0.5070 +- 0.0031 (ppo_kl 0.221)" in burnin_results.words(found)
+    told = burnin_results.words(found)
+    assert "share by step: 1: 0.5070 +- 0.0031 (ppo_kl 0.221)" in told
+    # what verl was handed then (the share itself) and how far its critic was from it
+    assert "critic/score/mean by step: 1: 0.507 (vf_explained_var -251.5)" in told
