@@ -83,18 +83,18 @@ def alive(pid: int | None, start: int | None) -> bool:
     return bool(pid) and proc_start_time(pid) is not None and proc_start_time(pid) == start
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, from a wide random range (several runs share the machine)."""
+def free_port(host: str = "127.0.0.1", high: int = 59999) -> int:
+    """A port free on ``host`` now, from a wide random range 20000..``high`` (several runs share the machine)."""
     import random
     for _ in range(200):
-        port = random.randint(20000, 59999)
+        port = random.randint(20000, high)
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind((host, port))
             except OSError:
                 continue
         return port
-    raise BoxError("no free port on 127.0.0.1")
+    raise BoxError(f"no free port on {host}")
 
 
 class Box:

@@ -26,14 +26,11 @@ import importlib.util
 import io
 import json
 import os
-import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import types
 from pathlib import Path
 
@@ -251,16 +248,8 @@ def _free_port() -> int:
     """A port free on every address, below Linux's ephemeral range (32768 up): Ray's GCS listens on all addresses, and
     a port the kernel hands out for other tests' outgoing connections (ssh to the lab's boxes) can be taken again
     between this check and the head's bind."""
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port in 20000-32000")
+    from tests.lab.box import free_port
+    return free_port("0.0.0.0", 31999)
 
 
 @pytest.fixture
