@@ -2,7 +2,7 @@
 PYTHON ?= $(shell test -x .venv/bin/python && echo .venv/bin/python || command -v python3)
 GPUS ?= p40,t4,rtx3090
 
-.PHONY: lab-up lab-down lab-status lab-plans test test-unit test-e2e
+.PHONY: lab-up lab-down lab-status lab-plans lint test test-unit test-e2e
 
 lab-up:          ## boot boxes (GPUS=p40,t4,rtx3090) and write .lab/inventory.py
 	$(PYTHON) bin/lab up --gpus $(GPUS)
@@ -16,8 +16,11 @@ lab-status:
 lab-plans:       ## the training plan each box got (after a deploy)
 	$(PYTHON) bin/lab plans
 
+lint:            ## ruff and mypy, as CI runs them before the tests (.ci/lint; docs/testing.md, "Lint and types")
+	PYTHON=$(PYTHON) bash .ci/lint
+
 test:            ## everything (the README's test command)
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n 4 tests
 
 test-unit:       ## no boxes
 	$(PYTHON) -m pytest -q tests/unit

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "files" / "models" / "qwen2.5-0.5b-instruct" / "config.json"

@@ -48,7 +48,7 @@ def _origin() -> tuple[str | None, str | None]:
             fact = frame.f_locals.get("name")
         fn = code.co_filename
         if stage is None and fn.startswith(TASKS) and os.sep + "facts" + os.sep not in fn[len(TASKS) - 1:]:
-            stage = Path(fn).stem
+            stage = Path(fn[len(TASKS):]).with_suffix("").as_posix().replace("/", ".")   # driver.stage, cuda
         frame = frame.f_back
     return fact, stage
 

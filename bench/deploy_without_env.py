@@ -5,7 +5,7 @@ Not a bench script itself: `pyinfra INV bench/deploy_without_env.py`."""
 
 from tasks.base import base_layout
 from tasks.cuda import install_cuda
-from tasks.data import install_data
+from tasks.data.stage import install_data
 from tasks.hostdata import check_inventory, settings_for
 from tasks.train import install_train
 

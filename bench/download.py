@@ -44,8 +44,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import (REPO, free_page_reporting, free_page_reporting_off, interleave, log,  # noqa: E402
-                           render_table, summary, touch_free_memory, write_result)  # noqa: E402
+from bench.harness import (  # noqa: E402
+    REPO,
+    free_page_reporting,
+    free_page_reporting_off,
+    interleave,
+    log,
+    render_table,
+    summary,
+    touch_free_memory,
+    write_result,
+)
 from bench.vm_pages import free_pages_reported, write_size  # noqa: E402
 from tasks.fetch import Expected, download  # noqa: E402
 from tests.lab.mirror import Mirror  # noqa: E402

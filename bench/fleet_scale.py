@@ -21,8 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import (Pipeline, floor_args, interleave, log, render_table, run_pyinfra, summary,  # noqa: E402
-                           write_result)
+from bench.harness import Pipeline, floor_args, interleave, log, render_table, run_pyinfra, summary, write_result  # noqa: E402
 from tests.lab import BoxSpec, Lab  # noqa: E402
 
 TARGET = 1.5

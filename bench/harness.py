@@ -17,9 +17,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -57,7 +58,7 @@ def render_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
         return str(v)
     body = [[cell(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
     out = [line(list(headers)), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in body]
     return "\n".join(out)
@@ -160,7 +161,7 @@ class CommandLog:
     commands: dict[str, list[dict]] = field(default_factory=dict)     # host -> [{kind, stage, fact, command}]
 
     @classmethod
-    def read(cls, path: Path) -> "CommandLog":
+    def read(cls, path: Path) -> CommandLog:
         out = cls()
         if not Path(path).exists():
             return out
@@ -259,7 +260,7 @@ class Run:
     seconds: float
     result: Any                      # tests.lab.DeployResult
     commands: dict[str, dict] | None = None    # count_commands(...) when counted
-    log: "CommandLog | None" = None            # the raw records when counted
+    log: CommandLog | None = None            # the raw records when counted
 
 
 def run_pyinfra(lab, args: Sequence[str], data: Mapping[str, Any] | None = None, hosts=None,

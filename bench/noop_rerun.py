@@ -20,8 +20,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import (RESULTS, Pipeline, floor_args, interleave, log, ratio, render_table, run_pyinfra,  # noqa: E402
-                           summary, write_result)
+from bench.harness import (  # noqa: E402
+    RESULTS,
+    Pipeline,
+    floor_args,
+    interleave,
+    log,
+    ratio,
+    render_table,
+    run_pyinfra,
+    summary,
+    write_result,
+)
 from tests.lab import BoxSpec, Lab  # noqa: E402
 
 TARGET_RATIO = 3.0

@@ -14,8 +14,9 @@ Standard library only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
 SYS = Path("/sys")
 PAGE_REPORTING_ORDER = "module/page_reporting/parameters/page_reporting_order"   # under SYS

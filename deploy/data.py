@@ -5,7 +5,7 @@ downloads with the env's huggingface_hub).
 """
 
 from tasks.base import base_layout
-from tasks.data import install_data
+from tasks.data.stage import install_data
 from tasks.hostdata import check_inventory, settings_for
 
 check_inventory()

@@ -24,10 +24,9 @@ from tasks.facts.burnin import BurninRecord
 from tasks.facts.driver import DriverMasks
 from tasks.facts.logs import BoxLogs, TrainingRun
 from tasks.hostdata import check_inventory, every_host_once_all_answered, settings_for, write_json
-from tasks.settings import TRAIN_UNIT
 from tasks.run_summary import last_run
+from tasks.settings import TRAIN_UNIT
 from tasks.status import STAGES, not_installed_reason, unit_summary
-
 
 
 def hosts_words(n: int) -> str:

@@ -5,7 +5,7 @@ driver = "install" left, its hold and pin, keeping the driver (docs/driver.md, "
 """
 
 from tasks.base import base_layout
-from tasks.driver import install_driver
+from tasks.driver.stage import install_driver
 from tasks.hostdata import check_inventory, settings_for
 
 check_inventory()

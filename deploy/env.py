@@ -1,8 +1,8 @@
 """The Python env stage alone: `pyinfra inventory/lab.py deploy/env.py`."""
 
-from tasks.hostdata import check_inventory, settings_for
 from tasks.base import base_layout
 from tasks.env import install_env
+from tasks.hostdata import check_inventory, settings_for
 
 check_inventory()
 settings = settings_for()

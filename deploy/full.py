@@ -5,21 +5,20 @@ Stages run in this order; each is idempotent alone and has its own deploy file
 whose env is broken gets it rebuilt beside the old one (the env stage swaps only after the new env passes its proofs).
 What a setting no longer asks for (a Ray cluster left, a tracker dropped, another TensorBoard hub, the driver
 stage's hold and pin after driver = "check") is undone in the same run, an operation each saying what and why
-(tasks/undo.py, tasks/driver_release.py; the run's outputs and the installed driver are kept).
+(tasks/undo.py, tasks/driver/release.py; the run's outputs and the installed driver are kept).
 The run ends with one line per host (tasks/run_summary.py): each stage proven, checked or changed, the
 plan in one line, the unit's state.
 """
 
 from pyinfra import inventory
 
-
 from tasks.base import base_layout, check_run
 from tasks.cluster import install_cluster, training_in
 from tasks.cuda import install_cuda
-from tasks.data import install_data
-from tasks.driver import install_driver
-from tasks.hostdata import cluster_for, settings_for
+from tasks.data.stage import install_data
+from tasks.driver.stage import install_driver
 from tasks.env import install_env
+from tasks.hostdata import cluster_for, settings_for
 from tasks.run_summary import note, note_plan, note_target, stage
 from tasks.train import install_train
 from tasks.undo import driver_found, undo_unwanted

@@ -5,9 +5,9 @@ env stays in place (and in use) until the new one passes, and is kept as <env_pr
 It ends with a line per host (tasks/run_summary.py): the env rebuilt (changed) or FAILED, and why above.
 """
 
-from tasks.hostdata import check_inventory, settings_for
 from tasks.base import base_layout
 from tasks.env import install_env
+from tasks.hostdata import check_inventory, settings_for
 from tasks.run_summary import note_target, stage
 
 check_inventory()

@@ -23,7 +23,7 @@ from pyinfra import host, inventory
 
 from tasks.burnin import BURNIN_UNIT, burnin_paths, status_lines
 from tasks.doctor import diagnose, never_ran, render
-from tasks.driver import held_driver_notes
+from tasks.driver.stage import held_driver_notes
 from tasks.facts.bundle import ask
 from tasks.facts.burnin import BurninRecord
 from tasks.facts.export import RunExports
@@ -33,7 +33,7 @@ from tasks.hostdata import check_inventory, every_host_once_all_answered, settin
 from tasks.run_summary import last_run
 from tasks.settings import TRAIN_UNIT
 from tasks.status import STAGES, _json_safe, box_status, boxes, nothing_to_report, parse_log, render_rows, unit_summary
-from tasks.tracking_hub import HUB_UNIT, hub_name, hub_words, served_dir, served_here, shares_loopback
+from tasks.tracking.hub import HUB_UNIT, hub_name, hub_words, served_dir, served_here, shares_loopback
 
 check_inventory()
 settings = settings_for()

@@ -2,11 +2,11 @@
 
 Every box's TensorBoard event files (verl's `trainer.logger` tensorboard, settings `tracking`) are copied
 into the controller cache, then onto the hub box (`tracking.hub`, else the inventory's first box), whose
-`verl-lab-tensorboard.service` serves them on 127.0.0.1:6006 (tasks/tracking_hub.py); beside verl's scalars,
+`verl-lab-tensorboard.service` serves them on 127.0.0.1:6006 (tasks/tracking/hub.py); beside verl's scalars,
 each box's GSM8K base -> trained scores and its plan's predicted peak (run `<box>/verl-lab`). Both legs carry
-only the bytes a file gained, read on the box as the train user (tasks/tracking_copy.py). The offline runs of
+only the bytes a file gained, read on the box as the train user (tasks/tracking/copy.py). The offline runs of
 wandb, SwanLab and MLflow are copied into the controller cache too and synced from there with the
-controller's keys, each run once (tasks/tracking_sync.py), including the cached runs of a box gone from the
+controller's keys, each run once (tasks/tracking/sync.py), including the cached runs of a box gone from the
 inventory. Re-run it to bring the curves up to date; a box that went away keeps what was copied.
 `deploy/status.py` says how to open it (the SSH tunnel to a serving hub).
 
@@ -29,10 +29,16 @@ from tasks.facts.logs import TrainingRun
 from tasks.hostdata import check_inventory, settings_for
 from tasks.settings import TRAIN_UNIT
 from tasks.status import STAGES, box_status
-from tasks.tracking_copy import collect, install_copy_program
-from tasks.tracking_hub import (HubNotProvisioned, box_events_dir, cache_dir, hub_name, install_tracking_hub,
-                                write_summary)
-from tasks.tracking_sync import boxes_root, collect_offline_runs, sync_offline_runs
+from tasks.tracking.copy import collect, install_copy_program
+from tasks.tracking.hub import (
+    HubNotProvisioned,
+    box_events_dir,
+    cache_dir,
+    hub_name,
+    install_tracking_hub,
+    write_summary,
+)
+from tasks.tracking.sync import boxes_root, collect_offline_runs, sync_offline_runs
 from tasks.undo import hub_role, undo_unwanted
 
 check_inventory()

@@ -9,7 +9,6 @@ that logs offline now, an empty folder of a tracker no longer named. It ends wit
 
 from pyinfra import inventory
 
-
 from tasks.base import base_layout
 from tasks.cluster import training_in
 from tasks.hostdata import check_inventory, cluster_for, settings_for

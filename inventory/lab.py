@@ -2,7 +2,7 @@
 `pyinfra inventory/lab.py deploy/full.py`.
 
 Groups are free-form; these ones name GPU generations so group_data can tune them.
-Every key verl-lab reads, with its default, is in tasks/settings.py (DEFAULTS);
+Every key verl-lab reads, with its default, is in tasks/settings/load.py (DEFAULTS);
 site-wide choices go in inventory/group_data/all.py.
 """
 

@@ -7,9 +7,9 @@ import shlex
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, StringCommand, operation
 
-from tasks.failure import failing_command
 from tasks.catalog import Artifact
 from tasks.facts.files import VerifiedArtifact
+from tasks.failure import failing_command
 from tasks.fetch import Expected, FetchError, box_fetch_script, box_verify_script, download
 from tasks.settings import LabSettings
 

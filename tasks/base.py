@@ -14,12 +14,12 @@ from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import apt, server
 
 from tasks.facts.bundle import ask
-from tasks.failure import fail_host
 from tasks.facts.files import PasswdEntry, PathStates, RootOnlyChain
 from tasks.facts.gpu import NvidiaGpus
 from tasks.facts.nvidia import CudaHostCompiler
+from tasks.failure import fail_host
 from tasks.placed import missing_under_shared, place, root_dir_command, root_only_problem, wanted_dir
-from tasks.plan import rollout_refusal
+from tasks.plan import GpuTarget, rollout_refusal
 from tasks.settings import LabSettings, SettingsError
 from tasks.target import HOST_COMPILER_PACKAGES, HostTarget, decide_compiler, decide_gpu
 
@@ -204,6 +204,7 @@ def refused_hosts(problems: list[SettingsError], in_run: list[str], clusters: di
 def run_report() -> tuple[str | None, dict[str, str]]:
     """The report of the run's checks (None: no problem) and the hosts it refuses, with why."""
     from pyinfra import state
+
     from tasks.hostdata import _CACHE, _IN_RUN, check_inventory, warning_report
 
     inventory = check_inventory(stop=False)
@@ -243,7 +244,7 @@ def run_report() -> tuple[str | None, dict[str, str]]:
 
 def _data_planned(settings: LabSettings) -> bool:
     """Whether the data stage's plan exists (else the inventory pass reported why: no box check)."""
-    from tasks.data_plan import data_plan
+    from tasks.data import data_plan
     try:
         data_plan(settings)
     except SettingsError:
@@ -258,7 +259,7 @@ def plural(n: int, word: str) -> str:
 def box_facts(settings: LabSettings) -> list[tuple[type, dict]]:
     """What the run's checks read on one box, in one bundle: its GPUs and driver, the model and
     data already there and the free disk for the rest, the disk under the checkpoint folder, its RAM."""
-    from tasks.data_plan import data_plan
+    from tasks.data import data_plan
     from tasks.facts.data import SnapshotStamp
     from tasks.facts.disk import CheckpointDisk, FreeDisk
     from tasks.facts.endpoint import EndpointServes, api_url
@@ -279,6 +280,7 @@ def ask_every_host(hosts) -> dict[str, list]:
     import gevent
     from pyinfra import state
     from pyinfra.context import ctx_config, ctx_host
+
     from tasks.facts.bundle import Bundle
     from tasks.hostdata import _CACHE
 
@@ -307,7 +309,7 @@ def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> 
             continue
         targets[name] = decide_gpu(settings[name], got[0])
     for name, target in targets.items():
-        s, (gpus, model_stamp, data_stamp, free, ckpt_disk, memory, *probes) = settings[name], answers[name]
+        s, (_gpus, model_stamp, data_stamp, free, ckpt_disk, memory, *probes) = settings[name], answers[name]
         found += driver_problems(s, target)
         found += served_problems(s, (model_stamp, data_stamp), probes)
         rollout = s.workload["rollout"]
@@ -326,10 +328,10 @@ def box_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -> 
             members = {m: (targets[m].target if m in targets else None) for m in cluster.members}
         from tasks.validation import plan_problem
         problem = plan_problem(s, target.target, target.source, target.problem, members)
-        if problem:
-            found.append(problem)
+        if problem or target.target is None:        # no GPU target: plan_problem's problem says so
+            found += [problem] if problem else []
             continue
-        found += checkpoint_problems(s, target, members, ckpt_disk)
+        found += checkpoint_problems(s, target.target, target.source, members, ckpt_disk)
         found += [(BoxWarning if warning else BoxProblem)(name, key, text)      # tasks/run_bounds.py
                   for key, text, warning in fit_problems(s, target.target, members, memory)]
     return found
@@ -344,13 +346,13 @@ def served_problems(settings: LabSettings, stamps, probes) -> list[SettingsError
     """A model or dataset the endpoint does not serve, where the box still needs it: in direct mode
     from the box's own probes (tasks/facts/endpoint.py); relay mode is asked on the controller
     (``relay_problems``)."""
-    from tasks.data_plan import data_plan
+    from tasks.data import data_plan
     from tasks.facts.endpoint import served_problem
     if not probes:
         return []
     plan = data_plan(settings)
     found = []
-    for spec, stamp, probe in zip((plan.model, plan.dataset), stamps, probes):
+    for spec, stamp, probe in zip((plan.model, plan.dataset), stamps, probes, strict=True):
         if stamp and stamp.get("digest") == spec.digest:
             continue        # already on the box: the endpoint is not asked for it again
         text = served_problem(probe, spec.label, f"catalog_overrides.{spec.artifact}", plan.endpoint_shown)
@@ -366,8 +368,8 @@ def relay_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -
     """Relay mode: the controller downloads the model and data, so it asks the endpoint (the pinned
     revision's file list, sizes and sha256 against the catalog: ``hf_snapshot.list_remote``) for
     what a box still needs and the controller's cache does not hold, once per repo and revision."""
-    from tasks.data import controller_dir, hf_token
-    from tasks.data_plan import data_plan
+    from tasks.data import data_plan
+    from tasks.data.stage import controller_dir, hf_token
     from verl_lab_box.hf_snapshot import SnapshotError, list_remote, stamp_matches
     found = []
     for name, got in answers.items():
@@ -375,7 +377,7 @@ def relay_problems(settings: dict[str, LabSettings], answers: dict[str, list]) -
         if isinstance(got, Exception) or s.artifact_mode != "relay":
             continue
         plan = data_plan(s)
-        for spec, stamp in zip((plan.model, plan.dataset), got[1:3]):
+        for spec, stamp in zip((plan.model, plan.dataset), got[1:3], strict=True):
             if (stamp and stamp.get("digest") == spec.digest) or stamp_matches(controller_dir(s, spec), spec):
                 continue
             key = (plan.endpoint, spec.digest)
@@ -402,8 +404,8 @@ def driver_problems(settings: LabSettings, target: HostTarget) -> list[SettingsE
 
 def disk_problems(settings: LabSettings, model_stamp, data_stamp, free) -> list[SettingsError]:
     """The data stage's disk check: room for the model and data not yet on the box."""
-    from tasks.data import disk_shortfall
-    from tasks.data_plan import data_plan
+    from tasks.data import data_plan
+    from tasks.data.stage import disk_shortfall
     plan = data_plan(settings)
     todo = [spec for spec, stamp in ((plan.model, model_stamp), (plan.dataset, data_stamp))
             if not (stamp and stamp.get("digest") == spec.digest)]
@@ -411,14 +413,15 @@ def disk_problems(settings: LabSettings, model_stamp, data_stamp, free) -> list[
     return [BoxProblem(settings.host, "disk (model and data)", short)] if short else []
 
 
-def checkpoint_problems(settings: LabSettings, target: HostTarget, members, disk) -> list[SettingsError]:
-    """The training stage's disk check: the kept checkpoint saves, the one being written, the export."""
+def checkpoint_problems(settings: LabSettings, gpu: GpuTarget, source: str, members, disk) -> list[SettingsError]:
+    """The training stage's disk check: the kept checkpoint saves, the one being written, the export (``gpu``: the
+    host's GPU target, from ``source``)."""
     from tasks.plan import PlanError
     from tasks.train import TrainingLayout, checkpoint_disk_short
     from tasks.validation import training_plan
     try:
-        plan = training_plan(settings, target.target, members)
+        plan = training_plan(settings, gpu, members)
     except PlanError:
         return []
-    short = checkpoint_disk_short(TrainingLayout(settings=settings, plan=plan, plan_source=target.source), disk)
+    short = checkpoint_disk_short(TrainingLayout(settings=settings, plan=plan, plan_source=source), disk)
     return [BoxProblem(settings.host, "disk (checkpoints)", short)] if short else []

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlparse
 
 if sys.version_info >= (3, 11):
@@ -114,7 +115,7 @@ def _artifact_from(name: str, entry: Mapping[str, Any], sources: Mapping[str, An
     if kind not in ARTIFACT_KINDS:
         raise bad(f"kind {kind!r} is not one of {', '.join(ARTIFACT_KINDS)}")
     source = entry.get("source")
-    if source not in sources:
+    if not isinstance(source, str) or source not in sources:
         raise bad(f"source {source!r} is not a [sources] entry ({', '.join(sorted(sources))})")
     if not entry.get("version"):
         raise bad("has no version")
@@ -163,13 +164,13 @@ class Catalog:
     artifacts: Mapping[str, Artifact]
 
     @classmethod
-    def load(cls, path: Path | str = CATALOG_PATH) -> "Catalog":
+    def load(cls, path: Path | str = CATALOG_PATH) -> Catalog:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
         return cls.from_dict(data, origin=str(path))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], origin: str = "<catalog>") -> "Catalog":
+    def from_dict(cls, data: Mapping[str, Any], origin: str = "<catalog>") -> Catalog:
         profiles = tuple(data.get("profiles") or ())
         if not profiles:
             raise CatalogError(f"{origin}: `profiles` lists no mirror profile")
@@ -217,7 +218,7 @@ class Catalog:
             bases[source] = url
         return MirrorSet(profile=profile, bases=bases)
 
-    def with_overrides(self, overrides: Mapping[str, Mapping[str, Any]] | None) -> "Catalog":
+    def with_overrides(self, overrides: Mapping[str, Mapping[str, Any]] | None) -> Catalog:
         """A copy with fields of named artifacts replaced (e.g. a test's own checksums)."""
         if not overrides:
             return self
@@ -237,7 +238,7 @@ class Catalog:
                     )
                 if not isinstance(value, want) or (want is int and isinstance(value, bool)):
                     raise CatalogError(f"catalog_overrides.{name}.{key} must be {want.__name__}")
-                if key == "sha256" and not SHA256_RE.match(value):
+                if key == "sha256" and not SHA256_RE.match(str(value)):
                     raise CatalogError(f"catalog_overrides.{name}.sha256 {value!r} is not 64 lowercase hex digits")
                 if key in Artifact.__dataclass_fields__:
                     changes[key] = value

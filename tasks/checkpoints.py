@@ -41,8 +41,9 @@ process adds ``PROCESS_BASE_BYTES`` (Python, torch, transformers).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from tasks.memory import ModelShape
 from verl_lab_box.checkpoints import gib
@@ -118,7 +119,7 @@ def tensors(shape: ModelShape, role: str) -> list[tuple[str, tuple[int, ...]]]:
     """The parameters of a Qwen2/Llama-style model by name and shape, as its state dict names them:
     the causal LM (``lm_head`` listed even where it is tied) or the token-classification critic."""
     h, q, kv, f = shape.hidden, shape.q_dim, shape.kv_dim, shape.ffn
-    out = [("model.embed_tokens.weight", (shape.vocab, h))]
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (shape.vocab, h))]
     for i in range(shape.layers):
         p = f"model.layers.{i}."
         out += [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import ipaddress
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from pyinfra import host
 from pyinfra.api import deploy
@@ -33,11 +34,11 @@ from tasks.facts.bundle import ask
 from tasks.facts.cluster import HostnameLookup, RouteToHead
 from tasks.facts.files import PathStates, UnitState
 from tasks.failure import fail_host
-from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.hostdata import member_targets
+from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.plan import GpuTarget, PlanError, cluster_plan, workload_for
 from tasks.settings import RAY_UNIT, TRAIN_UNIT, Cluster, LabSettings, ipv4
-from tasks.tracking_train import keys_for_box, run_name_of, tracking_values
+from tasks.tracking import keys_for_box, run_name_of, tracking_values
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "templates"
 UNIT_TEMPLATE = TEMPLATES / "verl-lab-ray.service.j2"

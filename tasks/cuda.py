@@ -25,9 +25,9 @@ them; a repair fetches them again (relay mode: from the controller's cache, whic
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 from pyinfra import host
 from pyinfra.api import deploy
@@ -35,8 +35,6 @@ from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import files, server
 
 from tasks.artifacts import artifact_file, box_path
-from tasks.failure import fail_host
-from tasks.gpu_support import DRIVER_BRANCH_MAX_OLD_GPUS
 from tasks.facts.bundle import ask
 from tasks.facts.disk import FreeDisk
 from tasks.facts.files import Marker, VerifiedArtifact
@@ -46,9 +44,11 @@ from tasks.facts.nvidia import (
     CudaToolkits,
     version_tuple,
 )
+from tasks.failure import fail_host
+from tasks.gpu_support import DRIVER_BRANCH_MAX_OLD_GPUS
 from tasks.placed import OnBox, marker_command
-from tasks.target import DISTRO_DEFAULT_GCC, HostCompiler, HostTarget
 from tasks.settings import LabSettings
+from tasks.target import DISTRO_DEFAULT_GCC, HostCompiler, HostTarget
 
 RUNFILE = "cuda_runfile"
 CUDNN = "cudnn_archive"

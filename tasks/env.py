@@ -43,7 +43,7 @@ from tasks.placed import OnBox, marker_command, place, rendered, wanted_dir, wan
 from tasks.plan import PlanError, plan_overrides_for_host
 from tasks.settings import LabSettings
 from tasks.target import HostTarget
-from tasks.verl_source import box_patch_paths, checkout_done, patch_wanted, verl_source
+from tasks.verl.source import box_patch_paths, checkout_done, patch_wanted, verl_source
 
 REQUIREMENTS = REPO_ROOT / "files" / "requirements" / "verl-0.5.0.txt"
 # the proofs' sibling, placed beside prove-env.py under its own name (env_prove.py imports it so)

@@ -19,7 +19,7 @@ validation before any host changes and the training stage refuse the same GPUs w
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 # (lowest compute capability, architecture, NVIDIA's last driver branch for it; None: current)
 ARCHITECTURES: tuple[tuple[tuple[int, int], str, int | None], ...] = (

@@ -18,7 +18,7 @@ from tasks.validation import inventory_problems
 
 _CHECKED = False
 _CACHE: dict[str, LabSettings] = {}
-_CLUSTERS: dict[str, "Cluster"] = {}
+_CLUSTERS: dict[str, Cluster] = {}
 
 
 class InventoryError(SystemExit):
@@ -119,7 +119,7 @@ def origin(inv, host, key: str) -> str | None:
 
 
 def with_origin(problems: list[SettingsError], inv, host) -> list[SettingsError]:
-    """``problems`` of one host, those of a key nothing reads (tasks/settings_keys.py) saying where the key
+    """``problems`` of one host, those of a key nothing reads (tasks/settings/keys.py) saying where the key
     was set."""
     from tasks.settings import host_keys
     unread = {p.key for p in host_keys(host.name, host.data.dict())[1]}

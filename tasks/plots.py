@@ -72,7 +72,7 @@ def plot_run(name: str, run: RunLog, out: Path) -> Path:
     plt = _pyplot()
     data = series(run)
     fig, axes = plt.subplots(1, len(PANELS), figsize=(13, 3.6), constrained_layout=True)
-    for ax, (key, title) in zip(axes, PANELS):
+    for ax, (key, title) in zip(axes, PANELS, strict=True):
         _line(ax, data[key], marker="o", ms=3, label="training")
         if key == "score":
             _line(ax, data["validation"], marker="s", ls="none", label="validation")
@@ -93,7 +93,7 @@ def plot_lab(runs: dict[str, RunLog], out: Path) -> Path:
         data = series(run)
         _line(axes[0], data["score"], marker="o", ms=3, label=name)
         _line(axes[1], data["seconds_per_step"], marker="o", ms=3, label=name)
-    for ax, title in zip(axes, ("score (critic/score/mean)", "seconds per step")):
+    for ax, title in zip(axes, ("score (critic/score/mean)", "seconds per step"), strict=True):
         _axes(ax, title)
         ax.legend(fontsize=8)
     fig.suptitle(f"the lab: {len(runs)} boxes", fontsize=11)
@@ -114,7 +114,7 @@ def plot_gsm8k(scores: dict[str, dict], out: Path) -> Path:
         xs = [i + (k - 0.5) * width for i in range(len(names))]
         values = [scores[n].get(key) for n in names]
         bars = ax.bar(xs, [v or 0.0 for v in values], width, label=label)
-        for bar, v in zip(bars, values):
+        for bar, v in zip(bars, values, strict=True):
             ax.annotate("-" if v is None else f"{v:.3f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
     ticks = [f"{n}\nstep {scores[n]['step']}{'' if scores[n].get('final') else '?'}" if scores[n].get("step") is not None

@@ -19,8 +19,8 @@ function making another plan in, the problem's words out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from tasks.plan import PlanError, TrainingPlan
 
@@ -182,6 +182,7 @@ def fit_problems(settings, target, members, memory: dict | None) -> list[tuple[s
     cluster's, as its plan is made; ``memory``: HostMemory's answer): (key, words, a warning only) each; none
     where the host has no plan (the plan's own problem is reported instead)."""
     from dataclasses import replace
+
     from tasks.validation import training_plan
     try:
         plan = training_plan(settings, target, members)

@@ -25,7 +25,7 @@ MODEL_PATH = "actor_rollout_ref.model.path="
 
 def model_of(plan: dict) -> str | None:
     """The model a plan trains, by its Hugging Face repo: from the actor's model path, the catalog model's
-    folder ``<lab_root>/models/<owner>--<name>`` (tasks/settings.py ``model_dir``; a repo never holds "--")."""
+    folder ``<lab_root>/models/<owner>--<name>`` (tasks/settings/load.py ``model_dir``; a repo never holds "--")."""
     path = next((o[len(MODEL_PATH):] for o in plan.get("overrides") or [] if o.startswith(MODEL_PATH)), None)
     return path.rstrip("/").rsplit("/", 1)[-1].replace("--", "/", 1) if path else None
 

@@ -132,7 +132,7 @@ def parse_log(text: str) -> RunLog:
                 continue
             by_step.setdefault(int(m.group(1)), {}).update(metrics)
             continue
-        for done, total in PROGRESS.findall(line):
+        for _done, total in PROGRESS.findall(line):
             run.total_steps = int(total)
     run.steps = [{"step": k, "metrics": by_step[k]} for k in sorted(by_step)]
     return run

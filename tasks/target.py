@@ -14,13 +14,13 @@ so a whole deploy reads them once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from tasks.facts.gpu import GpuInventory, driver_view
+from tasks.facts.nvidia import version_tuple
 from tasks.plan import GpuTarget, PlanError
 from tasks.settings import LabSettings
-from tasks.facts.nvidia import version_tuple
 
 DISTRO_DEFAULT_GCC = {
     ("debian", "11"): 10, ("debian", "12"): 12,

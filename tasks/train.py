@@ -48,19 +48,19 @@ from pyinfra.api import deploy
 from pyinfra.operations import files, python, server, systemd
 
 from tasks.doctor import diagnose, render
-from tasks.failure import fail_host
 from tasks.facts.bundle import ask
 from tasks.facts.disk import CheckpointDisk
 from tasks.facts.files import Marker, PathStates, UnitState
 from tasks.facts.logs import TrainingRun
+from tasks.failure import fail_host
 from tasks.hostdata import cluster_for
-from tasks.run_summary import note_for
 from tasks.placed import marker_command, place, rendered, wanted_dir, wanted_file
 from tasks.plan import PlanError, TrainingPlan, Workload, workload_for
-from tasks.target import HostTarget
+from tasks.run_summary import note_for
 from tasks.settings import TRAIN_UNIT, LabSettings
 from tasks.status import unit_summary
-from tasks.tracking_train import keys_for_box, run_name_of, tracking_paths, tracking_values, tracking_wanted
+from tasks.target import HostTarget
+from tasks.tracking import keys_for_box, run_name_of, tracking_paths, tracking_values, tracking_wanted
 from tasks.validation import training_plan
 from verl_lab_box.checkpoints import disk_need, need_words
 

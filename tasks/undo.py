@@ -26,7 +26,7 @@ Each part, who places it, while what asks for it, which deploys undo it, and how
   driver stage, while ``driver = "install"``; deploy/full.py (right after the base stage, its facts asked in this
   stage's bundle: ``driver_found``) and deploy/driver.py release them and keep the installed driver, its nouveau
   blacklist and apt sources while its packages remain, refusing while a driver change runs or stopped part-way
-  (tasks/driver_release.py says what and why).
+  (tasks/driver/release.py says what and why).
 
 **A burn-in is no setting**: deploy/burnin.py is a command run on purpose, once before a long run, and no setting
 asks for it, so no deploy undoes it. Its record (``<train_dir>/burnin/burnin.json``, and the controller's copy and
@@ -49,7 +49,7 @@ folders (``<lab_root>/ray``, a tracker's folder) are removed by their names in r
 ``rmdir`` never following a link (rule c), after the unit that wrote them stopped.
 
 Pure parts first (``cluster_undo``, ``tracker_undo``, ``hub_undo``, ``copy_undo``), then the ``@deploy``; the
-driver's part is the driver stage's (tasks/driver.py ``release_driver``).
+driver's part is the driver stage's (tasks/driver/stage.py ``release_driver``).
 """
 
 from __future__ import annotations
@@ -62,19 +62,28 @@ from pyinfra import host, logger
 from pyinfra.api import deploy
 from pyinfra.operations import server
 
-from tasks.cluster import (HOSTS_MARK, HOSTS_OFF, RAY_UNIT, RAY_UNIT_PATH, TRAIN_DROPIN, hosts_restored, ray_dir,
-                           ray_env_file, write_hosts_command)
-from tasks.driver_plan import PIN_FILE, driver_want
-from tasks.driver_release import stage_paths
+from tasks.cluster import (
+    HOSTS_MARK,
+    HOSTS_OFF,
+    RAY_UNIT,
+    RAY_UNIT_PATH,
+    TRAIN_DROPIN,
+    hosts_restored,
+    ray_dir,
+    ray_env_file,
+    write_hosts_command,
+)
+from tasks.driver.plan import PIN_FILE, driver_want
+from tasks.driver.release import stage_paths
 from tasks.facts.bundle import ask
 from tasks.facts.cluster import HostnameLookup
 from tasks.facts.driver import DriverLeft
 from tasks.facts.files import FolderEntries, PathStates, UnitState
 from tasks.settings import TRAIN_UNIT, LabSettings
-from tasks.tracking import TRACKERS, Tracking
-from tasks.tracking_copy import libexec_dir, staging_dir
-from tasks.tracking_hub import HUB_UNIT, UNIT_PATH as HUB_UNIT_PATH, hub_name, served_dir
-from tasks.tracking_train import KEYS_FILE, keys_for_box, tracking_root
+from tasks.tracking import KEYS_FILE, TRACKERS, Tracking, keys_for_box, tracking_root
+from tasks.tracking.copy import libexec_dir, staging_dir
+from tasks.tracking.hub import HUB_UNIT, hub_name, served_dir
+from tasks.tracking.hub import UNIT_PATH as HUB_UNIT_PATH
 
 PARTS = ("dropin", "ray", "trackers", "hub", "copy")
 
@@ -248,7 +257,7 @@ def _found(settings: LabSettings) -> tuple:
 
 def driver_found(settings: LabSettings) -> tuple[dict, dict]:
     """What the driver stage left on this box (``DriverLeft``, the paths' states), from the same bundle: deploy/full.py
-    hands it to the driver stage with driver = "check" (tasks/driver_release.py), so it costs no command of its own."""
+    hands it to the driver stage with driver = "check" (tasks/driver/release.py), so it costs no command of its own."""
     states, *_, left = _found(settings)
     return left or DriverLeft.default(), states or {}
 

@@ -8,7 +8,7 @@ Two moments share this module (docs/architecture.md, "On the controller, at prep
   the catalog's model and dataset), and, for every host whose GPU is known from host data
   (``gpu_override``; a cluster whose every member has one), the training plan: which GPUs the
   stack runs (``tasks.gpu_support``), the fit, the engine, verl 0.5.0's own rules
-  (``tasks.verl_rules``). Every problem of every host at once; nothing runs when there is one.
+  (``tasks.verl.rules``). Every problem of every host at once; nothing runs when there is one.
 * **the first fact-gathering pass** (``tasks.base.base_layout``): for a box whose GPU is known
   only from its nvidia-smi, the same plan from the GPU fact, before the base stage queues any
   operation. A box whose plan cannot exist gets only its failure queued (``HostTarget.refused``):
@@ -20,11 +20,18 @@ checked is what gets deployed.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
-from tasks.data_plan import data_plan
-from tasks.plan import (GpuTarget, PlanError, TrainingPlan, cluster_plan, make_plan, plan_naming_models_that_fit,
-                        workload_for)
+from tasks.data import data_plan
+from tasks.plan import (
+    GpuTarget,
+    PlanError,
+    TrainingPlan,
+    cluster_plan,
+    make_plan,
+    plan_naming_models_that_fit,
+    workload_for,
+)
 from tasks.settings import LabSettings, SettingsError
 
 GPU_KEYS = {"gpu_override": "gpu_override", "nvidia-smi": "GPU (nvidia-smi)", "none": "GPU (nvidia-smi)"}

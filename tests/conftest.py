@@ -27,6 +27,13 @@ from pathlib import Path
 
 import pytest
 
+# One compute thread per process for every program the tests start (torch's intra-op pool, OpenMP, BLAS): the
+# suite runs four workers on two cores, and a two-thread OpenMP region whose second thread is descheduled spins at
+# its barrier. Measured here with the machine loaded (load 4-5): tests/unit/test_burnin_learning.py took 310 s with
+# its runs on two threads, 65 s on one (docs/testing.md, "Threads"). A value set by the caller is kept.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 # work units, longest first (docs/testing.md: a fresh-clone run's profile); the others follow,
 # e2e before unit tests, which fill the workers at the end
 LONGEST_FIRST = ("lab:env_lab", "lab:fleet_lab", "tests/e2e/test_readme_path.py", "tests/e2e/test_drills.py",

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time
@@ -194,7 +193,7 @@ data merged). The lab's HF stand-in serves every catalog model here.""")
             inv = REFUSALS_LAB / f"case-{i}.py"
             case_inventory(inv, REFUSALS_LAB / "inventory.py", hosts, {}, per_host)
             t.run(f"pyinfra -y .lab-refusals/case-{i}.py deploy/full.py", f"**{row}**: `{what}`")
-        t.run("pyinfra -y .lab-refusals/case-%d.py deploy/full.py --limit p40" % len(cases),
+        t.run(f"pyinfra -y .lab-refusals/case-{len(cases)}.py deploy/full.py --limit p40",
               "The same run with `--limit p40`: only p40's problems.")
     finally:
         t.run("bin/lab down", "Both labs stopped:", env={"VERL_LAB_DIR": str(REFUSALS_LAB)})

@@ -53,7 +53,7 @@ def reward_steps(metrics: dict[int, dict], rewards: list[list[dict]], first_step
     ``rewards`` holds each verl run's reward lines in order, ``first_steps`` the first step each run trained (1, then
     the step after the save)."""
     by_step = {}
-    for lines, first in zip(rewards, first_steps):
+    for lines, first in zip(rewards, first_steps):   # a record without first_steps: its first run's
         for i, line in enumerate(lines):
             by_step[first + i] = line
     out = []

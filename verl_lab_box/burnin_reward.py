@@ -66,8 +66,6 @@ def token_class(column):
 def shares(responses, response_mask, in_class):
     """Per sequence, the share of its valid response tokens that are in the class (ids beyond the table are
     not); a sequence without a valid token scores 0."""
-    import torch
-
     ids = responses.clamp(0, in_class.numel() - 1)
     hit = in_class.to(responses.device)[ids] & (responses < in_class.numel()) & response_mask
     count = response_mask.sum(-1)

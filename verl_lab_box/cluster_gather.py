@@ -130,7 +130,7 @@ def plan_fetch(head: str, nodes: dict, step: int, nnodes: int, gathered=()) -> t
             if mine is not None and len(set(held.values())) == 1 and mine == next(iter(held.values())):
                 held[head] = mine                 # the same file: nothing to copy
     where = "; ".join(f"{_who(ip, nodes)}: " + (
-        "no global_step_%d/actor" % step if nodes[ip].get("files") is None else
+        f"no global_step_{step}/actor" if nodes[ip].get("files") is None else
         "ranks " + (", ".join(str(int(SHARD.match(n).group(2))) for n in sorted(nodes[ip]["files"], key=_rank_key)
                              if SHARD.match(n)) or "none")) for ip in sorted(nodes))
     problems = []

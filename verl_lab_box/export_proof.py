@@ -234,7 +234,6 @@ def _compare_tensors(export: str, weights: dict, tied: dict, device: str = "cpu"
     once) may be left out when it equals that one. Returns (the export's dtype, the largest difference,
     its tensor)."""
     import torch
-
     from safetensors import safe_open
 
     files = sorted(n for n in os.listdir(export) if n.endswith(".safetensors"))
@@ -278,7 +277,7 @@ def _checkpoint_logits(actor_dir: str, weights: dict, inputs: list, device: str,
 
     config = AutoConfig.from_pretrained(os.path.join(actor_dir, "huggingface"))   # the checkpoint's own, as saved
     try:
-        from accelerate import init_empty_weights       # parameters on the meta device: no random init
+        from accelerate import init_empty_weights  # parameters on the meta device: no random init
     except ImportError:
         init_empty_weights = None
     state = {k: v if v.dtype == torch.float32 else v.to(torch.float32) for k, v in weights.items()}

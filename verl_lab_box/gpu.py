@@ -129,7 +129,7 @@ class GpuInventory:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "GpuInventory":
+    def from_dict(cls, data: dict) -> GpuInventory:
         return cls(
             gpus=tuple(Gpu(**g) for g in data.get("gpus", ())),
             problem=data.get("problem"),

@@ -236,7 +236,6 @@ def score(args) -> dict:
 
 def _score(args) -> dict:
     from transformers import AutoTokenizer
-
     from verl.utils.reward_score import default_compute_score
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):

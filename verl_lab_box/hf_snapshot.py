@@ -96,7 +96,7 @@ class RepoSpec:
                 "repo_type": self.repo_type, "files": self.files, "patterns": list(self.patterns)}
 
     @classmethod
-    def from_json(cls, data: dict) -> "RepoSpec":
+    def from_json(cls, data: dict) -> RepoSpec:
         return cls(artifact=data["artifact"], repo=data["repo"], revision=data["revision"],
                    repo_type=data["repo_type"], files=dict(data.get("files") or {}),
                    patterns=tuple(data.get("patterns") or ()))

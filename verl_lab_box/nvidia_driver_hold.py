@@ -32,6 +32,15 @@ def present(state: dict, plan: dict) -> dict[str, list[str]]:
             if (p["source"] == plan["source"] or p["name"] == fm) and (p.get("status") or "ii")[1:2] not in ABSENT}
 
 
+def theirs(held: list[str], pin: dict | None) -> list[str]:
+    """Of ``held`` (the packages held before the stage's hold), those whose hold is not the stage's: not
+    named by its pin ``pin`` (the one there before), or named there as held before it (its ``THEIRS``
+    line). A hold placed by hand on a package the stage holds already cannot be told apart: it counts as
+    the stage's."""
+    ours = set((pin or {}).get("packages") or ()) - set((pin or {}).get("theirs") or ())
+    return sorted(set(held) - ours)
+
+
 def unconfigured(status: str) -> bool:
     """dpkg's status (``${db:Status-Abbrev}``) says unpacked, half-configured or half-installed."""
     return status[1:2] in ("U", "F", "H")
@@ -64,7 +73,7 @@ def secure(plan: dict, before: dict, log, read) -> str:
         groups.setdefault(target.get(name, version), []).append(name)
     module = target.get(plan["module_package"]) or (now.get(plan["module_package"]) or [None])[0]
     stanzas = sorted(((sorted(n), v) for v, n in groups.items()), key=lambda s: s[1] != module)
-    write_pin(plan["pin"], pin_text(stanzas, plan))
+    write_pin(plan["pin"], pin_text(stanzas, plan, [n for n in before.get("theirs") or () if n in now]))
     versions = "; ".join(f"{v}: {len(n)} packages" for n, v in stanzas)
     if not half and all(target.get(n, v) == v for n, (v, _) in now.items()):
         return f"apt finished the install: the driver's packages are held and pinned at {versions}"
@@ -111,7 +120,9 @@ def write_pin(path: str, text: str) -> None:
     os.replace(part, path)
 
 
-def do_hold(plan: dict, log, read) -> None:
+def do_hold(plan: dict, log, read, kept: list[str] | None = None) -> None:
+    """Hold and pin the installed branch. ``kept``: the holds found before the stage's that are not its own
+    (``theirs``; the install passes those it read before apt); else read now, before the hold."""
     state = read()
     half = sorted(n for n, (_, status) in present(state, plan).items() if unconfigured(status))
     if half:                            # a hold of the configured part alone would leave these out of the pin
@@ -131,16 +142,21 @@ def do_hold(plan: dict, log, read) -> None:
             raise Failed(f"{fm['package']} is not installed: an NVSwitch box needs Fabric Manager; nothing was held")
         stanzas.append((sorted(p["name"] for p in fms), fms[0]["version"]))
     every = [n for group, _ in stanzas for n in group]
+    if kept is None:
+        kept = theirs([p["name"] for p in state.get("packages", ()) if p["held"]], state.get("pin"))
     hold_packages(every, log)
-    write_pin(plan["pin"], pin_text(stanzas, plan))
+    write_pin(plan["pin"], pin_text(stanzas, plan, [n for n in kept if n in every]))
     log.say(f"held {len(every)} packages of {plan['source']} at {versions[0]} (apt-mark hold, {plan['pin']})")
 
 
-def pin_text(stanzas: list[tuple[list[str], str]], plan: dict) -> str:
+def pin_text(stanzas: list[tuple[list[str], str]], plan: dict, kept: list[str] | tuple[str, ...] = ()) -> str:
+    """``kept``: the packages held before the stage held them (its ``THEIRS`` line, when there are any)."""
     names, version = stanzas[0]
     head = (f"# verl-lab driver stage: NVIDIA driver branch {plan['branch']} ({plan['source']} {version}),\n"
             f"# chosen for {plan['chosen_for']}. The packages are also held (apt-mark hold), so neither\n"
             "# unattended-upgrades nor apt upgrade replaces the user-space libraries under the loaded module.\n"
             "# To take a newer build of this branch (security updates): set driver_update = True and re-run the\n"
             "# driver stage on an idle box; it moves this pin once apt proved the new build.\n")
+    if kept:
+        head += f"{box_state.THEIRS}{' '.join(sorted(set(kept)))}\n"
     return head + "\n".join(f"Package: {' '.join(n)}\nPin: version {v}\nPin-Priority: 1001\n" for n, v in stanzas)

@@ -46,7 +46,7 @@ try:
     from verl_lab_box import nvidia_driver_job as job
     from verl_lab_box import nvidia_driver_state as box_state
     from verl_lab_box import nvidia_driver_units as units
-    from verl_lab_box.nvidia_driver_hold import LOCK_WAIT, do_hold, present, secure, unconfigured
+    from verl_lab_box.nvidia_driver_hold import LOCK_WAIT, do_hold, present, secure, theirs, unconfigured
     from verl_lab_box.nvidia_driver_log import Failed, errors
 except ImportError:                     # on a box: the modules lie side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +54,7 @@ except ImportError:                     # on a box: the modules lie side by side
     import nvidia_driver_job as job
     import nvidia_driver_state as box_state
     import nvidia_driver_units as units
-    from nvidia_driver_hold import LOCK_WAIT, do_hold, present, secure, unconfigured
+    from nvidia_driver_hold import LOCK_WAIT, do_hold, present, secure, theirs, unconfigured
     from nvidia_driver_log import Failed, errors
 
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive", "NEEDRESTART_MODE": "l", "LC_ALL": "C"}
@@ -116,7 +116,9 @@ def _change(plan: dict, log, read, headers_only: bool) -> None:
     would = {**apt.simulated(sim.stdout), **apt.removed(sim.stdout)}
     held = sorted(p["name"] for p in state.get("packages", ()) if p["held"] and p["name"] in would)
     unpinned = moves_pin and old is not None     # else the pin stays: a package comes back at the pinned version
-    before = {"pin": text, "held": held, "versions": here, "target": apt.simulated(sim.stdout)}
+    # the holds that are not the stage's (a user's own, of the packages it holds): held again after, and so named
+    holds = theirs([p["name"] for p in state.get("packages", ()) if p["held"]], old)
+    before = {"pin": text, "held": held, "versions": here, "target": apt.simulated(sim.stdout), "theirs": holds}
     if plan.get("job_status"):          # what the job's ExecStopPost puts back if this process is killed
         job.write_status(plan, restore=before)
     auto = set(subprocess.run(["apt-mark", "showauto"], capture_output=True, text=True).stdout.split())
@@ -136,7 +138,7 @@ def _change(plan: dict, log, read, headers_only: bool) -> None:
             log.run(["apt-mark", "auto", *back], check=False)
         if headers_only:
             return
-        do_hold(plan, log, read)
+        do_hold(plan, log, read, holds)
         if fm:
             log.run(["systemctl", "enable", fm["service"]])
         rebuild_initramfs(log)

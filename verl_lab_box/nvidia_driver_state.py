@@ -34,6 +34,9 @@ UNIT_PROPS = ("Id", "LoadState", "ActiveState", "SubState", "UnitFileState")
 # /run/systemd/system does not; /run is emptied by every boot (nvidia_driver_units.py)
 MASK_DIR = "/run/systemd/system.control"
 JOB_UNIT = "verl-lab-driver-apt.service"    # the transient unit a driver change's apt runs in (nvidia_driver_job.py)
+# the pin's comment naming the packages that were held before the stage held them (a user's own holds, which
+# apt-mark cannot tell from the stage's once both are set): driver = "check" leaves them held
+THEIRS = "# held before the driver stage held them (driver = 'check' keeps these held): "
 
 
 # ---------------------------------------------------------------- what the box has (one command)
@@ -238,10 +241,14 @@ def parse_pci(lines: list[str], classes: tuple[str, ...] = DISPLAY_CLASSES) -> l
 
 def parse_pin(text: str) -> dict | None:
     """The stage's apt preferences file -> {"packages": [...], "version": "535.261.03-1" (the
-    driver's, the first stanza), "stanzas": [{"packages", "version"}]} (a second stanza: the Fabric
-    Manager, versioned on its own), or None."""
-    stanzas, packages = [], []
+    driver's, the first stanza), "stanzas": [{"packages", "version"}] (a second stanza: the Fabric
+    Manager, versioned on its own), "theirs": [...] (the packages held before the stage held them,
+    its ``THEIRS`` line: those holds are not the stage's to release)}, or None."""
+    stanzas, packages, theirs = [], [], []
     for line in text.splitlines():
+        if line.startswith(THEIRS):
+            theirs += line[len(THEIRS):].split()
+            continue
         key, _, value = line.partition(":")
         if key.strip() == "Package":
             packages = value.split()
@@ -251,7 +258,7 @@ def parse_pin(text: str) -> dict | None:
     if not stanzas:
         return None
     return {"packages": [p for s in stanzas for p in s["packages"]], "version": stanzas[0]["version"],
-            "stanzas": stanzas}
+            "stanzas": stanzas, "theirs": theirs}
 
 
 def upstream(version: str | None) -> str | None:

@@ -22,12 +22,36 @@ import stat
 import sys
 
 try:
-    from verl_lab_box.tracking_copy import (CopyError, DIR_FLAGS, FORMAT, MANIFEST, PART, open_root, put,
-                                            records, safe_rel, send_file, tail_digest, walk)
+    from verl_lab_box.tracking_copy import (
+        DIR_FLAGS,
+        FORMAT,
+        MANIFEST,
+        PART,
+        CopyError,
+        open_root,
+        put,
+        records,
+        safe_rel,
+        send_file,
+        tail_digest,
+        walk,
+    )
 except ImportError:                     # on a box: the programs lie side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tracking_copy import (CopyError, DIR_FLAGS, FORMAT, MANIFEST, PART, open_root, put, records, safe_rel,
-                               send_file, tail_digest, walk)
+    from tracking_copy import (
+        DIR_FLAGS,
+        FORMAT,
+        MANIFEST,
+        PART,
+        CopyError,
+        open_root,
+        put,
+        records,
+        safe_rel,
+        send_file,
+        tail_digest,
+        walk,
+    )
 
 
 def push_plan(cache: dict, hub: dict, boxes) -> tuple[list, list]:

@@ -55,7 +55,6 @@ and kept scores make a no-op.
 import importlib.util
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys

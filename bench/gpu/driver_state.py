@@ -15,8 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tasks.driver_choice import load_table  # noqa: E402
-from tasks.driver_plan import PIN_FILE, SOURCES_FILE  # noqa: E402
+from tasks.driver import PIN_FILE, SOURCES_FILE, load_table  # noqa: E402
 from tasks.settings import TRAIN_UNIT  # noqa: E402
 from verl_lab_box.nvidia_driver_state import fact_command  # noqa: E402
 

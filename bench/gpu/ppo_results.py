@@ -527,7 +527,7 @@ def _bench(bench: dict | None) -> str:
         return "-"
     if bench.get("skipped"):
         return f"skipped ({bench['skipped']})"
-    side = lambda r: ("cut at %s s" % r.get("timeout")) if r.get("timed_out") else r.get("seconds")  # noqa: E731
+    side = lambda r: f"cut at {r.get('timeout')} s" if r.get("timed_out") else r.get("seconds")  # noqa: E731
     return f"{side(bench.get('before') or {})} / {side(bench.get('today') or {})}"
 
 

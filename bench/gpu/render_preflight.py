@@ -20,8 +20,8 @@ sys.path.insert(0, str(REPO))
 
 from tasks.plan import make_plan  # noqa: E402
 from tasks.settings import load_settings  # noqa: E402
-from tasks.train import TrainingLayout, training_wanted, training_workload  # noqa: E402
 from tasks.target import decide_gpu  # noqa: E402
+from tasks.train import TrainingLayout, training_wanted, training_workload  # noqa: E402
 from verl_lab_box import gpu as gpufact  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Site-wide choices for every box. Defaults live in tasks/settings.py (DEFAULTS); set here
+"""Site-wide choices for every box. Defaults live in tasks/settings/load.py (DEFAULTS); set here
 only what your site changes. Examples:
 
     mirror_profile = "cn"                      # hf-mirror, TUNA PyPI, NJU PyTorch, nvidia.cn

@@ -25,7 +25,7 @@ import json
 import shlex
 
 import gevent
-from pyinfra import host, logger
+from pyinfra import logger
 from pyinfra.api import deploy
 from pyinfra.operations import python, server, systemd
 
@@ -138,8 +138,10 @@ def burnin_on_worker(settings: LabSettings):
 
 
 @deploy("verl-lab burn-in")
-def run_burnin(settings: LabSettings, gpu, cluster_targets: dict | None = None, spec: BurninSpec = BurninSpec()):
-    """The box's burn-in: its files and unit placed, the unit started and waited for (module docstring)."""
+def run_burnin(settings: LabSettings, gpu, cluster_targets: dict | None = None, spec: BurninSpec | None = None):
+    """The box's burn-in: its files and unit placed, the unit started and waited for (module docstring); ``spec``:
+    the burn-in's own (``BurninSpec()`` where none is given)."""
+    spec = spec or BurninSpec()
     paths = burnin_paths(settings.train_dir)
     env_marker, train_marker, train_unit, burnin_unit, states = ask(
         (Marker, {"path": settings.marker("env"), "legacy": settings.legacy_marker("env")}),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shlex
-from typing import Iterable
+from collections.abc import Iterable
 
 from pyinfra.api import FactBase
 

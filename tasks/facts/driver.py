@@ -79,7 +79,7 @@ class DriverMasks(FactBase[dict]):
 
 
 class DriverLeft(FactBase[dict]):
-    """For ``driver = "check"`` (tasks/driver_release.py): what the driver stage left on a box and whether a
+    """For ``driver = "check"`` (tasks/driver/release.py): what the driver stage left on a box and whether a
     driver change runs or stopped part-way, in one command: the NVIDIA packages and the stage's pin (as
     ``DriverState`` reads them), its apt job unit's state, its masks of ``units`` and its record of them
     (``RECORD``: only those are the stage's), and what dpkg left in /var/lib/dpkg/updates (an interrupted run)::

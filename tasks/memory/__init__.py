@@ -49,23 +49,57 @@ colocated process on one GPU, phases one after another); it has not been measure
 
 from __future__ import annotations
 
+from tasks.memory.cli import main
+from tasks.memory.generate import (
+    DECODE_LOGITS_EXTRA,
+    DECODE_PREV_LOGITS,
+    VLLM_KV_MARGIN,
+    VLLM_NON_TORCH_MIB,
+    VllmMemory,
+    generate_peak,
+    vllm_memory,
+    vllm_profile_mib,
+)
+from tasks.memory.lora import (
+    LORA_CKPT_ACTIVATION_SCALE,
+    LORA_MODULES,
+    LoraMerge,
+    LoraSpec,
+    adapted_base_params,
+    adapter_params,
+    lora_gpu_budget,
+    lora_held_at_vllm_start_mib,
+    lora_merge,
+)
 from tasks.memory.shape import (
-    ATTNS, CUDA_CONTEXT_MIB, DEFAULT_CONFIG, DTYPES, MIB, OFFLOADED_OPTIMIZER_EXTRA, OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB,
-    ROLES, STEP_MISC_MIB, VERL_ACTOR_LOGIT_BYTES_AUTOCAST, VERL_LOGPROB_BYTES, VERL_PROCESS_OVERHEAD_MIB,
-    VERL_UPDATE_EXTRA_MIB, WORKSPACE_MIB, Estimate, ModelShape,
+    ATTNS,
+    CUDA_CONTEXT_MIB,
+    DEFAULT_CONFIG,
+    DTYPES,
+    MIB,
+    OFFLOADED_OPTIMIZER_EXTRA,
+    OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB,
+    ROLES,
+    STEP_MISC_MIB,
+    VERL_ACTOR_LOGIT_BYTES_AUTOCAST,
+    VERL_LOGPROB_BYTES,
+    VERL_PROCESS_OVERHEAD_MIB,
+    VERL_UPDATE_EXTRA_MIB,
+    WORKSPACE_MIB,
+    Estimate,
+    ModelShape,
 )
 from tasks.memory.train_step import (
-    LOGITS_BWD, LOGITS_FWD, QUAD_BWD_TRANSIENT, QUAD_FWD_TRANSIENT, QUAD_SAVED, SCORE_MASK_BYTES, train_step_peak,
-)
-from tasks.memory.generate import (
-    DECODE_LOGITS_EXTRA, DECODE_PREV_LOGITS, VLLM_KV_MARGIN, VLLM_NON_TORCH_MIB, VllmMemory, generate_peak,
-    vllm_memory, vllm_profile_mib,
+    LOGITS_BWD,
+    LOGITS_FWD,
+    QUAD_BWD_TRANSIENT,
+    QUAD_FWD_TRANSIENT,
+    QUAD_SAVED,
+    SCORE_MASK_BYTES,
+    train_step_peak,
 )
 from tasks.memory.verl_budget import VerlWorkload, held_at_vllm_start_mib, verl_gpu_budget
-from tasks.memory.lora import (LORA_CKPT_ACTIVATION_SCALE, LORA_MODULES, LoraMerge, LoraSpec, adapted_base_params,
-                               adapter_params, lora_gpu_budget, lora_held_at_vllm_start_mib, lora_merge)
 from tasks.memory.vllm_lora import VLLM_LORA_RANKS, vllm_lora_buffers, vllm_lora_mib
-from tasks.memory.cli import main
 
 __all__ = [
     "MIB", "DTYPES", "ATTNS", "ROLES", "DEFAULT_CONFIG", "CUDA_CONTEXT_MIB", "WORKSPACE_MIB", "STEP_MISC_MIB",

@@ -11,7 +11,6 @@ from tasks.memory.generate import generate_peak
 from tasks.memory.shape import ATTNS, DEFAULT_CONFIG, DTYPES, ROLES, Estimate, ModelShape
 from tasks.memory.train_step import train_step_peak
 
-
 # ---- CLI -------------------------------------------------------------------------------------
 
 def _print_readable(est: Estimate, title: str) -> None:

@@ -9,7 +9,6 @@ from tasks.memory.shape import ATTNS, CUDA_CONTEXT_MIB, MIB, WORKSPACE_MIB, Esti
 from tasks.memory.train_step import _attention_path
 from verl_lab_box.vllm_share import kv_cache_mib, smallest_share
 
-
 # ---- generation -------------------------------------------------------------------------------
 
 # Next-token logits during decoding, bytes per sequence per vocab entry beyond the model's own
@@ -49,7 +48,7 @@ def generate_peak(shape: ModelShape, batch: int = 1, prompt_len: int = 128, new_
     # prefill MLP: silu(gate), up and their product alive together, with the residual stream,
     # the norm output and their neighbours (measured: 4 hidden-sized tensors)
     r = _bytes(residual_dtype or dtype)
-    prefill_tmp = (3 * w * s.ffn + 4 * r * s.hidden) * Tp
+    prefill_tmp: float = (3 * w * s.ffn + 4 * r * s.hidden) * Tp
     if attn == "eager":
         E = batch * s.heads * prompt_len * prompt_len
         # masked scores (w), softmax(dtype=fp32) output (4) and, for bf16 input, the fp32 copy

@@ -34,12 +34,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.memory.generate import generate_peak
-from tasks.memory.shape import (CUDA_CONTEXT_MIB, MIB, OFFLOADED_OPTIMIZER_EXTRA, OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB,
-                                STEP_MISC_MIB, VERL_ACTOR_LOGIT_BYTES_AUTOCAST, VERL_LOGPROB_BYTES,
-                                VERL_PROCESS_OVERHEAD_MIB, VERL_UPDATE_EXTRA_MIB, Estimate, ModelShape, _bytes)
-from tasks.memory.train_step import (LOGITS_BWD, LOGITS_FWD, QUAD_BWD_TRANSIENT, QUAD_FWD_TRANSIENT, QUAD_SAVED,
-                                     SCORE_MASK_BYTES, _attention_path, _layer_bwd_transient_bytes_per_token,
-                                     _layer_saved_bytes_per_token, _mode, train_step_peak)
+from tasks.memory.shape import (
+    CUDA_CONTEXT_MIB,
+    MIB,
+    OFFLOADED_OPTIMIZER_EXTRA,
+    OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB,
+    STEP_MISC_MIB,
+    VERL_ACTOR_LOGIT_BYTES_AUTOCAST,
+    VERL_LOGPROB_BYTES,
+    VERL_PROCESS_OVERHEAD_MIB,
+    VERL_UPDATE_EXTRA_MIB,
+    Estimate,
+    ModelShape,
+    _bytes,
+)
+from tasks.memory.train_step import (
+    LOGITS_BWD,
+    LOGITS_FWD,
+    QUAD_BWD_TRANSIENT,
+    QUAD_FWD_TRANSIENT,
+    QUAD_SAVED,
+    SCORE_MASK_BYTES,
+    _attention_path,
+    _layer_bwd_transient_bytes_per_token,
+    _layer_saved_bytes_per_token,
+    _mode,
+    train_step_peak,
+)
 from tasks.memory.verl_budget import VerlWorkload, _transient
 
 # The linear layers of a Qwen2/Llama decoder layer; PEFT's "all-linear" takes every one of them (not the head).

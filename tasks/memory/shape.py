@@ -83,7 +83,7 @@ class ModelShape:
     qkv_bias: bool = True
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ModelShape":
+    def from_config(cls, cfg: dict) -> ModelShape:
         """From a Hugging Face ``config.json`` (Qwen2/Llama/Mistral-style names)."""
         try:
             hidden = int(cfg["hidden_size"])

@@ -3,9 +3,17 @@ the activations a backward needs with and without gradient checkpointing, the lo
 
 from __future__ import annotations
 
-from tasks.memory.shape import (ATTNS, CUDA_CONTEXT_MIB, MIB, ROLES, STEP_MISC_MIB, WORKSPACE_MIB, Estimate, ModelShape,
-                                _bytes)
-
+from tasks.memory.shape import (
+    ATTNS,
+    CUDA_CONTEXT_MIB,
+    MIB,
+    ROLES,
+    STEP_MISC_MIB,
+    WORKSPACE_MIB,
+    Estimate,
+    ModelShape,
+    _bytes,
+)
 
 # ---- activations of one training step ---------------------------------------------------------
 

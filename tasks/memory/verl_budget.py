@@ -7,11 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.memory.generate import generate_peak
-from tasks.memory.shape import (ATTNS, CUDA_CONTEXT_MIB, MIB, OFFLOADED_OPTIMIZER_EXTRA,
-                                OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB, STEP_MISC_MIB, VERL_ACTOR_LOGIT_BYTES_AUTOCAST, VERL_LOGPROB_BYTES,
-                                VERL_PROCESS_OVERHEAD_MIB, VERL_UPDATE_EXTRA_MIB, Estimate, ModelShape, _bytes)
+from tasks.memory.shape import (
+    ATTNS,
+    CUDA_CONTEXT_MIB,
+    MIB,
+    OFFLOADED_OPTIMIZER_EXTRA,
+    OLD_CARD_OUTSIDE_TORCH_MARGIN_MIB,
+    STEP_MISC_MIB,
+    VERL_ACTOR_LOGIT_BYTES_AUTOCAST,
+    VERL_LOGPROB_BYTES,
+    VERL_PROCESS_OVERHEAD_MIB,
+    VERL_UPDATE_EXTRA_MIB,
+    Estimate,
+    ModelShape,
+    _bytes,
+)
 from tasks.memory.train_step import _attention_path, _layer_saved_bytes_per_token, train_step_peak
-
 
 # ---- verl on one GPU ------------------------------------------------------------------------
 
@@ -155,7 +166,7 @@ def verl_gpu_budget(shape: ModelShape, workload: VerlWorkload) -> Estimate:
     logprob_pass = VERL_LOGPROB_BYTES * s.vocab * lp_micro * seq / MIB + half_copy_a
     # offload: the ref's pass (no entropy) holds the root and its fp32 logits (measured); the actor's peaks in
     # the entropy, after the root is released (measured)
-    ref_pass = gathered + 4.0 * s.vocab * lp_micro * seq / MIB if offp else None
+    ref_pass = gathered + 4.0 * s.vocab * lp_micro * seq / MIB     # read only where offloaded (offp)
     actor_pass_floor = ref_pass         # the actor's pass holds at least what the ref's does
     # patches 0007-0008: a pass gathered once holds the whole model in its compute dtype from start to end
     # (inferred: FSDP2 keeps every unit's unsharded parameters; to be measured on the GPU)

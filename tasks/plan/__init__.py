@@ -52,31 +52,69 @@ Callers import from ``tasks.plan``; every public name is re-exported here.
 
 from __future__ import annotations
 
-from tasks.plan.terms import (
-    OFFLOAD_KEYS, OFFLOAD_KNOBS, OFFLOAD_LADDER, Estimator, GpuTarget, MemoryChoice, MemoryEstimate, PlanError,
-    Precision, Reason, TrainingPlan, Workload,
-)
-from tasks.plan.precision import ROLLOUT_ENGINES, VLLM_MIN_CC, choose_precision, rollout_refusal, vllm_engine
+from tasks.plan.cli import main
+from tasks.plan.cluster import cluster_plan, weakest_gpu
+from tasks.plan.doc_tables import DOC_GPUS, DOC_MIXED, doc_targets, doc_workload, gpu_table, model_table
 from tasks.plan.estimator import (
-    VLLM_SHARE_MAX, VLLM_SHARE_MIN, default_estimator, gpu_budget_mib, max_num_batched_tokens, vllm_memory_for,
-)
-from tasks.plan.memory_fit import (
-    FORWARD_MICRO_CHOICES, MICRO_BATCH_CHOICES, ROLLOUT_CHUNK_CHOICES, UNMEASURED_KNOBS, gpu_seconds, knob_values,
-    offload_levels, offload_seconds, rollout_chunk_choices, rollout_tp_choices, search_memory, search_offload,
-    speed_ranked,
+    VLLM_SHARE_MAX,
+    VLLM_SHARE_MIN,
+    default_estimator,
+    gpu_budget_mib,
+    max_num_batched_tokens,
+    vllm_memory_for,
 )
 from tasks.plan.lora import (
-    FINETUNES, FULL_ACTOR_LR, LORA_LR_SCALE, finetune_reason, lora_memory_reasons, lora_overrides,
+    FINETUNES,
+    FULL_ACTOR_LR,
+    LORA_LR_SCALE,
+    finetune_reason,
+    lora_memory_reasons,
+    lora_overrides,
+)
+from tasks.plan.memory_fit import (
+    FORWARD_MICRO_CHOICES,
+    MICRO_BATCH_CHOICES,
+    ROLLOUT_CHUNK_CHOICES,
+    UNMEASURED_KNOBS,
+    gpu_seconds,
+    knob_values,
+    offload_levels,
+    offload_seconds,
+    rollout_chunk_choices,
+    rollout_tp_choices,
+    search_memory,
+    search_offload,
+    speed_ranked,
 )
 from tasks.plan.overrides import GRPO_OVERRIDES, MASTER_DTYPE, checkpoint_plan, plan_env, verl_overrides
+from tasks.plan.precision import ROLLOUT_ENGINES, VLLM_MIN_CC, choose_precision, rollout_refusal, vllm_engine
 from tasks.plan.rungs import ALGORITHMS, GRPO_N, RUNGS, ladder, make_plan, verl_refusal
-from tasks.plan.cluster import cluster_plan, weakest_gpu
-from tasks.plan.workload import (
-    DEFAULT_MODEL_CONFIG, REPO_ROOT, catalog_model_config, catalog_models, load_model_config, model_config_path,
-    plan_naming_models_that_fit, plan_overrides_for_host, with_model, workload_for,
+from tasks.plan.terms import (
+    OFFLOAD_KEYS,
+    OFFLOAD_KNOBS,
+    OFFLOAD_LADDER,
+    Estimator,
+    GpuTarget,
+    MemoryChoice,
+    MemoryEstimate,
+    PlanError,
+    Precision,
+    Reason,
+    TrainingPlan,
+    Workload,
 )
-from tasks.plan.doc_tables import DOC_GPUS, DOC_MIXED, doc_targets, doc_workload, gpu_table, model_table
-from tasks.plan.cli import main
+from tasks.plan.workload import (
+    DEFAULT_MODEL_CONFIG,
+    REPO_ROOT,
+    catalog_model_config,
+    catalog_models,
+    load_model_config,
+    model_config_path,
+    plan_naming_models_that_fit,
+    plan_overrides_for_host,
+    with_model,
+    workload_for,
+)
 
 __all__ = [
     "OFFLOAD_LADDER", "OFFLOAD_KEYS", "OFFLOAD_KNOBS", "PlanError", "GpuTarget", "Workload", "Precision",

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from tasks.plan.cluster import cluster_plan
 from tasks.plan.doc_tables import doc_workload, gpu_table, model_table
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"the following arguments are required: {', '.join(missing)} (or --doc-table)")
     try:
         gpu = GpuTarget(args.gpu_name, args.compute_capability, args.gpu_memory_mib, args.gpus)
-        gpu.cc
+        _ = gpu.cc                       # its compute capability parsed: ValueError where it is not like 8.6
     except ValueError:
         ap.error(f"--compute-capability {args.compute_capability!r} is not like 8.6")
     from tasks.catalog import default_catalog
@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = artifact.name
     workload = doc_workload(args)
     if args.model or args.model_config == DEFAULT_MODEL_CONFIG:
-        workload = with_model(workload, artifact, args.model_path or f"/opt/verl-lab/models/{artifact.repo.replace('/', '--')}")
+        workload = with_model(workload, artifact, args.model_path or f"/opt/verl-lab/models/{(artifact.repo or model).replace('/', '--')}")
     try:
         if args.nodes > 1:          # a uniform Ray cluster of this GPU
             plan = plan_naming_models_that_fit(

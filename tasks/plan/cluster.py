@@ -4,12 +4,12 @@ count) at the cluster's world size, then verl's node split (``cluster_plan``).""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Mapping
 
 from tasks.plan.rungs import make_plan
 from tasks.plan.terms import GpuTarget, Reason, TrainingPlan, Workload
-from tasks.verl_config import Override
+from tasks.verl import Override
 
 
 def weakest_gpu(targets: Mapping[str, GpuTarget]) -> tuple[GpuTarget, str]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from tasks.plan.rungs import make_plan
 from tasks.plan.precision import vllm_engine
+from tasks.plan.rungs import make_plan
 from tasks.plan.terms import GpuTarget, PlanError, Workload
 from tasks.plan.workload import DEFAULT_MODEL_CONFIG, catalog_models, load_model_config, with_model
 

@@ -29,10 +29,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from tasks.plan.estimator import _MEM_DTYPE
 from tasks.plan.memory_fit import gpu_seconds, offload_seconds, search_memory
-from tasks.plan.terms import (Estimator, GpuTarget, MemoryChoice, MemoryEstimate, PlanError, Precision, Reason,
-                               Workload)
+from tasks.plan.terms import Estimator, GpuTarget, MemoryChoice, MemoryEstimate, PlanError, Precision, Reason, Workload
 
 FULL_ACTOR_LR = 1e-6        # verl 0.5.0's actor optim.lr (verl/trainer/config/actor/actor.yaml)
 LORA_LR_SCALE = 10          # "LoRA Without Regret": LoRA's best learning rate is about 10x full fine-tuning's

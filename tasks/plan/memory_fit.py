@@ -7,12 +7,22 @@ off). Nothing fits: PlanError with the shortfall (``short_mib``), which the ladd
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
 from tasks.plan.estimator import _MEM_DTYPE, VLLM_SHARE_MAX
-from tasks.plan.terms import (OFFLOAD_KNOBS, OFFLOAD_LADDER, Estimator, GpuTarget, MemoryChoice, MemoryEstimate,
-                              PlanError, Precision, Reason, Workload)
+from tasks.plan.terms import (
+    OFFLOAD_KNOBS,
+    OFFLOAD_LADDER,
+    Estimator,
+    GpuTarget,
+    MemoryChoice,
+    MemoryEstimate,
+    PlanError,
+    Precision,
+    Reason,
+    Workload,
+)
 
 MICRO_BATCH_CHOICES = (16, 8, 4, 2, 1)          # update micro-batches (sequences per GPU)
 FORWARD_MICRO_CHOICES = (64, 32, 16, 8, 4, 2, 1)  # no-gradient passes: actor log-probs, critic values
@@ -123,7 +133,8 @@ def search_memory(gpu: GpuTarget, workload: Workload, precision: Precision,
             ranking = [(f[0], -f[1], f[2]) for f in fits] if ranked else None
             break
     if found is None:
-        assert best_failure is not None
+        if best_failure is None:
+            raise _no_choice(gpu, "the update")
         raise _no_fit(gpu, workload, best_failure)
     choice, est = found
 
@@ -229,6 +240,8 @@ def _search_offload_tp(gpu: GpuTarget, workload: Workload, precision: Precision,
             elif best_failure is None or est.peak_mib < best_failure.peak_mib:
                 best_failure = est
         if not fits:
+            if best_failure is None:
+                raise _no_choice(gpu, f"the phases {', '.join(phases) or 'of the rollout'}")
             raise _no_fit(gpu, workload, best_failure)
         return min(fits, key=lambda f: f[:3])[3:]
 
@@ -256,10 +269,16 @@ def _search_offload_tp(gpu: GpuTarget, workload: Workload, precision: Precision,
     return choice, est, _memory_reasons(gpu, workload, precision, choice, est, tried)
 
 
+def _no_choice(gpu: GpuTarget, what: str) -> PlanError:
+    """A choice list that came out empty (no micro-batch size divides the batch): nothing was estimated, so there
+    is no failure to describe."""
+    return PlanError(f"no memory choice to try for {what} on {gpu.count} x {gpu.name}", key="gpu")
+
+
 def _no_fit(gpu: GpuTarget, workload: Workload, best_failure: MemoryEstimate) -> PlanError:
     short = best_failure.peak_mib - best_failure.budget_mib
     phases = {k: v for k, v in best_failure.breakdown.items() if k.startswith("phase_")}
-    worst = max(phases, key=phases.get) if phases else None
+    worst = max(phases, key=lambda k: phases[k]) if phases else None
     where = f" The largest phase is {worst[len('phase_'):]} ({phases[worst]} MiB before process overhead)." if worst else ""
     bd = best_failure.breakdown
     if bd.get("vllm_kv_granted", 0) < bd.get("vllm_kv_wanted", 0):

@@ -13,9 +13,17 @@ from tasks.plan.estimator import max_num_batched_tokens
 from tasks.plan.lora import lora_overrides
 from tasks.plan.memory_fit import speed_ranked
 from tasks.plan.precision import VLLM_MIN_CC, vllm_engine
-from tasks.plan.terms import (OFFLOAD_KEYS, OFFLOAD_KNOBS, OFFLOAD_LADDER, GpuTarget, MemoryChoice, Precision, Reason,
-                              Workload)
-from tasks.verl_config import VERL_VERSION, Override
+from tasks.plan.terms import (
+    OFFLOAD_KEYS,
+    OFFLOAD_KNOBS,
+    OFFLOAD_LADDER,
+    GpuTarget,
+    MemoryChoice,
+    Precision,
+    Reason,
+    Workload,
+)
+from tasks.verl import VERL_VERSION, Override
 
 MASTER_DTYPE = "fp32"      # the actor's and critic's weights (so their AdamW states and saves): model_dtype
 

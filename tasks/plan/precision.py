@@ -7,7 +7,7 @@ reason for each."""
 from __future__ import annotations
 
 from tasks.plan.terms import GpuTarget, PlanError, Precision, Reason
-from tasks.verl_config import VERL_VERSION
+from tasks.verl import VERL_VERSION
 
 
 def vllm_engine(gpu: GpuTarget) -> str:
@@ -16,7 +16,7 @@ def vllm_engine(gpu: GpuTarget) -> str:
     return "v1" if gpu.cc >= (8, 0) else "v0"
 
 
-ROLLOUT_ENGINES = ("auto", "vllm", "hf")      # workload.rollout (tasks/settings_workload.py WORKLOAD_ROLLOUTS)
+ROLLOUT_ENGINES = ("auto", "vllm", "hf")      # workload.rollout (tasks/settings/workload.py WORKLOAD_ROLLOUTS)
 VLLM_MIN_CC = (7, 0)
 
 

@@ -3,7 +3,7 @@ ladder (``RUNGS``: PPO with a critic -> GRPO -> PPO and GRPO with LoRA adapters 
 actor on FSDP2 CPU offload -> GRPO with shorter responses; ``workload.finetune`` picks the full or the LoRA
 rungs, "auto" both: tasks/plan/lora.py), best training first, each rung's batches shared evenly over the GPUs
 (``ladder``); the first rung whose memory fits (tasks/plan/memory_fit.py) is the plan, which then
-meets verl 0.5.0's own checks (``verl_refusal``, tasks/verl_rules.py)."""
+meets verl 0.5.0's own checks (``verl_refusal``, tasks/verl/rules.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tasks.plan.memory_fit import search_memory
 from tasks.plan.overrides import checkpoint_plan, plan_env, verl_overrides
 from tasks.plan.precision import choose_precision
 from tasks.plan.terms import Estimator, GpuTarget, PlanError, Reason, TrainingPlan, Workload
-from tasks.verl_config import VERL_VERSION
+from tasks.verl import VERL_VERSION
 
 # The fallback ladder, best training first: (rung, algorithm, response tokens (None: the workload's),
 # the actor on FSDP2 with CPUOffloadPolicy, LoRA adapters on the actor, why).
@@ -67,9 +67,9 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
                         key="workload.finetune")
     estimator = estimator or default_estimator
     precision, reasons = choose_precision(gpu, workload.flash_attn_installed, workload.rollout_engine)
-    refused = vllm_rank_refusal(workload, precision)
-    if refused:
-        raise refused
+    rank_refused = vllm_rank_refusal(workload, precision)
+    if rank_refused:
+        raise rank_refused
     if gpu.mixed:
         reasons.insert(0, Reason("gpu", f"{gpu.count} x {gpu.name} ({gpu.memory_mib} MiB)",
                                  f"the box mixes GPU models ({gpu.mixed_words()}): planned for the weakest, "
@@ -106,9 +106,9 @@ def make_plan(gpu: GpuTarget, workload: Workload, estimator: Estimator | None = 
 
 
 def verl_refusal(plan: TrainingPlan) -> None:
-    """PlanError where verl 0.5.0's own checks (tasks/verl_rules.py) refuse the plan's config, with
+    """PlanError where verl 0.5.0's own checks (tasks/verl/rules.py) refuse the plan's config, with
     verl's words: a workload verl would stop on is refused before any host changes."""
-    from tasks.verl_rules import violations
+    from tasks.verl import violations
 
     w = plan.workload
     found = violations({o.key: o.value for o in plan.overrides}, w.model_config, w.train_rows, w.val_rows)

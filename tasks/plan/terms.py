@@ -7,14 +7,15 @@ setting (``Reason``), the plan (``TrainingPlan``: its ``to_dict`` is plan.json's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from verl_lab_box.gsm8k import VAL_ROWS
 from tasks.checkpoints import DEFAULT_EVERY, DEFAULT_KEEP, CheckpointPlan
-from tasks.verl_config import VERL_VERSION, Override, override_lines
+from tasks.verl import VERL_VERSION, Override, override_lines
+from verl_lab_box.gsm8k import VAL_ROWS
 
-# The offload ladder, in the order the plan escalates (names shared with tasks/doctor.py).
+# The offload ladder, in the order the plan escalates (names shared with tasks/doctor/diagnosis.py).
 OFFLOAD_LADDER: tuple[str, ...] = (
     "ref_param_offload",
     "actor_optimizer_offload",
@@ -57,6 +58,8 @@ class PlanError(ValueError):
     to change, ``key`` which setting it is about ("workload", "workload.<key>", "gpu"); ``str()`` is
     the reason, then "Change: " and the fix."""
 
+    short_mib: int      # set only where memory is what is short (tasks/plan/memory_fit.py); hasattr tells
+
     def __init__(self, reason: str, fix: str | None = None, key: str = "workload"):
         self.reason, self.fix, self.key = reason, fix, key
         super().__init__(reason + (f" Change: {fix}" if fix else ""))
@@ -96,7 +99,7 @@ class GpuTarget:
         return "; ".join(f"{n} x {name} (cc {cc}, {mib} MiB)" for n, name, cc, mib in self.mixed)
 
     @classmethod
-    def from_inventory(cls, inventory) -> "GpuTarget":
+    def from_inventory(cls, inventory) -> GpuTarget:
         """From a ``tasks.facts.gpu.GpuInventory``; raises PlanError when it has no usable GPU. A box
         of mixed models is planned for the weakest: precision and rollout by the lowest compute
         capability, memory by the smallest GPU, every GPU in the count (FSDP gives each the same share)."""
@@ -151,7 +154,7 @@ class Workload:
     val_rows: int = VAL_ROWS             # rows of val_small.parquet (HF chunks must divide them)
     train_rows: int | None = None        # prompts of the train split (verl's dataloader needs a whole batch)
     actor_offload_policy: bool = False   # the actor (and ref) on FSDP2 with CPUOffloadPolicy (RUNGS)
-    trackers: tuple[str, ...] = ("console",)   # trainer.logger (settings tracking: tasks/tracking.py)
+    trackers: tuple[str, ...] = ("console",)   # trainer.logger (settings tracking: tasks/tracking/setting.py)
     project_name: str = "verl-lab"             # trainer.project_name
     run_name: str | None = None                # the trackers' run: <run_name>-<ppo|grpo>; None: experiment_name
 
@@ -234,7 +237,7 @@ class TrainingPlan:
     overrides: list[Override]
     env: dict[str, str]
     reasons: list[Reason]
-    workload: Workload | None = None     # the rung's workload (algorithm, batch, lengths)
+    workload: Workload                   # the rung's workload (algorithm, batch, lengths)
     rung: str = "ppo"
     verl_version: str = VERL_VERSION
     checkpoints: CheckpointPlan | None = None   # the bytes of a save, what is kept (tasks/checkpoints.py)

@@ -6,12 +6,10 @@ do (``plan_naming_models_that_fit``); a host's override lines for checks inside 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 from tasks.checkpoints import side_files_bytes
 from tasks.plan.rungs import make_plan

@@ -34,8 +34,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.e2e.shared_labs import (ENV_BOX, ENV_T4_BOX, FLEET_BOXES, FLEET_FRESH, SHARED_LABS, Fleet,  # noqa: E402
-                                   converge_sampling_argv, shared_lab_of)
+from tests.e2e.shared_labs import (  # noqa: E402
+    ENV_BOX,
+    ENV_T4_BOX,
+    FLEET_BOXES,
+    FLEET_FRESH,
+    SHARED_LABS,
+    Fleet,
+    converge_sampling_argv,
+    shared_lab_of,
+)
 from tests.fixtures.standins import env as env_standins  # noqa: E402
 from tests.fixtures.standins import fleet as standins  # noqa: E402
 from tests.lab import BoxSpec, Lab, requirements_missing  # noqa: E402

@@ -23,7 +23,7 @@ units run them as they would in a real env. The boxes' Ray nodes are on 127.0.0.
    b1 serves again, and each box's listing equals its listing of 2.; a second round changes nothing.
 
 Not here: deploy/full.py's wiring of the same undo (its stages need the env: tests/unit/test_undo.py checks what
-it queues), the driver's hold and pin (tasks/driver*.py is being rewritten), a LoRA run's outputs (kept by
+it queues), the driver's hold and pin (tasks/driver/ is being rewritten), a LoRA run's outputs (kept by
 decision: tasks/undo.py's docstring).
 """
 
@@ -97,10 +97,17 @@ def listings(lab) -> dict:
     return {name: box_listing(lab.box(name), skip=SKIP) for name in (B1, B2)}
 
 
-def unit(box, name: str) -> tuple[str, str]:
-    """(is-enabled, is-active); "" where systemctl prints nothing (no such unit file)."""
-    return tuple(box.ssh(f"systemctl {what} {name}", check=False).stdout.strip()
-                 for what in ("is-enabled", "is-active"))
+def unit(box, name: str, settle_s: float = 180) -> tuple[str, str]:
+    """(is-enabled, is-active) once the unit has left a start or stop in progress (``activating``, ``deactivating``,
+    ``reloading``: a unit the deploy just restarted, whose ``ray start`` a loaded machine slows; up to ``settle_s``);
+    "" where systemctl prints nothing (no such unit file)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        got = tuple(box.ssh(f"systemctl {what} {name}", check=False).stdout.strip()
+                    for what in ("is-enabled", "is-active"))
+        if got[1] not in ("activating", "deactivating", "reloading") or time.monotonic() > deadline:
+            return got
+        time.sleep(2)
 
 
 def wait_serving(box, port: int, timeout: float = 90) -> None:

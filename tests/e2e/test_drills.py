@@ -40,8 +40,8 @@ import pytest
 from tasks.facts.env import PythonEnv
 from tests.e2e import test_env
 from tests.fixtures.standins import cuda as cuda_standin
-from tests.fixtures.standins import fleet
 from tests.fixtures.standins import env as env_standin
+from tests.fixtures.standins import fleet
 from tests.fixtures.standins.hf_endpoint import DATASET_REPO, MODEL_REPO
 from tests.lab import BoxSpec
 from tests.lab.results import DeployResult, parse, strip_ansi
@@ -411,7 +411,7 @@ def test_killed_at_a_random_operation_converges_next_run(lab):
     """10 seeded trials, two at a time (a relay box and a direct box, each its own pyinfra run)."""
     rng = random.Random(SEED)
     boxes = boot(lab, [BoxSpec("killr", gpu="t4"), BoxSpec("killd", gpu="rtx3090")], data_env=True)
-    modes = dict(zip(boxes, ("relay", "direct")))
+    modes = dict(zip(boxes, ("relay", "direct"), strict=True))
     ops = {name: operation_list(lab, CHEAP, [name], data_for(lab), {name: {"artifact_mode": modes[name]}})
            for name in boxes}
     plan = []
@@ -566,7 +566,7 @@ def mirror_boxes(lab):
 @pytest.mark.parametrize("fault", sorted(MIRROR_FAULTS))
 @pytest.mark.parametrize("mode", ["relay", "direct"])
 def test_mirror_error_fails_clearly_and_keeps_nothing(lab, mirror_boxes, fault, mode):
-    name = dict(zip(("relay", "direct"), mirror_boxes))[mode]
+    name = dict(zip(("relay", "direct"), mirror_boxes, strict=True))[mode]
     cache = lab.dir / f"controller-cache-mirror-{fault}-{mode}"
     path = url_path(RUNFILE)
     url = lab.mirror_url + path
@@ -587,7 +587,7 @@ def test_mirror_error_fails_clearly_and_keeps_nothing(lab, mirror_boxes, fault, 
 def test_stalled_mirror_is_retried_and_both_modes_converge(lab, mirror_boxes):
     """The first request of each mode stalls (headers, then no body): the controller's read
     timeout and the box's curl --speed-time end it within a minute, the retry gets the file."""
-    per_host = dict(zip(mirror_boxes, ({"artifact_mode": "relay"}, {"artifact_mode": "direct"})))
+    per_host = dict(zip(mirror_boxes, ({"artifact_mode": "relay"}, {"artifact_mode": "direct"}), strict=True))
     path = url_path(RUNFILE)
     data = data_for(lab, controller_cache=str(lab.dir / "controller-cache-mirror-stall"))
     lab.mirror.reset_counters()

@@ -38,6 +38,7 @@ from tests.fixtures.driver.unattended import would_upgrade
 from tests.fixtures.standins import driver as standin
 from tests.lab import BoxSpec
 from tests.lab.listing import box_listing, listing_diff
+from verl_lab_box.nvidia_driver_state import THEIRS
 
 SOURCES = "/etc/apt/sources.list.d/verl-lab-nvidia.sources"
 PIN = "/etc/apt/preferences.d/verl-lab-nvidia-driver"
@@ -203,7 +204,7 @@ def test_a_rerun_changes_nothing(lab, converged):
     assert all(again.changed_by_host.get(h, 0) == 0 for h in DRIVER_BOXES), again.changed_ops
 
 
-# ---------------------------------------------------------------- back to driver = "check" (tasks/driver_release.py)
+# ---------------------------------------------------------------- back to driver = "check" (tasks/driver/release.py)
 
 
 def check(lab, hosts=("deb12",)):
@@ -306,14 +307,26 @@ def test_driver_check_releases_the_hold_and_pin_and_keeps_the_driver(lab, conver
 
 def test_driver_install_again_holds_and_pins_it_as_before(lab, converged):
     """Back to driver = "install": the stage holds and pins the installed driver again (its "hold" plan), with the
-    pin it had; the tests below start from there."""
+    pin it had; the tests below start from there. First with a hold of the user's own on nvidia-smi, placed while
+    driver = "check": the pin names it as held before the stage held it, and driver = "check" again releases every
+    hold but that one, and says it stays (mutation: the release not leaving out the pin's THEIRS line: nvidia-smi
+    is released too)."""
     box = lab.box("deb12")
-    box.ssh("apt-mark unhold nvidia-modprobe >/dev/null")
+    box.ssh("apt-mark unhold nvidia-modprobe >/dev/null && apt-mark hold nvidia-smi >/dev/null")
+    res = deploy(lab, hosts=["deb12"])
+    assert "holding and pinning it" in res.output, res.tail(40)
+    assert f"\n{THEIRS}nvidia-smi\nPackage: " in box.read_text(PIN) and "nvidia-smi" in held(box)
+    res = check(lab)
+    assert res.ok and held(box) == {"nvidia-smi"} and not box.exists(PIN), res.tail(40)
+    assert ("a working driver stays; 1 of its packages stays held, by holds that are not the stage's (placed before "
+            "it held them, or with its pin gone the stage cannot tell): nvidia-smi;") in res.output, res.tail(40)
+    box.ssh("apt-mark unhold nvidia-smi >/dev/null")
     res = deploy(lab, hosts=["deb12"])
     assert "holding and pinning it" in res.output, res.tail(40)
     names = set(re.search(r"^Package: (.*)$", box.read_text(PIN), re.M).group(1).split())
     assert f"\nPin: version {BOOKWORM}\nPin-Priority: 1001\n" in box.read_text(PIN)
     assert names == source_packages(box) and held(box) == names and box.exists(f"{LIBEXEC}/nvidia_driver.py")
+    assert THEIRS not in box.read_text(PIN)
 
 
 def test_unattended_upgrades_cannot_replace_the_held_driver(lab, converged):
@@ -541,7 +554,8 @@ def test_a_dropped_connection_does_not_stop_apt_and_a_rerun_follows_it(lab, conv
     """The controller dies with every SSH session it had in the box (killed with all they run) while
     apt installs: apt runs in the job's own unit, so it goes on; a re-run finds the job running and
     follows it to its end (before, apt ran inside the session: killed with it, dpkg half-way)."""
-    from tests.e2e.test_drills import Killed, run as drill_run
+    from tests.e2e.test_drills import Killed
+    from tests.e2e.test_drills import run as drill_run
 
     box = lab.box("deb12")
     back_to_bookworm(box)

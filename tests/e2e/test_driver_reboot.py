@@ -1,4 +1,4 @@
-"""The driver stage's reboot step (tasks/driver_settle.py) on lab-in-a-box Debian 12 hosts of its own:
+"""The driver stage's reboot step (tasks/driver/settle.py) on lab-in-a-box Debian 12 hosts of its own:
 real systemd and SSH, a box rebooted from inside (the lab starting it again as
 systemd-nspawn@.service would), the stage waiting for the new boot, one box at a time, and the real
 reboot guard of the box program (verl_lab_box/nvidia_driver.py reboot-guard): a training unit
@@ -35,14 +35,14 @@ if sys.argv[1] != "verdict":
 print(json.dumps({{"verdict": "reboot", "installed": "535.261.03",
                   "reason": "the running kernel still has the nvidia module 535.104.05 loaded: a reboot loads 535.261.03"}}))
 """
-# what the reboot guard reads of the driver plan (tasks/driver_plan.py box_plan)
+# what the reboot guard reads of the driver plan (tasks/driver/plan.py box_plan)
 GUARD_PLAN = {"units": [TRAIN, RAY], "busy": "refuse", "pin": PIN, "log": "/opt/verl-lab/logs/driver.log",
               "job_status": f"{TEST_DIR}/driver-job.json", "unit": TRAIN}
 
 
 @pytest.fixture(scope="module")
 def rebooting(lab_factory):
-    from tasks.driver import BOX_MODULES
+    from tasks.driver.stage import BOX_MODULES
     lab = lab_factory([BoxSpec("rb1", gpu="p40"), BoxSpec("rb2", gpu="t4")])
     repo = Path(__file__).resolve().parents[2] / "verl_lab_box"
     for box in lab.boxes.values():

@@ -23,8 +23,8 @@ import time
 
 import pytest
 
-from tests.fixtures.standins import env as standin
 from tests.e2e.shared_labs import ENV_BOX, ENV_T4_BOX
+from tests.fixtures.standins import env as standin
 
 LAB_ROOT = "/opt/verl-lab"
 ENV = f"{LAB_ROOT}/envs/verl"

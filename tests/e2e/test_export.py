@@ -40,7 +40,6 @@ from types import SimpleNamespace
 
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[2]
 BOX = "p40"          # the shared fleet's P40 box (tests/e2e/conftest.py fleet_lab)
 TRAIN = "/opt/verl-lab/train"

@@ -28,7 +28,7 @@ import re
 import pytest
 
 from tasks.cluster import DROPIN_TEMPLATE, TRAIN_DROPIN
-from tasks.driver_plan import BLACKLIST, BLACKLIST_FILE, PIN_FILE
+from tasks.driver.plan import BLACKLIST, BLACKLIST_FILE, PIN_FILE
 from tasks.placed import rendered
 from tests.lab.listing import ROOTS, box_listing, listing_diff
 

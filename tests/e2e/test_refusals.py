@@ -47,7 +47,7 @@ B200 = {"name": "NVIDIA B200", "compute_capability": "10.0", "memory_mib": 18335
 
 STATE = ("find /opt /usr/local /etc/systemd/system /var/tmp/verl-lab -xdev -printf '%p|%y|%s|%m|%u|%g|%T@\\n' "
          "2>/dev/null | sort | sha256sum; sha256sum /etc/passwd /etc/group; dpkg-query -W | sha256sum; "
-         f"systemctl list-unit-files 'verl-lab*' --no-legend; systemctl list-units --all 'verl-lab*' --no-legend; "
+         "systemctl list-unit-files 'verl-lab*' --no-legend; systemctl list-units --all 'verl-lab*' --no-legend; "
          "grep -h generation /opt/verl-lab/markers/env.done 2>/dev/null || echo 'no env generation'")
 
 # (row, what a user set, hosts, per-host data, where it is refused)

@@ -44,7 +44,7 @@ def test_vllm_below_7_0_fails_that_box_before_it_changes_and_only_that_box(lab):
     share = plan["launch"]["vllm"]["share"]
     assert (f"  ok    vllm share: V1, V1 counts what other processes hold on the GPU: "
             f"actor_rollout_ref.rollout.gpu_memory_utilization {share} as planned (GPU 0: 0 MiB in use; ") in check, check
-    assert f"CUDA counts GPU 0: 24250 MiB (the plan: 24576 MiB)" in check, check
+    assert "CUDA counts GPU 0: 24250 MiB (the plan: 24576 MiB)" in check, check
 
 
 def test_rollout_hf_plans_the_hf_rollout_on_a_vllm_capable_gpu(lab):

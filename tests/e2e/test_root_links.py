@@ -78,7 +78,7 @@ def fresh_checkpoints(box) -> None:
 def test_where_root_works_only_root_can_change(box):
     """Rows "only root-owned parents": the folders root's stages, facts and markers write in. Mutations tried:
     the train folder placed 0770 (tasks/train.py ``training_wanted``): ``verl`` plants a link in it; the trackers'
-    parent the train user's again (tasks/tracking_train.py ``tracking_wanted``): ``verl`` renames its
+    parent the train user's again (tasks/tracking/train.py ``tracking_wanted``): ``verl`` renames its
     tensorboard folder away (and could put a link to /etc where root's chown would follow it)."""
     for folder in (ROOT, TRAIN, f"{ROOT}/markers", f"{ROOT}/cache", f"{ROOT}/tracking", TMPDIR):
         mode, owner, _ = box.stat(folder)

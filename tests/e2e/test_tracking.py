@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import re
 import secrets
 import shlex
 import shutil
@@ -43,13 +45,11 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-import json
-import re
 from pathlib import Path
 
 import pytest
 
-from tasks.tracking_events import _event, record, scalar_value
+from tasks.tracking.events import _event, record, scalar_value
 from tests.fixtures.standins.wandb_server import WandbServer
 from tests.fixtures.tracking import VERL_TAGS, recorded_run, verl_event_files, verl_wandb_offline_run
 from tests.lab import BoxSpec
@@ -251,9 +251,9 @@ def test_offline_wandb_run_synced_by_the_controller_with_its_key(tracked, wandb_
 def tunnel(lab, settings, tracked):
     """deploy/status.py's line: in the lab no tunnel (the boxes share this machine's network, where the hub's
     TensorBoard holds the port: a tunnel to it fails, "Address already in use"), the address to open instead.
-    The SSH tunnel status prints to a hub elsewhere (tasks.tracking_hub.tunnel_command, from the hub's
+    The SSH tunnel status prints to a hub elsewhere (tasks.tracking.hub.tunnel_command, from the hub's
     inventory data) is still opened here, its local port moved, and the page read through it."""
-    from tasks.tracking_hub import tunnel_command
+    from tasks.tracking.hub import tunnel_command
 
     res = lab.deploy("deploy/status.py", per_host=settings["per_host"], mode="text", timeout=600)
     line = next((ln for ln in res.output.splitlines() if ln.startswith("The lab's TensorBoard on ")), None)
@@ -280,7 +280,7 @@ def tunnel(lab, settings, tracked):
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise AssertionError(f"tunnel {argv}: {proc.stderr.read().decode()[-800:]}")
+                raise AssertionError(f"tunnel {argv}: {proc.stderr.read().decode()[-800:]}") from None
             time.sleep(1)
     yield url
     proc.terminate()
@@ -474,7 +474,7 @@ def test_tensorboard_shows_the_points_added_after_the_first_copy(lab, tunnel, br
 
 def test_root_reads_nothing_box2s_train_user_planted_or_swapped(lab, grown):
     """The collect runs the copy's read as verl (runuser) through O_NOFOLLOW descriptors, taking only files
-    verl owns. Mutations that make it fail: ``runuser -u verl --`` dropped from tasks/tracking_copy.py
+    verl owns. Mutations that make it fail: ``runuser -u verl --`` dropped from tasks/tracking/copy.py
     ``read_command`` (the read runs as root: the collect refuses its stream, and without that check root
     reads the file verl locked); O_NOFOLLOW dropped from verl_lab_box/tracking_copy.py ``walk`` (the link to
     verl's file outside its tracker folder is followed); ``walk``'s owner check dropped (the root-owned file
@@ -602,7 +602,7 @@ def test_a_box_that_goes_away_keeps_its_curves(lab, settings, tunnel, wandb_serv
 def test_pyinfra_diff_of_a_key_change_prints_no_key(lab, settings, trained):
     """The keys file changed (a new key), deploy/train.py run with pyinfra's --diff on the hub: pyinfra prints
     the diffs of the files the change touches (the unit's digest line) and none of either key. Mutation:
-    ``secret=False`` in tasks/tracking_train.py ``tracking_wanted`` (files.put): ``- WANDB_API_KEY=<old>`` and
+    ``secret=False`` in tasks/tracking/train.py ``tracking_wanted`` (files.put): ``- WANDB_API_KEY=<old>`` and
     ``+ WANDB_API_KEY=<new>`` on the screen."""
     keys = Path(settings["per_host"][HUB]["tracking"]["keys_file"])
     keys.write_text(f"WANDB_API_KEY={KEY2}\n")

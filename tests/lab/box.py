@@ -17,11 +17,13 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from tests.lab.gpus import DEFAULT_DRIVER, GPUS, cards_for, gpu as gpu_model, standin_nvidia_smi
+from tests.lab.gpus import DEFAULT_DRIVER, GPUS, cards_for, standin_nvidia_smi
+from tests.lab.gpus import gpu as gpu_model
 
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 NSPAWN_REBOOTED = 133      # systemd-nspawn's exit status when the container rebooted
@@ -57,7 +59,7 @@ class BoxSpec:
         gpu_model(self.gpu)   # raises on an unknown key
 
     @classmethod
-    def of(cls, spec: "BoxSpec | str") -> "BoxSpec":
+    def of(cls, spec: BoxSpec | str) -> BoxSpec:
         return spec if isinstance(spec, BoxSpec) else cls(name=spec)
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid as uuidlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 
 DEFAULT_DRIVER = "535.104.05"   # branch 535: Pascal .. Hopper all supported
 

@@ -7,8 +7,9 @@ groups). Every value is written with ``repr`` so dicts and lists survive as they
 from __future__ import annotations
 
 import keyword
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 
 def host_data(box, *, key: Path, known_hosts: Path, base: Mapping[str, Any]) -> dict[str, Any]:

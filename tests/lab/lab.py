@@ -22,13 +22,13 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from tests.lab import rootfs as rootfs_mod
-from tests.lab.box import (Box, BoxError, BoxSpec, alive, proc_start_time, remove_tree, remove_tree_later,
-                           stop_box)
+from tests.lab.box import Box, BoxError, BoxSpec, alive, proc_start_time, remove_tree, remove_tree_later, stop_box
 from tests.lab.inventory import host_data, write_inventory
 from tests.lab.mirror import Mirror
 from tests.lab.results import DeployResult, parse
@@ -77,7 +77,7 @@ class Lab:
         self._mirror_urls: dict[str, str] | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "Lab":
+    def start(self) -> Lab:
         why = requirements_missing()
         if why:
             raise BoxError(why)
@@ -101,7 +101,7 @@ class Lab:
         self._save()
         return self
 
-    def __enter__(self) -> "Lab":
+    def __enter__(self) -> Lab:
         try:
             return self.start()
         except BaseException:

@@ -27,7 +27,10 @@ sha256sum /etc/hosts
 echo '@@users'
 awk -F: '{{ print $1, $3, $6, $7 }}' /etc/passwd | sort
 echo '@@units'
-systemctl list-units --all --plain --no-legend 'verl-lab*' | awk '{{ print "loaded", $1, $2, $3, $4 }}'
+# a unit whose file is gone and that runs nothing (not-found, inactive) is systemd's memory of it until its next
+# garbage collection, which a loaded machine delays: not a state of the box
+systemctl list-units --all --plain --no-legend 'verl-lab*' | \
+  awk '$2 != "not-found" || $3 != "inactive" {{ print "loaded", $1, $2, $3, $4 }}'
 for u in $(systemctl list-unit-files --no-legend 'verl-lab*' | awk '{{ print $1 }}'); do
   echo "file $u $(systemctl is-enabled "$u" 2>/dev/null) $(systemctl is-active "$u" 2>/dev/null)"
 done | sort

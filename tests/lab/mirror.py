@@ -32,11 +32,11 @@ import subprocess
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
 
 # Sources of files/catalog.toml the lab serves: mirror_urls points each one at <url>/<source>.
 # pypi stays the real index (reachable from these machines); pytorch is served so a test
@@ -93,7 +93,7 @@ class Mirror:
         self._stop = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "Mirror":
+    def start(self) -> Mirror:
         mirror = self
 
         class Handler(_Handler):

@@ -53,11 +53,11 @@ class DeployResult:
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.output.splitlines()[-lines:])
 
-    def assert_ok(self) -> "DeployResult":
+    def assert_ok(self) -> DeployResult:
         assert self.ok, f"pyinfra failed (rc {self.rc}, failed hosts {self.failed_hosts}):\n{self.tail()}"
         return self
 
-    def assert_idempotent(self) -> "DeployResult":
+    def assert_idempotent(self) -> DeployResult:
         self.assert_ok()
         assert self.changed == 0, (
             f"second run changed {self.changed} operations: {self.changed_ops}\n{self.tail()}")

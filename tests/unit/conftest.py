@@ -27,7 +27,7 @@ def patched_verl_root(tmp_path_factory):
     """verl 0.5.0's sdist with the project's patches applied (what the boxes run), as a git tree."""
     import subprocess
 
-    from tasks import verl_source
+    from tasks.verl import source as verl_source
 
     if shutil.which("git") is None:
         pytest.skip("git is missing")

@@ -6,8 +6,17 @@ import json
 
 import pytest
 
-from bench.harness import (CommandLog, count_commands, free_page_reporting, free_page_reporting_off, interleave, ratio,
-                           render_table, summary, touch_free_memory)
+from bench.harness import (
+    CommandLog,
+    count_commands,
+    free_page_reporting,
+    free_page_reporting_off,
+    interleave,
+    ratio,
+    render_table,
+    summary,
+    touch_free_memory,
+)
 
 
 def test_summary_is_the_median_of_odd_and_even_counts():
@@ -92,7 +101,7 @@ def test_free_page_reporting_is_read_and_put_back_after_turning_it_off(tmp_path)
 
 def test_touch_free_memory_leaves_what_it_is_asked_to_keep(tmp_path):
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       24683664 kB\nMemFree:           %d kB\nMemAvailable: 1 kB\n" % (2048 * 1024 + 3 * 1024))
+    meminfo.write_text(f"MemTotal:       24683664 kB\nMemFree:           {2048 * 1024 + 3 * 1024} kB\nMemAvailable: 1 kB\n")
     assert touch_free_memory(keep_mib=2048, meminfo=meminfo) == 3
     meminfo.write_text("MemFree:           1024 kB\n")
     assert touch_free_memory(keep_mib=2048, meminfo=meminfo) == 0

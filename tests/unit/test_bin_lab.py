@@ -77,6 +77,7 @@ def test_up_with_a_bad_gpu_name_leaves_the_recorded_lab_running(tmp_path):
     it must still run, and state.json still name it, after the refused command."""
     import json
     import time
+
     from tests.lab.box import alive, proc_start_time
     work = tmp_path / "lab"
     work.mkdir()
@@ -120,6 +121,7 @@ def test_up_on_a_running_lab_refuses_unless_replace_and_down_keeps_the_boxes_set
     settings (mutation: down without keep_group_data: the folder is gone)."""
     import json
     import time
+
     from tests.lab.box import alive, proc_start_time
     work = tmp_path / "lab"
     (work / "group_data").mkdir(parents=True)

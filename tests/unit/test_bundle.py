@@ -10,10 +10,10 @@ from pyinfra.facts.server import LinuxDistribution
 
 from tasks.facts.bundle import Bundle, _text
 from tasks.facts.data import FilesPresent
+from tasks.facts.env import VerlCheckout
 from tasks.facts.files import Marker, PathStates
 from tasks.facts.gpu import NvidiaGpus
 from tasks.facts.nvidia import CudaHostCompiler
-from tasks.facts.env import VerlCheckout
 
 
 class Failing(FactBase):
@@ -76,7 +76,7 @@ def test_each_answer_is_what_the_fact_gives_alone(tmp_path):
     assert out.returncode == 0, out.stderr
     got = Bundle().process(out.stdout.splitlines())
     assert len(got) == len(facts)
-    for (cls, kwargs), answer in zip(facts, got):
+    for (cls, kwargs), answer in zip(facts, got, strict=True):
         assert answer == alone(cls, kwargs), cls.__name__
     assert got[0] == {"stamp": "abc", "generation": "/x.gen1"} and got[1] is None
     assert got[8] == {"default": True}            # no output: the fact's default

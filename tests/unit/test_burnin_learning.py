@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
 from tasks.burnin.plan import RISES, BurninSpec
 from tasks.burnin.plan import overrides as burnin_overrides
 from tasks.plan import GpuTarget, Workload, load_model_config, make_plan
+from tasks.verl import source as verl_source
 from tests.unit.test_fsdp2_gather import tiny_model
 from tests.unit.test_hf_rollout import _tree
 from verl_lab_box.burnin import merged

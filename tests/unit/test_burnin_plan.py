@@ -3,7 +3,7 @@ the GTX 1080's full fine-tune on the CPU-offload rung, the RTX 3060's bf16 full 
 rung), the GTX 1080's LoRA (its default).
 
 Each burn-in's overrides, merged over the plan's as the box merges them (verl_lab_box/burnin.py ``merged``): verl
-0.5.0's own checks restated (tasks/verl_rules.py) pass, and verl's Hydra config composes them with every key landing
+0.5.0's own checks restated (tasks/verl/rules.py) pass, and verl's Hydra config composes them with every key landing
 where verl reads it (the burn-in's reward manager and its kwargs included); the real run's folder, tracker and
 validation are replaced, not added beside; its learning rate follows the model's width.
 """
@@ -15,11 +15,19 @@ from dataclasses import replace
 import pytest
 from omegaconf import OmegaConf
 
-from tasks.burnin.plan import (BURNIN_LR_WIDTH, BURNIN_UNIT, MANAGER, BurninSpec, burnin_lr, burnin_paths,
-                               burnin_plan, overrides)
+from tasks.burnin.plan import (
+    BURNIN_LR_WIDTH,
+    BURNIN_UNIT,
+    MANAGER,
+    BurninSpec,
+    burnin_lr,
+    burnin_paths,
+    burnin_plan,
+    overrides,
+)
 from tasks.burnin.stage import burnin_wanted
 from tasks.plan import GpuTarget, load_model_config, make_plan
-from tasks.verl_rules import violations
+from tasks.verl import violations
 from tests.unit.test_plan import workload
 from tests.unit.test_train_launcher import layout_for, settings_for
 from tests.unit.test_verl_compose import _compose, verl_config_dir  # noqa: F401 - the fixture
@@ -51,8 +59,8 @@ def typed(value: str):
     return {"True": True, "False": False}.get(value, value)
 
 
-def run_overrides(plan, spec=BurninSpec(), which=0):
-    bp = burnin_plan(plan, TRAIN, "box1", spec)
+def run_overrides(plan, spec=None, which=0):
+    bp = burnin_plan(plan, TRAIN, "box1", spec or BurninSpec())
     return merged(plan.override_lines, bp["overrides"] + bp["runs"][which]["overrides"]), bp
 
 

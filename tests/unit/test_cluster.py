@@ -343,7 +343,7 @@ def test_cluster_check_names_a_node_whose_hostname_resolves_elsewhere():
              {"ip": "10.0.0.6", "gpus": 1, "fingerprint": {"host": "wk1", "python": "3.10.12", RESOLVES: "127.0.1.1"}}]
     assert compare(nodes, "10.0.0.5", 2, 1) == ["node 10.0.0.6 (wk1): its hostname resolves to 127.0.1.1, not "
                                                 "10.0.0.6: re-run deploy/cluster.py on it"]
-    lab = [{**n, "ip": ip} for n, ip in zip(nodes, ("127.0.0.2", "127.0.0.3"))]     # every node on one machine
+    lab = [{**n, "ip": ip} for n, ip in zip(nodes, ("127.0.0.2", "127.0.0.3"), strict=True)]     # every node on one machine
     assert compare(lab, "127.0.0.2", 2, 1) == []
 
 

@@ -140,7 +140,7 @@ def test_each_node_keeps_its_own_ranks_saves(cluster, finished):
         assert steps == list(range(STEPS - KEEP + 1, STEPS + 1)), (role, steps)        # patch 0006 on each disk
         own = f"model_world_size_2_rank_{rank_of[ip]}.pt"
         assert (ckpt / f"global_step_{STEPS}" / "actor" / own).is_file()
-        assert (ckpt / f"global_step_{STEPS}" / "actor" / "optim_world_size_2_rank_{}.pt".format(rank_of[ip])).is_file()
+        assert (ckpt / f"global_step_{STEPS}" / "actor" / f"optim_world_size_2_rank_{rank_of[ip]}.pt").is_file()
     other = 1 - rank_of[WORKER_IP]
     assert not (cluster.disks["worker"] / "checkpoints" / f"global_step_{STEPS}" / "actor" /
                 f"model_world_size_2_rank_{other}.pt").exists()

@@ -14,8 +14,8 @@ from tasks.cuda import CudaFacts, cuda_want, plan_cuda
 from tasks.facts.disk import FreeDisk
 from tasks.facts.gpu import NvidiaGpus, driver_view
 from tasks.facts.nvidia import CudaHostCompiler, CudaToolkits
-from tasks.target import decide_compiler
 from tasks.settings import load_settings
+from tasks.target import decide_compiler
 
 FACT_CASES = Path(__file__).resolve().parents[1] / "fixtures" / "facts"
 

@@ -20,8 +20,8 @@ from pyinfra.api.util import get_template
 from tasks import cuda
 from tasks.cuda import CudaFacts, cuda_want, plan_cuda, script_values
 from tasks.facts.nvidia import IN_PROGRESS
-from tasks.target import decide_compiler
 from tasks.settings import load_settings
+from tasks.target import decide_compiler
 from tests.fixtures.standins import cuda as standin
 
 ROOMY = {"filesystem": "/dev/x", "mount": "/", "free_mib": 10 ** 6, "size_mib": 10 ** 6}

@@ -12,13 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from tasks import data as data_stage
-from tasks.data_plan import data_plan
+from tasks.data import data_plan
+from tasks.data import stage as data_stage
+from tasks.settings import SettingsError, load_settings
+from tests.fixtures.standins.hf_endpoint import (
+    DATASET_REPO,
+    MODEL_REPO,
+    HfEndpoint,
+    StandinRepo,
+    catalog_overrides,
+    standard_repos,
+)
 from verl_lab_box import hf_snapshot
 from verl_lab_box.hf_snapshot import RepoSpec, SnapshotError
-from tasks.settings import SettingsError, load_settings
-from tests.fixtures.standins.hf_endpoint import (DATASET_REPO, MODEL_REPO, HfEndpoint, StandinRepo,
-                                                  catalog_overrides, standard_repos)
 
 BIG = "model.safetensors"
 
@@ -255,7 +261,7 @@ def test_legacy_repo_info_api(endpoint):
 def test_too_little_disk_for_the_model_fails_before_any_fetch():
     """A 3B model's weights are 6 GB: the data stage measures the free disk where the model goes
     before it fetches anything, and says how much is needed."""
-    from tasks.data import disk_shortfall
+    from tasks.data.stage import disk_shortfall
 
     plan = data_plan(load_settings("box1", {"workload": {"model": "Qwen/Qwen2.5-3B-Instruct"}}))
     disk = {"path": "/opt", "filesystem": "/dev/vda1", "mount": "/", "size_mib": 20000, "free_mib": 4000}

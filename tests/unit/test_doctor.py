@@ -186,7 +186,7 @@ def settings_named(rule):
 @pytest.mark.parametrize("rule", load_rules(), ids=lambda r: r.id)
 def test_rules_tell_users_to_set_only_real_settings(rule):
     unknown = sorted(settings_named(rule) - set(DEFAULTS))
-    assert not unknown, f"rule {rule.id} names {unknown}, not keys of tasks/settings.py DEFAULTS"
+    assert not unknown, f"rule {rule.id} names {unknown}, not keys of tasks/settings/load.py DEFAULTS"
 
 
 def test_setting_names_are_found_in_advice():

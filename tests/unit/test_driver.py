@@ -13,9 +13,20 @@ from pathlib import Path
 import pytest
 
 from tasks.cuda import CudaFacts, cuda_want, plan_cuda
-from tasks.driver_choice import Distro, DistroBranch, GpuSeen, choose_branch, gpus_seen, load_table
-from tasks.driver_plan import DriverFacts, driver_want, plan_driver
-from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
+from tasks.driver import (
+    Distro,
+    DistroBranch,
+    DriverFacts,
+    GpuSeen,
+    choose_branch,
+    driver_want,
+    gpus_seen,
+    headers_packages,
+    load_table,
+    parse_sources,
+    plan_driver,
+    sources_to_add,
+)
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.plan import DOC_GPUS
 from tasks.settings import RAY_UNIT, TRAIN_UNIT, load_settings
@@ -469,7 +480,7 @@ def test_check_mode_asks_the_box_nothing_of_its_own_in_full_py(monkeypatch):
     undo stage's one bundle (tasks/undo.py ``driver_found``), so the re-run's commands per host do not grow
     (bench/noop_rerun.py); a box the stage never managed gets the host's target untouched and no operation. Alone
     (deploy/driver.py) it asks one bundle."""
-    from tasks import driver as stage
+    from tasks.driver import stage
     from tasks.facts.driver import DriverLeft
     from tasks.target import HostTarget
 

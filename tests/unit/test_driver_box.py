@@ -1,5 +1,5 @@
 """The driver stage's steps that run on the box (verl_lab_box/nvidia_driver.py) and its execute-time
-settle/reboot step (tasks/driver.py), with the box's commands answered by recorded outputs
+settle/reboot step (tasks/driver/settle.py), with the box's commands answered by recorded outputs
 (tests/fixtures/driver/: apt 2.6.1's --simulate on a Debian 12 lab box; the DriverState cases).
 
 What this proves is plumbing: which commands run in which order, what stops before anything is
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tasks import driver_settle as stage
+from tasks.driver import settle as stage
 from verl_lab_box import nvidia_driver as box
 from verl_lab_box import nvidia_driver_apt as apt
 from verl_lab_box import nvidia_driver_state as st
@@ -57,7 +57,11 @@ def test_pin_text_reads_back():
     plan = {"branch": 535, "source": "nvidia-graphics-drivers", "chosen_for": "Tesla P40 (6.1)"}
     text = box.hold.pin_text([(["libcuda1", "nvidia-driver"], "535.261.03-1")], plan)
     assert st.parse_pin(text) == {"packages": ["libcuda1", "nvidia-driver"], "version": "535.261.03-1",
-                                  "stanzas": [{"packages": ["libcuda1", "nvidia-driver"], "version": "535.261.03-1"}]}
+                                  "stanzas": [{"packages": ["libcuda1", "nvidia-driver"], "version": "535.261.03-1"}],
+                                  "theirs": []}
+    # the holds that were not the stage's: a comment line apt ignores, read back
+    kept = box.hold.pin_text([(["libcuda1", "nvidia-driver"], "535.261.03-1")], plan, ["nvidia-driver"])
+    assert f"\n{st.THEIRS}nvidia-driver\nPackage: " in kept and st.parse_pin(kept)["theirs"] == ["nvidia-driver"]
     assert "set driver_update = True" in text and "re-run the driver stage to change" not in text
     assert text.endswith("Package: libcuda1 nvidia-driver\nPin: version 535.261.03-1\nPin-Priority: 1001\n")
     assert st.parse_pin("") is None

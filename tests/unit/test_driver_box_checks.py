@@ -10,9 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_driver_box import (UPDATE, FakeBox, apt, apt_calls, box, held_names, held_state,  # noqa: F401
-                                        is_hold, loaded_state, plan, recorded, run_main, st, write_old_pin)
-
+from tests.unit.test_driver_box import (  # noqa: F401
+    UPDATE,
+    FakeBox,
+    apt,
+    apt_calls,
+    box,
+    held_names,
+    held_state,
+    is_hold,
+    loaded_state,
+    plan,
+    recorded,
+    run_main,
+    st,
+    write_old_pin,
+)
 
 # ---------------------------------------------------------------- NVSwitch: Fabric Manager
 
@@ -98,7 +111,7 @@ def test_the_real_debian_535_list_by_pci_device_id(debian_535):
     t4 = [{"name": "TU104GL [Tesla T4]", "device": "1eb8"}]
     assert apt.unsupported(chips, t4, "535.261.03-1") == [
         "TU104GL [Tesla T4] (PCI 10de:1eb8): not in the supported-GPU list of 535.261.03-1"]
-    from tasks.driver_choice import load_table
+    from tasks.driver import load_table
     assert apt.unsupported(chips, t4, "535.261.03-1", list(load_table().unlisted)) == []
     newer = {"2335": "H200", "2685": "RTX 4090 D", "2702": "RTX 4080 SUPER", "28b0": "RTX 2000 Ada",
              "25b0": "RTX A1000", "25b2": "RTX A400"}
@@ -168,3 +181,62 @@ def test_a_missing_package_is_installed_under_the_pin(monkeypatch, tmp_path, pla
     assert Path(plan["pin"]).read_text() == pin
     last = [c for c in fake.calls if c[0] == "apt-mark"][-1]
     assert is_hold(last) and held_names(last) == ["nvidia-smi"]                         # put back after the failure
+
+
+# ---------------------------------------------------------------- the holds that are not the stage's
+
+
+class QuietLog:
+    """apt-mark answering 0; what the hold says, kept."""
+
+    def __init__(self):
+        self.calls, self.said = [], []
+
+    def run(self, argv, check=True, env=None, cwd=None):
+        import subprocess
+        self.calls.append(list(argv))
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    def say(self, text, stream=None):
+        self.said.append(text)
+
+
+def test_a_hold_placed_before_the_stages_is_named_in_its_pin_and_its_own_are_not(tmp_path, plan):
+    """The box as the stage's install left it (23 held, its pin naming them): holding again names none as
+    another's. Mutation: ``theirs`` not taking the pin's packages as the stage's: all 23 named. The pin gone and
+    nvidia-smi held by hand: the new pin names it. Mutation: do_hold writing the pin without ``kept``. A pin that
+    named it already: carried. Mutation: ``theirs`` not reading the pin's THEIRS line."""
+    state = st.parse_fact_output(held_state())
+    ours = sorted(state["pin"]["packages"])
+
+    def hold(state):
+        box.hold.do_hold(plan, QuietLog(), lambda: state)
+        return st.parse_pin(Path(plan["pin"]).read_text())
+
+    assert hold(state)["theirs"] == [] and sorted(hold(state)["packages"]) == ours
+    by_hand = {**state, "pin": None, "packages": [{**p, "held": p["name"] == "nvidia-smi"} for p in state["packages"]]}
+    assert hold(by_hand)["theirs"] == ["nvidia-smi"]
+    again = {**state, "pin": {**state["pin"], "theirs": ["nvidia-smi"]}}       # all held: the stage's and the user's
+    assert hold(again)["theirs"] == ["nvidia-smi"]
+
+
+def test_an_install_keeps_naming_the_holds_it_found_that_were_not_its_own(monkeypatch, tmp_path, plan):
+    """A driver installed and held by hand (no pin of the stage's), then driver = "install" with driver_update: the
+    install releases those holds for apt and holds everything after; its pin names them as held before it, so
+    driver = "check" leaves them held. Mutation: the install not passing what it read before apt to do_hold (it
+    then reads the box after its own hold and names none)."""
+    newer = recorded("debian12_held_no_module").replace("535.261.03-1", "535.309.01-0+deb12u1")
+    fake = FakeBox([held_state(), newer], simulate=(0, UPDATE))
+    assert run_main(monkeypatch, tmp_path, dict(plan, update=True), fake, "install") == 0
+    pin = st.parse_pin(Path(plan["pin"]).read_text())
+    assert pin["version"] == "535.309.01-0+deb12u1" and pin["theirs"] == sorted(pin["packages"])
+
+
+def test_a_failure_past_apt_keeps_naming_them(tmp_path, plan):
+    """A change that failed after apt moved a package: the pin the failure writes names the holds the install found
+    that were not the stage's. Mutation: ``secure`` writing its pin without ``before["theirs"]``."""
+    before = {"pin": "", "held": [], "versions": {"nvidia-driver": ["535.216.01-1", "ii"]}, "target": {},
+              "theirs": ["nvidia-smi", "not-installed"]}
+    said = box.hold.secure(plan, before, QuietLog(), lambda: st.parse_fact_output(held_state()))
+    assert said.startswith("apt finished the install") and \
+        st.parse_pin(Path(plan["pin"]).read_text())["theirs"] == ["nvidia-smi"]

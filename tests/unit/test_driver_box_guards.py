@@ -16,8 +16,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_driver_box import (SIMULATE, UPDATE, FakeBox, apt_calls, box, held_names, held_state,  # noqa: F401
-                                        is_hold, plan, recorded, run_main, st, unit_lines, write_old_pin)
+from tests.unit.test_driver_box import (  # noqa: F401
+    SIMULATE,
+    UPDATE,
+    FakeBox,
+    apt_calls,
+    box,
+    held_names,
+    held_state,
+    is_hold,
+    plan,
+    recorded,
+    run_main,
+    st,
+    unit_lines,
+    write_old_pin,
+)
 from verl_lab_box import nvidia_driver_hold as hold
 from verl_lab_box import nvidia_driver_install as inst
 from verl_lab_box import nvidia_driver_job as job

@@ -12,11 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_driver import (DEBIAN, NOBLE, UBUNTU22, UBUNTU24, UBUNTU_SOURCES, case, facts, loaded, with_units,
-                                    want)
-from tasks.driver_plan import plan_driver
-from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
-
+from tasks.driver import headers_packages, parse_sources, plan_driver, sources_to_add
+from tests.unit.test_driver import (
+    DEBIAN,
+    NOBLE,
+    UBUNTU22,
+    UBUNTU24,
+    UBUNTU_SOURCES,
+    case,
+    facts,
+    loaded,
+    want,
+    with_units,
+)
 
 # ---------------------------------------------------------------- the installed module's branch
 
@@ -138,7 +146,7 @@ def test_a_newer_build_is_taken_only_on_purpose_and_only_on_an_idle_box():
 def test_status_says_newer_build_and_end_of_life():
     import datetime
 
-    from tasks.driver_status import driver_notes
+    from tasks.driver import driver_notes
     from tasks.status import box_status, render_rows
 
     state, _ = proven_with_newer_build()
@@ -155,7 +163,7 @@ def test_status_says_newer_build_and_end_of_life():
 
 
 def test_status_says_a_driver_change_runs_or_left_the_units_masked():
-    from tasks.driver_status import driver_notes
+    from tasks.driver import driver_notes
 
     state, _ = proven_with_newer_build()
     state["archive"] = {}
@@ -192,7 +200,7 @@ def test_components_are_added_to_the_distros_own_archive_only():
     assert "URIs: http://mirror.example.org/debian\nSuites: bookworm\n" in text     # a Debian mirror: Origin Debian
     assert "URIs: http://deb.debian.org/debian\nSuites: bookworm-updates\n" in text  # lists not fetched: Debian's host
     assert "repo.vendor.example" not in sources_to_add(vendor, DEBIAN.components, {}, DEBIAN.origin)
-    from tasks.driver_sources import list_name
+    from tasks.driver import list_name
     assert list_name("http://deb.debian.org/debian/", "bookworm-security") == "deb.debian.org_debian_dists_bookworm-security"
     # the recorded lab box: its lists' Origin (none recorded: Debian's host)
     plan = plan_driver(want(), facts(case("debian12_fresh")))
@@ -230,7 +238,7 @@ def test_backports_and_trixie_style_kernels_get_their_headers_metapackage():
 
 
 def test_a_replaced_nouveau_blacklist_rebuilds_the_initramfs():
-    from tasks.driver_plan import BLACKLIST_FILE, initramfs_rebuild
+    from tasks.driver import BLACKLIST_FILE, initramfs_rebuild
 
     assert initramfs_rebuild({BLACKLIST_FILE: "missing"}, "done")         # placed again on a proven box
     assert initramfs_rebuild({BLACKLIST_FILE: "other content"}, "settle")

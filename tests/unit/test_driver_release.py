@@ -1,4 +1,4 @@
-"""driver = "check" on a box the driver stage managed (tasks/driver_release.py), on plain values: the box's packages
+"""driver = "check" on a box the driver stage managed (tasks/driver/release.py), on plain values: the box's packages
 and pin as a lab box printed them after the stage's install (tests/fixtures/facts/driver.DriverState/
 debian12_held_no_module.json), changed one way per case. The e2e (tests/e2e/test_driver.py
 ``test_driver_check_releases_the_hold_and_pin_and_keeps_the_driver``) runs it on a lab box with Debian's real
@@ -13,13 +13,15 @@ from pathlib import Path
 import pytest
 
 from tasks.doctor import diagnose
-from tasks.driver_plan import BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, driver_want
-from tasks.driver_release import plan_release, stage_paths
+from tasks.driver.plan import BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, driver_want
+from tasks.driver.release import plan_release, stage_paths
+from tasks.facts.driver import DriverLeft
 from tasks.settings import load_settings
+from verl_lab_box.nvidia_driver_state import PROC_VERSION, RUNFILE_UNINSTALLER
 from verl_lab_box.nvidia_driver_units import RECORD
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "facts" / "driver.DriverState" / \
-    "debian12_held_no_module.json"
+FACTS = Path(__file__).resolve().parents[1] / "fixtures" / "facts"
+FIXTURE = FACTS / "driver.DriverState" / "debian12_held_no_module.json"
 STATE = json.loads(FIXTURE.read_text())["fact"]
 WANT = driver_want(load_settings("box1", {"driver": "check"}))
 FILE = {"kind": "file", "mode": "644", "user": "root", "group": "root"}
@@ -85,10 +87,56 @@ def test_only_the_packages_still_held_are_unheld_and_a_missing_pin_unholds_none(
     (step,) = plan_release("box1", WANT, state, managed_paths()).steps
     assert "nvidia-smi" not in step.commands[0] and "libcuda1" not in step.commands[0]
     assert "apt-mark unhold of its 21 packages" in step.name
-    # the pin removed by hand: the stage cannot tell its hold from a user's; its files go, no package is unheld
-    (step,) = plan_release("box1", WANT, left(pin=None), {WANT.libexec: DIR, WANT.marker: FILE}).steps
+    # the pin removed by hand: the stage cannot tell its hold from a user's; its files go, no package is unheld,
+    # and the kept line says they stay held (mutation: no line of what stays held: it claims apt may update them)
+    release = plan_release("box1", WANT, left(pin=None), {WANT.libexec: DIR, WANT.marker: FILE})
+    (step,) = release.steps
     assert not any("apt-mark" in c for c in step.commands) and step.commands[0] == \
         f"rm -rf {WANT.libexec} {WANT.marker}"
+    assert (f"stays; 23 of its packages stay held, by holds that are not the stage's (placed before it held them, or "
+            f"with its pin gone the stage cannot tell): {' '.join(OURS)}; apt updates the driver only once those are "
+            f"released too (`apt-mark unhold {' '.join(OURS)}`). apt and unattended-upgrades may now update the rest "
+            "like any package") in release.kept
+
+
+def test_a_hold_the_user_placed_before_the_stages_hold_stays():
+    """Recorded on a Debian 12 rootfs with real dpkg and apt-mark (tests/fixtures/facts/driver.DriverLeft/
+    user_hold.json): nvidia-driver held by hand, then the stage's hold of all three; its pin names nvidia-driver as
+    held before it. The release unholds the other two only and says nvidia-driver stays held; run there, apt-mark
+    showhold then printed nvidia-driver alone. Mutation: ``released`` not leaving out the pin's THEIRS line: the
+    user's hold is released too. Re-run after a release stopped past its unhold (the pin still there): no unhold."""
+    state = DriverLeft().process(json.loads((FACTS / "driver.DriverLeft" / "user_hold.json").read_text())["output"])
+    release = plan_release("box1", WANT, state, {PIN_FILE: FILE})
+    (step,) = release.steps
+    assert step.commands[0] == "apt-mark -o DPkg::Lock::Timeout=300 unhold firmware-nvidia-gsp libcuda1 >/dev/null"
+    assert "apt-mark unhold of its 2 packages" in step.name and "grep -qxF -e firmware-nvidia-gsp -e libcuda1;" in \
+        step.commands[-1]
+    assert "stays; 1 of its packages stays held, by holds that are not the stage's" in release.kept
+    assert "(`apt-mark unhold nvidia-driver`). apt and unattended-upgrades may now update the rest" in release.kept
+    stopped = {**state, "packages": [{**p, "held": p["name"] == "nvidia-driver"} for p in state["packages"]]}
+    (step,) = plan_release("box1", WANT, stopped, {PIN_FILE: FILE}).steps
+    assert step.commands[0] == f"rm -rf {PIN_FILE}" and not any("apt-mark" in c for c in step.commands)
+
+
+def test_a_driver_no_package_brought_keeps_the_blacklist():
+    """The Debian driver purged by hand and NVIDIA's .run installer's driver in its place (the packages and the
+    uninstaller as tests/fixtures/facts/driver.DriverState/runfile_driver.json recorded them), or any nvidia module
+    loaded: the blacklist (and the sources file) stay, said so once with the stage's files; the initramfs is not
+    rebuilt without it. Mutation: the signs of another driver not read: the blacklist goes."""
+    runfile = json.loads((FACTS / "driver.DriverState" / "runfile_driver.json").read_text())["output"]
+    state = DriverLeft().process(runfile)
+    assert state["packages"] == [] and "uninstaller /usr/bin/nvidia-uninstall" in runfile
+    for sign in (RUNFILE_UNINSTALLER, PROC_VERSION):
+        paths = {BLACKLIST_FILE: FILE, SOURCES_FILE: FILE, sign: {"kind": "link"}}
+        assert plan_release("box1", WANT, state, paths) == plan_release("box1", WANT, {}, {})
+        release = plan_release("box1", WANT, state, {**paths, WANT.marker: FILE})
+        assert [s.name.split(":")[1] for s in release.steps] == [" hold and pin released (driver = 'check'"]
+        assert release.kept == (f"kept {BLACKLIST_FILE} and {SOURCES_FILE}: no NVIDIA driver package is installed, "
+                                f"but a driver no package brought is here ({sign} exists), and it needs nouveau kept "
+                                "away as much; remove them by hand (then `update-initramfs -u`) once that driver is "
+                                "gone")
+    # none: they go (the test above with no driver package)
+    assert plan_release("box1", WANT, state, {BLACKLIST_FILE: FILE}).steps[0].commands[0] == f"rm -f {BLACKLIST_FILE}"
 
 
 def test_with_no_driver_package_left_the_blacklist_and_sources_go_with_the_initramfs():
@@ -154,9 +202,11 @@ def test_a_change_running_or_stopped_part_way_is_refused_with_the_doctors_reason
         assert rule in found and f"The doctor ({rule}): " in release.refusal, found
     finishes = "The driver stage finishes a change only with driver = 'install'"
     assert (finishes in release.refusal) == (rule != "driver-change-running")
-    assert "`deploy/driver.py --limit box1 --data driver=install`" in release.refusal or rule == "driver-change-running"
+    assert ("`pyinfra -y <inventory> deploy/driver.py --limit box1 --data driver=install`" in release.refusal
+            or rule == "driver-change-running")
 
 
 def test_the_paths_asked_are_those_released_and_kept():
     assert stage_paths(WANT) == [PIN_FILE, "/opt/verl-lab/libexec/driver", "/opt/verl-lab/markers/driver.done",
-                                 BLACKLIST_FILE, SOURCES_FILE, "/opt/verl-lab/logs/driver.log"]
+                                 BLACKLIST_FILE, SOURCES_FILE, "/opt/verl-lab/logs/driver.log",
+                                 "/usr/bin/nvidia-uninstall", "/proc/driver/nvidia/version"]

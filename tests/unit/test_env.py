@@ -11,7 +11,7 @@ import jinja2
 import pytest
 
 import tasks.env as envstage
-import tasks.verl_source as verl_source
+import tasks.verl.source as verl_source
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.settings import load_settings
 from tasks.target import decide_compiler, decide_gpu

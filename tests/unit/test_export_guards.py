@@ -28,7 +28,6 @@ import pytest
 from tests.unit.test_launcher_after_run import STEP, run  # noqa: F401 - the fixture
 from tests.unit.test_train_launcher import box  # noqa: F401 - the fixture
 from verl_lab_box import checkpoints as ck
-from verl_lab_box import train_launcher as tl
 
 
 def _tracker(layout, step):

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
 from tasks.plan import GpuTarget, Workload, load_model_config, make_plan
+from tasks.verl import source as verl_source
 from tests.fixtures.standins.hf_endpoint import tiny_model_files
 from tests.unit.test_hf_rollout import _tree
 

@@ -3,7 +3,6 @@ shell command run against fake nvidia-smi programs (missing, no driver, old driv
 
 from __future__ import annotations
 
-import os
 import re
 import stat
 import subprocess

@@ -26,11 +26,14 @@ import importlib.util
 import io
 import json
 import os
+import random
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import types
 from pathlib import Path
 
@@ -119,7 +122,7 @@ def test_the_cluster_profile_is_the_two_gpu_plan_split_over_two_nodes(rendered):
     o, b = _overrides(plan), _overrides(box)
     assert (o["trainer.n_gpus_per_node"], o["trainer.nnodes"]) == ("1", "2") and plan["gpu"]["count"] == 1
     differ = {k for k in set(o) | set(b) if o.get(k) != b.get(k)}
-    # the paths, and the run's name (the tracking setting names a run by its box: tasks/tracking.py)
+    # the paths, and the run's name (the tracking setting names a run by its box: tasks/tracking/setting.py)
     assert o["trainer.experiment_name"] != b["trainer.experiment_name"]
     assert {k for k in differ if "/tmp/vl/" not in o.get(k, "") + b.get(k, "")} == {"trainer.n_gpus_per_node",
                                                                                     "trainer.nnodes",
@@ -245,9 +248,19 @@ def test_an_export_profile_resumed_exports_only_when_its_whole_run_ends(rendered
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on every address, below Linux's ephemeral range (32768 up): Ray's GCS listens on all addresses, and
+    a port the kernel hands out for other tests' outgoing connections (ssh to the lab's boxes) can be taken again
+    between this check and the head's bind."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 20000-32000")
 
 
 @pytest.fixture
@@ -256,8 +269,7 @@ def ray_payload(verl_python, patched_verl_root, tmp_path):
     a payload with stand-in data files and model; a verl tree whose main_ppo is the stand-in."""
     base = Path(tempfile.mkdtemp(prefix="vl", dir="/tmp"))
     payload = tmp_path / "payload"
-    _module("ppo_profiles").render(["p40-2nodes"], payload / "profiles", "HEAD", lab_base=str(base),
-                                   ray_port=_free_port(), node_addresses=(HEAD_IP, WORKER_IP))
+    _render_cluster_profile(payload, base)
     (payload / "data").mkdir()
     for name in ("train.parquet", "test.parquet", "val_small.parquet"):
         (payload / "data" / name).write_text(name)
@@ -278,9 +290,29 @@ RAY_STARTUP_TIMEOUTS = ("The current node timed out during startup", "Deadline E
                         "The node registration may not be complete yet")
 
 
-def _run_cluster_profile(verl_python, tmp_path, payload) -> tuple[subprocess.CompletedProcess, Path]:
-    """run_profile.py on the Ray-node profile, once more only where a node's own start-up ran out of Ray's time (its
-    raylet must register with the GCS within 30 s, which a loaded 2-core test machine can miss)."""
+def _render_cluster_profile(payload: Path, base: Path) -> None:
+    """p40-2nodes rendered into the payload with a free port of its own."""
+    shutil.rmtree(payload / "profiles" / "p40-2nodes", ignore_errors=True)
+    _module("ppo_profiles").render(["p40-2nodes"], payload / "profiles", "HEAD", lab_base=str(base),
+                                   ray_port=_free_port(), node_addresses=(HEAD_IP, WORKER_IP))
+
+
+def _did_not_form(res: subprocess.CompletedProcess, out: Path) -> bool:
+    """Whether a node's own start-up failed: Ray's time ran out, or a node's `ray start` ended (cluster.json says
+    the nodes did not form); the harness's later steps (the preflight, the run) are not retried."""
+    if any(t in res.stdout for t in RAY_STARTUP_TIMEOUTS):
+        return True
+    try:
+        return json.loads((out / "cluster.json").read_text()).get("refused", "").startswith("the Ray nodes did not form")
+    except (OSError, ValueError):
+        return False
+
+
+def _run_cluster_profile(verl_python, tmp_path, payload, base) -> tuple[subprocess.CompletedProcess, Path]:
+    """run_profile.py on the Ray-node profile, once more (re-rendered on another port, its first try's Ray fatal lines
+    printed) only where a node's own start-up failed: its raylet must register with the GCS within 30 s, which a
+    loaded 2-core test machine can miss, and Ray's processes bind ports on every address of a host other tests'
+    Ray nodes and connections share."""
     # Ray's own timing knobs (its config from the environment), not the units' commands: no Python workers started
     # ahead per CPU, more time for a raylet to register
     env = {**os.environ, "PATH": f"{Path(verl_python).parent}:{os.environ['PATH']}",
@@ -291,9 +323,26 @@ def _run_cluster_profile(verl_python, tmp_path, payload) -> tuple[subprocess.Com
                               "--payload", str(payload), "--model", str(tmp_path / "model"), "--site",
                               str(tmp_path / "site"), "--verl-trees", str(tmp_path / "trees"), "--timeout", "400"],
                              env=env, capture_output=True, text=True, timeout=600)
-        if attempt == 2 or not any(t in res.stdout for t in RAY_STARTUP_TIMEOUTS):
-            return res, tmp_path / "runs" / "p40-2nodes"
+        out = tmp_path / "runs" / "p40-2nodes"
+        if attempt == 2 or not _did_not_form(res, out):
+            return res, out
+        print("first try: the Ray nodes did not form; retried on another port\n" + _ray_fatal_lines(base))
+        _render_cluster_profile(payload, base)
     raise AssertionError("unreachable")
+
+
+FATAL = re.compile(r"^\[[^\]]* [CF] \d+ \d+\]|Check failed|Address already in use|bind", re.IGNORECASE)
+
+
+def _ray_fatal_lines(base: Path) -> str:
+    """Every Ray session log's fatal lines (level C/F, a failed check, a port taken) under ``base``, first in a
+    failure's message: the stack traces after them fill a CI log's tail."""
+    out = []
+    for log in sorted(base.glob("**/session_*/logs/*")):
+        if log.is_file():
+            hits = [line for line in log.read_text(errors="replace").splitlines() if FATAL.search(line)]
+            out += [f"{log.relative_to(base)}: {line[:400]}" for line in hits[:5]]
+    return "Ray's fatal lines:\n" + ("\n".join(out) or "(none)") + "\n"
 
 
 def _ray_session_logs(base: Path, lines: int = 15) -> str:
@@ -314,8 +363,9 @@ def _no_process_left(base: Path) -> bool:
 
 def test_two_ray_nodes_form_pass_the_preflight_and_place_one_rank_on_each(verl_python, ray_payload, tmp_path):
     payload, base = ray_payload
-    res, out = _run_cluster_profile(verl_python, tmp_path, payload)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + _ray_session_logs(base)
+    res, out = _run_cluster_profile(verl_python, tmp_path, payload, base)
+    assert res.returncode == 0, (_ray_fatal_lines(base) + res.stdout[-3000:] + res.stderr[-3000:]
+                                 + _ray_session_logs(base))
     cluster = json.loads((out / "cluster.json").read_text())
     assert sorted(n["ip"] for n in cluster["nodes_alive"]) == [HEAD_IP, WORKER_IP]
     assert all(n["gpus"] == 1 for n in cluster["nodes_alive"])

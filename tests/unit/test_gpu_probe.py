@@ -18,8 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
-from tests.unit.test_fsdp2_gather import LOG_PROB_MICRO, MINI_BATCHES, MICRO_PER_MINI, RUN, _result, plan_overrides, tiny_model
+from tasks.verl import source as verl_source
+from tests.unit.test_fsdp2_gather import (
+    LOG_PROB_MICRO,
+    MICRO_PER_MINI,
+    MINI_BATCHES,
+    _result,
+    plan_overrides,
+    tiny_model,
+)
 from tests.unit.test_hf_rollout import PATCH, _tree
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from verl_lab_box import gsm8k
 from tests.fixtures.standins.hf_endpoint import gsm8k_rows, parquet_bytes
+from verl_lab_box import gsm8k
 
 INSTR = "Let's think step by step and output the final answer after \"####\"."
 

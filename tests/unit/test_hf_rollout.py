@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
+from tasks.verl import source as verl_source
 from tests.fixtures.standins import env as standin
 
 PROBE = Path(__file__).resolve().parents[1] / "fixtures" / "hf_rollout_probe.py"

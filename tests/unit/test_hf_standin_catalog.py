@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tasks.data_plan import data_plan
+from tasks.data import data_plan
 from tasks.plan.workload import model_config_path
 from tasks.settings import load_settings
 from tests.fixtures.standins.hf_endpoint import MODEL_REPO, catalog_models, catalog_overrides, standard_endpoint

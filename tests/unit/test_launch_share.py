@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from tasks.facts.gpu import Gpu, GpuInventory
-from tests.unit.test_train_launcher import layout_for, run_launcher, settings_for
 from tasks.train import training_wanted
+from tests.unit.test_train_launcher import layout_for, run_launcher, settings_for
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTURES = REPO / "tests" / "fixtures" / "nvidia-smi"

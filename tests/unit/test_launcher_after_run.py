@@ -36,9 +36,9 @@ if mode == "sleep":
     time.sleep(60)
 os.makedirs(ckpt, exist_ok=True)
 with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as fh:
-    fh.write("%d")
+    fh.write("@STEP@")
 sys.exit(1 if mode == "fail" else 0)
-""" % STEP
+""".replace("@STEP@", str(STEP))
 RECORDER = """\
 import json, os, sys
 with open(os.environ["RECORD"], "a") as fh:

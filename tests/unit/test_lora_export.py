@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
 from tasks.catalog import default_catalog
+from tasks.verl import source as verl_source
 from tests.unit.test_fsdp2_gather import tiny_model
 from tests.unit.test_hf_rollout import _tree
 from tests.unit.test_lora_worker import _run, plan_overrides

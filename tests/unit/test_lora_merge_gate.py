@@ -139,7 +139,7 @@ def test_the_merge_is_peft_s_and_made_only_with_room_for_the_copies(verl_python,
         if name == "float32":
             assert one["twice_differs"] == [0, 0]
         else:    # rounding A and B first is another merge: this test tells the two apart
-            assert all(n > 0.01 * total for n, total in zip(one["twice_differs"], one["weights"])), one
+            assert all(n > 0.01 * total for n, total in zip(one["twice_differs"], one["weights"], strict=True)), one
     small = got["small"]
     assert small["merged"] == [[], []] and small["moved"] == [False, False], small      # generated unmerged
     assert small["identical_after"] and small["unmerged_after"] and small["close"] < 1e-5

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
+from tasks.verl import source as verl_source
 from tests.unit.test_fsdp2_gather import SHRINK, tiny_model
 from tests.unit.test_hf_rollout import _tree
 from tests.unit.test_lora_worker import GAP, plan_overrides

@@ -1,4 +1,4 @@
-"""LoRA in the plan (issue 35): the setting (tasks/settings.py), the memory model (tasks/memory/lora.py), the speed
+"""LoRA in the plan (issue 35): the setting (tasks/settings/load.py), the memory model (tasks/memory/lora.py), the speed
 model of a step on the GPU (tasks/speed.py), the rungs and overrides (tasks/plan/lora.py, rungs.py, overrides.py)
 and a LoRA save's bytes (tasks/checkpoints.py), on plain values.
 

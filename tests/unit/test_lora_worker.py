@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
 from tasks.plan import GpuTarget, Workload, load_model_config, make_plan
+from tasks.verl import source as verl_source
 from tests.unit.test_fsdp2_gather import KNOBS, SHRINK, tiny_model
 from tests.unit.test_hf_rollout import _tree
 

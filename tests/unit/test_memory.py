@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tasks.memory import (Estimate, ModelShape, VerlWorkload, generate_peak, held_at_vllm_start_mib,
-                          train_step_peak, verl_gpu_budget)
+from tasks.memory import (
+    Estimate,
+    ModelShape,
+    VerlWorkload,
+    generate_peak,
+    held_at_vllm_start_mib,
+    train_step_peak,
+    verl_gpu_budget,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "files/models/qwen2.5-0.5b-instruct/config.json"

@@ -13,18 +13,17 @@ import json
 import os
 import pwd
 import subprocess
-
 from io import BytesIO
 from pathlib import Path
 
 import pytest
 
+from tasks import env as envstage
+from tasks import train
 from tasks.facts.files import PathStates, UnitState
 from tasks.placed import Wanted, differs, place, rendered, wanted_file
-from tasks import env as envstage, train
 from tests.unit import test_env as env_test
 from tests.unit import test_train_launcher as launcher_test
-
 
 PLACED = Path(__file__).resolve().parents[1] / "fixtures" / "placed"
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from tasks import plan as planmod
-from tasks.plan import memory_fit
 from tasks.facts.gpu import Gpu, GpuInventory
 from tasks.plan import (
     OFFLOAD_KNOBS,
@@ -23,10 +22,11 @@ from tasks.plan import (
     choose_precision,
     load_model_config,
     make_plan,
+    memory_fit,
     offload_seconds,
     rollout_tp_choices,
 )
-from tasks.verl_config import ADDED_KEYS, DEAD_KEYS, Override, format_value
+from tasks.verl import ADDED_KEYS, DEAD_KEYS, Override, format_value
 
 REPO = Path(__file__).resolve().parents[2]
 

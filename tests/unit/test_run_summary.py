@@ -33,6 +33,7 @@ def test_host_line_and_plan_line():
 def test_plan_line_names_the_model_the_rung_and_lora():
     """The 3B on a P40 trains LoRA adapters (grpo-lora): the line says so, and which model."""
     from dataclasses import replace
+
     from tasks.catalog import default_catalog
     from tasks.plan import with_model
     w = with_model(doc_workload(), default_catalog().artifact("qwen_3b_model"))

@@ -1,4 +1,4 @@
-"""Every key of a host's data is read or refused (tasks/settings_keys.py): a top-level key that names a nested
+"""Every key of a host's data is read or refused (tasks/settings/keys.py): a top-level key that names a nested
 setting gets its dotted name, a dotted key sets the nested value, a key nothing reads is refused unless it is
 pyinfra's, another deploy's or the site's own (site_*); --limit/--exclude patterns that match nothing stop the run."""
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.settings import SettingsError, load_settings
-from tasks.settings_keys import DEPLOY_KEYS, SITE_PREFIX
+from tasks.settings import DEPLOY_KEYS, SITE_PREFIX, SettingsError, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_1_5B = "Qwen/Qwen2.5-1.5B-Instruct"

@@ -18,8 +18,8 @@ from tasks.plan import (
     GpuTarget,
     Workload,
     default_estimator,
-    load_model_config,
     knob_values,
+    load_model_config,
     make_plan,
     offload_seconds,
     rollout_chunk_choices,
@@ -107,7 +107,7 @@ def test_the_plan_takes_the_fastest_configuration_that_fits(name, cc, mib, engin
             _micro_choices(w.ppo_mini_batch_size * n), (False, True),
             _divisors(w.train_batch_size * n, FORWARD_MICRO_CHOICES), chunks, *[knob_values(k) for k in OFFLOAD_KNOBS]):
         other = replace(chosen, actor_micro_batch=micro, critic_micro_batch=micro, grad_ckpt=ckpt,
-                        log_prob_micro_batch=lp, rollout_micro_batch=chunk, **dict(zip(OFFLOAD_KNOBS, knobs)))
+                        log_prob_micro_batch=lp, rollout_micro_batch=chunk, **dict(zip(OFFLOAD_KNOBS, knobs, strict=True)))
         if prec.rollout != "hf" and other.rollout_gather_once:
             continue
         if default_estimator(gpu, w, prec, other).fits:

@@ -18,8 +18,7 @@ import pytest
 
 from tasks.memory import ModelShape, VerlWorkload
 from tasks.memory.lora import LoraSpec, lora_gpu_budget
-from tasks.plan import (GpuTarget, default_estimator, gpu_seconds, make_plan, offload_levels, search_memory,
-                        speed_ranked)
+from tasks.plan import GpuTarget, default_estimator, gpu_seconds, make_plan, offload_levels, search_memory, speed_ranked
 from tasks.plan.memory_fit import _micro_choices, update_seconds
 from tasks.speed import GpuStep, gpu_step_seconds
 from tests.unit.test_plan import workload
@@ -153,3 +152,20 @@ def test_the_search_tries_fewer_offloads_before_a_faster_pair():
     prec = make_plan(gpu, workload(finetune="lora")).precision
     choice, est, _ = search_memory(gpu, w, prec, default_estimator)
     assert not any(choice.offload.values()) and len(offload_levels(w, prec)) > 1
+
+
+@pytest.mark.parametrize("offload_policy, what", [(False, "the update"),
+                                                   (True, "the phases update, actor_log_prob")])
+def test_a_choice_list_that_comes_out_empty_is_refused_with_what_it_was_for(monkeypatch, offload_policy, what):
+    """No update micro-batch to try (the list came out empty): a PlanError naming what the choice was for and the
+    GPU, not an AssertionError or an AttributeError on a failed estimate that was never made (found by mypy:
+    ``best_failure`` may be None there), on both searches (tasks/plan/memory_fit.py)."""
+    import tasks.plan.memory_fit as fit
+    from tasks.plan import PlanError
+
+    gpu = GpuTarget("NVIDIA GeForce RTX 3060", "8.6", 12288)
+    w = workload(actor_offload_policy=offload_policy)
+    precision = make_plan(gpu, w).precision
+    monkeypatch.setattr(fit, "_micro_choices", lambda per_gpu: [])
+    with pytest.raises(PlanError, match=rf"^no memory choice to try for {what} on 1 x NVIDIA GeForce RTX 3060$"):
+        search_memory(gpu, w, precision, default_estimator)

@@ -1,6 +1,7 @@
-"""One name per stage: deploy/<stage>.py runs tasks/<stage>.py's install_<stage>, whose proofs end
-in the marker markers/<stage>.done. A box provisioned when the env stage was called "pyenv" keeps
-its proven env: the marker under the old name is read when the new one is missing."""
+"""One name per stage: deploy/<stage>.py runs tasks/<stage>.py's install_<stage> (tasks/<stage>/stage.py's
+where the stage is a folder), whose proofs end in the marker markers/<stage>.done. A box provisioned when the
+env stage was called "pyenv" keeps its proven env: the marker under the old name is read when the new one is
+missing."""
 
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ REPO = Path(__file__).resolve().parents[2]
 STAGES = ("driver", "cuda", "env", "data", "train")
 
 
+def stage_module(stage: str) -> str:
+    """tasks/<stage>.py, or tasks/<stage>/stage.py where the stage is a folder (docs/architecture.md)."""
+    return f"tasks.{stage}.stage" if (REPO / "tasks" / stage).is_dir() else f"tasks.{stage}"
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_deploy_file_module_and_operation_share_the_stage_name(stage):
-    module = importlib.import_module(f"tasks.{stage}")
-    assert callable(getattr(module, f"install_{stage}")), f"tasks/{stage}.py has no install_{stage}"
+    module = importlib.import_module(stage_module(stage))
+    assert callable(getattr(module, f"install_{stage}")), f"{module.__file__} has no install_{stage}"
     tree = ast.parse((REPO / "deploy" / f"{stage}.py").read_text())
     called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert f"install_{stage}" in called
@@ -99,4 +105,4 @@ def test_no_stage_renders_a_marker_template():
     scripts, the data and train stages' operations); no per-stage marker template is left."""
     assert not list((REPO / "files" / "templates").glob("*.done*"))
     for stage in STAGES:
-        assert "marker_command" in (REPO / "tasks" / f"{stage}.py").read_text(), stage
+        assert "marker_command" in (REPO / f"{stage_module(stage).replace('.', '/')}.py").read_text(), stage

@@ -209,7 +209,7 @@ def test_a_rows_gsm8k_scores_come_from_the_run_exports_fact():
 
 
 def test_status_says_why_stages_are_not_installed_and_when_nothing_runs():
-    from tasks.status import box_status, nothing_to_report, not_installed_reason, render_rows
+    from tasks.status import box_status, not_installed_reason, nothing_to_report, render_rows
     failed = {"when": "2026-12-05 04:00:00 UTC", "ok": False, "stage": "data",
               "message": "verl-lab data: the endpoint has no such repo"}
     why = not_installed_reason(["cuda", "env"], failed)

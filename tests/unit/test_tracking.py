@@ -1,5 +1,5 @@
-"""The ``tracking`` setting (tasks/tracking.py) and what the training stage makes of it
-(tasks/tracking_train.py, tasks/train.py): verl 0.5.0's ``trainer.logger``, the trackers' folders under
+"""The ``tracking`` setting (tasks/tracking/setting.py) and what the training stage makes of it
+(tasks/tracking/train.py, tasks/train.py): verl 0.5.0's ``trainer.logger``, the trackers' folders under
 lab_root, their environment in train.env, an online run's keys in a file of their own. Pure: plain values
 and the rendered templates."""
 
@@ -11,8 +11,7 @@ import pytest
 
 from tasks import train
 from tasks.settings import SettingsError, load_settings
-from tasks.tracking import VERL_BACKENDS, check_tracking, read_keys
-from tasks.tracking_train import KEYS_FILE, box_gets_keys, keys_for_box
+from tasks.tracking import KEYS_FILE, VERL_BACKENDS, box_gets_keys, check_tracking, keys_for_box, read_keys
 from tests.unit import test_train_launcher as launcher_test
 
 KEY = "0123456789abcdef0123456789abcdef01234567"     # a made-up wandb key (40 hex)

@@ -1,5 +1,5 @@
-"""The lab's TensorBoard (tasks/tracking_hub.py, tasks/tracking_events.py) and the offline trackers' sync
-(tasks/tracking_sync.py): pure parts on plain values, and the event files read back by TensorBoard's own
+"""The lab's TensorBoard (tasks/tracking/hub.py, tasks/tracking/events.py) and the offline trackers' sync
+(tasks/tracking/sync.py): pure parts on plain values, and the event files read back by TensorBoard's own
 loader (the copy's program: tests/unit/test_tracking_copy.py; TensorBoard's loaders:
 tests/unit/test_tracking_tensorboard.py). ``test_verl_tracking_event_files_*`` makes event files with verl 0.5.0's own Tracking class on CPU
 (the test env's Python: torch CPU, tensorboard as pinned for the boxes)."""
@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks import tracking_hub as hub
 from tasks.settings import load_settings
-from tasks.tracking import check_tracking
-from tasks.tracking_events import MEASURED_TAG, PREDICTED_TAG, SCORE_TAG, TEXT_TAG, crc32c
-from tasks.tracking_sync import sync_env
+from tasks.tracking import MEASURED_TAG, PREDICTED_TAG, SCORE_TAG, TEXT_TAG, check_tracking, crc32c, hub
+from tasks.tracking.sync import sync_env
 from tests.fixtures.tracking import VERL_TAGS, recorded_run, steps_of, verl_event_files
 
 SUMMARY = {"gsm8k": {"base": 0.312, "trained": 0.451, "step": 20, "final": True}, "predicted_peak_mib": 19382,

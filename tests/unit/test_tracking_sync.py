@@ -1,4 +1,4 @@
-"""The offline trackers' sync on the controller (tasks/tracking_sync.py): each run once, each with its own
+"""The offline trackers' sync on the controller (tasks/tracking/sync.py): each run once, each with its own
 time limit, every box's cached runs (a box gone from the inventory too), and what counts as synced. The
 last two tests run the real wandb 0.21.0 (this env's) against the stand-in server
 (tests/fixtures/standins/wandb_server.py): a run synced, then not again, then again once it grew, under its
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks import tracking_sync as ts
 from tasks.settings import load_settings
 from tasks.tracking import Tracking
+from tasks.tracking import sync as ts
 from tests.fixtures.standins.wandb_server import WandbServer
 
 KEY = "k" * 40
@@ -112,7 +112,7 @@ def test_sync_every_boxs_runs_one_command_each_a_gone_box_with_the_syncers_setti
 def wandb_run(tmp_path):
     """An offline run made by the real wandb package (this env's 0.21.0), as a box's copy holds it."""
     root = tmp_path / "copy"
-    # the box's train.env values for wandb (tasks/tracking.py), its folder moved here
+    # the box's train.env values for wandb (tasks/tracking/setting.py), its folder moved here
     box_env = Tracking(trackers=("wandb",)).environment("/opt/verl-lab", "box2-run")
     assert box_env["WANDB_MODE"] == "offline" and box_env["WANDB_RUN_GROUP"] == "box2-run"
     env = {**os.environ, **box_env, "WANDB_DIR": str(root), "WANDB_CONFIG_DIR": str(root / "config"),

@@ -1,6 +1,6 @@
 """How TensorBoard 2.20.0 (the boxes' pin, this test env's too, with tensorboard-data-server 0.7.2) reads
 files that change under it, which decides how the lab's copy writes the hub's files and how the served unit
-runs (files/templates/verl-lab-tensorboard.service.j2, tasks/tracking_copy.py):
+runs (files/templates/verl-lab-tensorboard.service.j2, tasks/tracking/copy.py):
 
 * the unit's loader (``--load_fast=auto``: the Rust data server) reads bytes appended to a file in place,
   and a new file in a run's folder, where a restarted run's repeated steps replace the earlier points;
@@ -10,7 +10,7 @@ runs (files/templates/verl-lab-tensorboard.service.j2, tasks/tracking_copy.py):
   steps twice.
 
 Each case starts TensorBoard from this env on a folder of event files written with the lab's own writer
-(tasks/tracking_events.py), with the unit's flags (its reload interval made 1 s), and reads its scalars API.
+(tasks/tracking/events.py), with the unit's flags (its reload interval made 1 s), and reads its scalars API.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks import tracking_hub as hub
 from tasks.settings import load_settings
-from tasks.tracking_events import _event, record, scalar_value
+from tasks.tracking import hub
+from tasks.tracking.events import _event, record, scalar_value
 
 pytest.importorskip("tensorboard_data_server")
 TAG = "verl/score"
@@ -73,7 +73,7 @@ class Board:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise AssertionError(f"TensorBoard did not start: {self.log[-2000:]}")
+                    raise AssertionError(f"TensorBoard did not start: {self.log[-2000:]}") from None
                 time.sleep(0.5)
 
     def scalars(self) -> list:

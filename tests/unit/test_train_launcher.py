@@ -20,10 +20,10 @@ from pyinfra.api.util import get_template
 
 from tasks import train as train_stage
 from tasks.facts.gpu import Gpu, GpuInventory
+from tasks.plan import make_plan
 from tasks.settings import SettingsError, load_settings
 from tasks.target import decide_gpu
 from tasks.train import TrainingLayout, training_wanted, training_workload
-from tasks.plan import make_plan
 
 T4_SMI = "0, Tesla T4, 7.5, 15360, 15102, 535.104.05"
 

@@ -22,8 +22,7 @@ from hydra.errors import ConfigCompositionException  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from tasks.plan import DOC_GPUS, DOC_MIXED, GpuTarget, PlanError, make_plan  # noqa: E402
-from tasks.verl_config import ADDED_KEYS, CONFIG_NAME, VERL_VERSION  # noqa: E402
-
+from tasks.verl import ADDED_KEYS, CONFIG_NAME, VERL_VERSION  # noqa: E402
 from tests.lab.cachelock import locked  # noqa: E402
 from tests.unit.test_plan import QWEN_3B, workload  # noqa: E402
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import verl_source
+from tasks.verl import source as verl_source
 from tests.fixtures.standins import env as standin
 
 PROBES = Path(__file__).resolve().parents[1] / "fixtures" / "verl_probes.py"

@@ -1,4 +1,4 @@
-"""verl 0.5.0's own checks, stated by the project (tasks/verl_rules.py) so they run on the controller,
+"""verl 0.5.0's own checks, stated by the project (tasks/verl/rules.py) so they run on the controller,
 proven equal to verl's: the same configs go through verl's real code (tests/fixtures/verl_plan_check.py
 in verl 0.5.0's source tree with the project's patches, on CPU: RayPPOTrainer.__init__ with its
 _validate_config and dataloaders, the FSDP workers' __init__ on forked gloo ranks,
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from tasks import verl_rules
 from tasks.plan import REPO_ROOT, GpuTarget, load_model_config, make_plan
-from tasks.verl_config import Override
+from tasks.verl import Override
+from tasks.verl import rules as verl_rules
 from tests.unit.test_plan import workload
 from tests.unit.test_verl_compose import base_config, verl_config_dir  # noqa: F401  (fixtures)
 from tests.unit.test_verl_validation import run_plan_check, verl_root  # noqa: F401  (the fixture)
@@ -124,7 +124,7 @@ def test_verl_defaults_are_verls(base_config):
     from omegaconf import OmegaConf
 
     resolved = OmegaConf.create(OmegaConf.to_container(base_config, resolve=True))
-    for key, value in verl_rules.VERL_DEFAULTS.items():
+    for key in verl_rules.VERL_DEFAULTS:
         got = OmegaConf.select(resolved, key, default="<missing>")
         if key in ("data.gen_batch_size", "actor_rollout_ref.rollout.micro_batch_size"):
             assert got == "<missing>", key          # read with .get(key, default) in verl

@@ -17,8 +17,16 @@ import pytest
 
 from tasks.memory import ModelShape
 from tasks.memory.lora import LoraSpec, adapter_params
-from tasks.memory.vllm_lora import (MAX_LORAS, VLLM_LORA_EXTRA_VOCAB, VLLM_LORA_LAYOUTS, VLLM_LORA_RANKS,
-                                    VLLM_LORA_VOCAB_PADDING, VLLM_VOCAB_PADDING, vllm_lora_buffers, vllm_lora_mib)
+from tasks.memory.vllm_lora import (
+    MAX_LORAS,
+    VLLM_LORA_EXTRA_VOCAB,
+    VLLM_LORA_LAYOUTS,
+    VLLM_LORA_RANKS,
+    VLLM_LORA_VOCAB_PADDING,
+    VLLM_VOCAB_PADDING,
+    vllm_lora_buffers,
+    vllm_lora_mib,
+)
 from tasks.plan import GpuTarget, make_plan
 from tests.fixtures import vllm_signatures as vllm
 from tests.unit.test_plan import workload

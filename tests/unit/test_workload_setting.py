@@ -1,4 +1,4 @@
-"""The ``workload`` setting (tasks/settings.py): checked before any host changes, and what the
+"""The ``workload`` setting (tasks/settings/load.py): checked before any host changes, and what the
 plan makes of it (tasks/plan/workload.py ``workload_for``)."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import pytest
 from tasks.plan import GpuTarget, make_plan, workload_for
 from tasks.settings import WORKLOAD_DEFAULTS, SettingsError, load_settings
 
+H200 = GpuTarget("NVIDIA H200", "9.0", 143771)
 
-def overrides(settings, gpu=GpuTarget("NVIDIA H200", "9.0", 143771)) -> dict:
+
+def overrides(settings, gpu=H200) -> dict:
     return {o.key: o.value for o in make_plan(gpu, workload_for(settings)).overrides}
 
 
@@ -104,6 +106,7 @@ def test_every_catalog_model_has_its_shape_and_pinned_weights():
             assert len(f["sha256"]) == 64 and f["size"] > 10**8, (a.name, name)
         # the shape the plan reads is the revision's own config.json, byte for byte
         import hashlib
+
         from tasks.plan import model_config_path
         pinned = a.extra["files"].get("config.json")
         if a.name != "qwen_model":

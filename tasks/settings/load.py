@@ -3,12 +3,12 @@
 Pure: takes a plain mapping (pyinfra's ``host.data`` turned into a dict) and returns a
 frozen ``LabSettings`` or raises ``SettingsError`` naming the host, the key and the fix.
 Every default lives here, once (a nested setting's keys: beside its checker, e.g.
-``settings_workload.WORKLOAD_DEFAULTS``); ``inventory/group_data/all.py`` only sets site choices.
-The checkers of a topic live in a module of their own: ``settings_catalog`` (catalog, mirrors,
-artifact names), ``settings_workload`` (workload, workload.model, gpu_override),
-``settings_cluster`` (the cluster setting, and ``check_clusters`` across hosts); which keys are read and
-which refused (dotted keys, a nested setting's key at the top, a key nothing reads) in ``settings_keys``;
-the errors and their collector in ``settings_errors``. This module wires them together in ``load_settings``.
+``workload.WORKLOAD_DEFAULTS``); ``inventory/group_data/all.py`` only sets site choices.
+The checkers of a topic live in a module of their own beside this one (tasks/settings/): ``catalog`` (catalog,
+mirrors, artifact names), ``workload`` (workload, workload.model, gpu_override),
+``cluster`` (the cluster setting, and ``check_clusters`` across hosts); which keys are read and
+which refused (dotted keys, a nested setting's key at the top, a key nothing reads) in ``keys``;
+the errors and their collector in ``errors``. This module wires them together in ``load_settings``.
 """
 
 from __future__ import annotations
@@ -16,21 +16,23 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from tasks.catalog import Catalog, MirrorSet, default_catalog
-from tasks.tracking import DEFAULTS as TRACKING_DEFAULTS
-from tasks.tracking import Tracking, TrackingProblems, check_tracking
-from tasks.settings_catalog import _artifact_name, _catalog, _mirrors
-from tasks.settings_errors import Problems, SettingsError, SettingsErrors, did_you_mean
-from tasks.settings_keys import expand_dotted, nested_keys, unread_keys
-from tasks.settings_workload import GPU_OVERRIDE_KEYS, WORKLOAD_DEFAULTS, _gpu_override, _workload, _workload_model
+from tasks.settings.catalog import _artifact_name, _catalog, _mirrors
+
 # Cluster, check_clusters and ipv4 are not used here, only re-exported: ``from tasks.settings import``
 # keeps naming the settings' public face (tasks/cluster.py, tasks/hostdata.py, bench/gpu/ppo_profiles.py
 # and the tests import them so), as it does the errors load_settings raises and WORKLOAD_DEFAULTS.
-from tasks.settings_cluster import CLUSTER_KEYS, Cluster, _cluster, _ip_address, check_clusters, ipv4  # noqa: F401
+from tasks.settings.cluster import CLUSTER_KEYS, Cluster, _cluster, _ip_address, check_clusters, ipv4  # noqa: F401
+from tasks.settings.errors import Problems, SettingsError, SettingsErrors, did_you_mean
+from tasks.settings.keys import expand_dotted, nested_keys, unread_keys
+from tasks.settings.workload import GPU_OVERRIDE_KEYS, WORKLOAD_DEFAULTS, _gpu_override, _workload, _workload_model
+from tasks.tracking import DEFAULTS as TRACKING_DEFAULTS
+from tasks.tracking import Tracking, TrackingProblems, check_tracking
 
 ARTIFACT_MODES = ("relay", "direct")
 ENV_BACKENDS = ("conda", "venv")
@@ -51,7 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "cuda_prefix": "/usr/local/cuda-11.8",
     "install_tmpdir": "/var/tmp/verl-lab",
     "allow_no_driver": False,          # install the toolkit on a box without an NVIDIA driver
-    # the NVIDIA driver (tasks/driver.py): check (the CUDA stage refuses one too old for CUDA 11.8) |
+    # the NVIDIA driver (tasks/driver/stage.py): check (the CUDA stage refuses one too old for CUDA 11.8) |
     # install (choose the branch from the GPUs, install it from the distro's archive, hold it, prove it)
     "driver": "check",
     "driver_reboot": False,            # driver = install: reboot a box whose new driver needs it (one at a time)
@@ -88,7 +90,7 @@ DEFAULTS: dict[str, Any] = {
     # checkpoint saves (checked by _checkpoints; tasks/checkpoints.py): {"keep": whole saves kept at
     # any time, also while the next is written, "every": steps between saves}
     "checkpoints": {},
-    # verl's trackers (trainer.logger) and the lab's TensorBoard (tasks/tracking.py, docs/tracking.md):
+    # verl's trackers (trainer.logger) and the lab's TensorBoard (tasks/tracking/setting.py, docs/tracking.md):
     # {"trackers": [...], "keys_file": ..., "mode": "auto"|"online"|"offline", "hub": "box1", ...}
     "tracking": {},
 }
@@ -97,7 +99,7 @@ KNOWN_KEYS = set(DEFAULTS)
 CHECKPOINT_DEFAULTS: dict[str, int] = {"keep": 1, "every": 10}
 
 # the nested settings and the keys each knows: a dotted key sets one of them (``workload.model``), a top-level
-# key that names one is refused with the dotted form (tasks/settings_keys.py)
+# key that names one is refused with the dotted form (tasks/settings/keys.py)
 NESTED = nested_keys(DEFAULTS, {"workload": WORKLOAD_DEFAULTS, "checkpoints": CHECKPOINT_DEFAULTS,
                                 "tracking": TRACKING_DEFAULTS, "cluster": CLUSTER_KEYS,
                                 "gpu_override": GPU_OVERRIDE_KEYS})
@@ -105,7 +107,7 @@ NESTED = nested_keys(DEFAULTS, {"workload": WORKLOAD_DEFAULTS, "checkpoints": CH
 
 def host_keys(host: str, data: Mapping[str, Any]) -> tuple[dict[str, Any], list[SettingsError]]:
     """A host's data with its dotted keys set inside their settings, and every key nothing would read
-    (tasks/settings_keys.py: pyinfra's, another deploy's and the site's ``site_*`` keys pass)."""
+    (tasks/settings/keys.py: pyinfra's, another deploy's and the site's ``site_*`` keys pass)."""
     expanded, problems = expand_dotted(host, data, NESTED)
     return expanded, problems + unread_keys(host, expanded, KNOWN_KEYS, NESTED)
 
@@ -201,7 +203,7 @@ class LabSettings:
 # ------------------------------------------------------------------ the checkers
 # Each takes the host and the value(s) it checks, returns the value to keep, and raises
 # SettingsError (SettingsErrors for several problems) naming the key, the value and the fix.
-# A new setting: its default in DEFAULTS, a checker here (or in the settings_* module of its
+# A new setting: its default in DEFAULTS, a checker here (or in the folder's module of its
 # topic), one ``p.check`` line in load_settings, a field of LabSettings.
 
 

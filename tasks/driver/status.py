@@ -6,9 +6,9 @@ driver change that is running or that left the training and Ray units masked."""
 from __future__ import annotations
 
 import datetime
-from typing import Mapping
+from collections.abc import Mapping
 
-from tasks.driver_choice import Distro, DistroBranch
+from tasks.driver.choice import Distro, DistroBranch
 from verl_lab_box.nvidia_driver_state import JOB_UNIT, MASK_DIR, branch_of, upstream
 from verl_lab_box.nvidia_driver_units import IDLE
 

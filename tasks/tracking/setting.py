@@ -16,16 +16,17 @@ This module turns the setting into those values: the ``trainer.logger`` list, th
 ``lab_root``, the environment (non-secret: the unit's ``train.env``; the keys: a file of their own,
 readable by the train user alone), and checks it before anything changes. A box without internet (the
 settings' ``artifact_mode = "relay"`` unless ``tracking.internet`` says otherwise) logs offline; the
-controller syncs those runs afterwards (tasks/tracking_sync.py).
+controller syncs those runs afterwards (tasks/tracking/sync.py).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 # verl 0.5.0's Tracking.supported_backend, and what verl-lab sets up of them
 VERL_BACKENDS = ("wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "console", "clearml")
@@ -128,7 +129,7 @@ class Tracking:
         return env
 
     def keys_on_box(self, keys: Mapping[str, str]) -> dict[str, str]:
-        """Of ``keys``, those the chosen trackers read (only an online run gets them: tasks/tracking_train.py;
+        """Of ``keys``, those the chosen trackers read (only an online run gets them: tasks/tracking/train.py;
         offline runs are synced by the controller with the keys that stay there)."""
         return {name: keys[name] for t in self.remote for name in KEY_VARS[t] if name in keys}
 

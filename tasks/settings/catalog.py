@@ -6,10 +6,11 @@ the artifact names (``model_artifact``, ``dataset_artifact``), checked against f
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tasks.catalog import Catalog, CatalogError, MirrorSet
-from tasks.settings_errors import SettingsError
+from tasks.settings.errors import SettingsError
 
 
 def _catalog(host: str, base: Catalog, overrides: Any) -> Catalog:

@@ -15,8 +15,9 @@ construction, then the HF rollout's chunking of a step and of validation.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 # The keys the rules read that a plan may leave at verl 0.5.0's default (verl/trainer/config/
 # ppo_trainer.yaml and its actor/, critic/, ref/, rollout/, data/ files; _generated_ppo_trainer.yaml

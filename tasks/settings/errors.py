@@ -1,6 +1,6 @@
 """How a bad inventory value is told: ``SettingsError`` (host, key, value, fix), ``SettingsErrors``
 (every problem found, not only the first) and ``Problems``, which collects what each checker of
-``tasks.settings`` and its ``settings_*`` modules raises; ``did_you_mean`` for a near-miss value.
+tasks/settings/load.py and the folder's other modules raises; ``did_you_mean`` for a near-miss value.
 
 Pure; imports nothing of the project. ``tasks.settings`` re-exports these names: they are the
 errors ``load_settings`` raises.
@@ -20,7 +20,7 @@ class SettingsError(ValueError):
         super().__init__(f"host {host}: {key}: {problem}. Fix: {fix}")
 
     @property
-    def problems(self) -> list["SettingsError"]:
+    def problems(self) -> list[SettingsError]:
         return [self]
 
 
@@ -46,7 +46,8 @@ class Problems:
     instead, so the checks after it still run. ``raise_any()`` raises them all at once."""
 
     def __init__(self, host: str):
-        self.host, self.found = host, []
+        self.host = host
+        self.found: list[SettingsError] = []
 
     def add(self, key: str, problem: str, fix: str) -> None:
         self.found.append(SettingsError(self.host, key, problem, fix))

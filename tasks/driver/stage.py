@@ -1,7 +1,7 @@
 """Stage: the NVIDIA driver, before CUDA. ``driver = "check"`` (the default) leaves it to the CUDA
 stage's check (a driver older than CUDA 11.8 needs is refused there) and asks the box one command:
 whether the stage left its hold and pin there, from an earlier ``driver = "install"`` (then released,
-the driver kept: tasks/driver_release.py); ``driver = "install"`` chooses, installs, holds and proves it.
+the driver kept: tasks/driver/release.py); ``driver = "install"`` chooses, installs, holds and proves it.
 
 The choice (``choose_branch``, pure): the newest branch of the box's distro (files/drivers.toml)
 that supports every GPU of the box and CUDA 11.8: never past R580 for Maxwell, Pascal and Volta;
@@ -43,16 +43,27 @@ from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import server
 
 from tasks.catalog import REPO_ROOT
-from tasks.driver_plan import (BLACKLIST, BLACKLIST_FILE, PIN_FILE, SOURCES_FILE, DriverFacts, DriverPlan, DriverWant,
-                               driver_want, initramfs_rebuild, plan_driver, refusal_text)
-from tasks.driver_choice import gpus_seen
-from tasks.driver_release import plan_release, stage_paths
-from tasks.driver_settle import settle_driver
-from tasks.driver_status import driver_notes
-from tasks.failure import fail_host
+from tasks.driver.choice import gpus_seen
+from tasks.driver.plan import (
+    BLACKLIST,
+    BLACKLIST_FILE,
+    PIN_FILE,
+    SOURCES_FILE,
+    DriverFacts,
+    DriverPlan,
+    DriverWant,
+    driver_want,
+    initramfs_rebuild,
+    plan_driver,
+    refusal_text,
+)
+from tasks.driver.release import plan_release, stage_paths
+from tasks.driver.settle import settle_driver
+from tasks.driver.status import driver_notes
 from tasks.facts.bundle import ask
 from tasks.facts.driver import DriverLeft, DriverState
 from tasks.facts.files import Marker, PathStates
+from tasks.failure import fail_host
 from tasks.placed import OnBox, marker_command, place, wanted_dir, wanted_file
 from tasks.settings import LabSettings
 from tasks.target import HostTarget
@@ -109,7 +120,7 @@ def held_driver_notes(settings: LabSettings) -> list[str]:
 
 def release_driver(settings: LabSettings, gpu: HostTarget, found: tuple | None = None) -> HostTarget:
     """``driver = "check"``: what the stage left on this box released, an operation each saying what and why, the
-    driver kept (tasks/driver_release.py); refused, nothing changed, while a driver change runs or stopped
+    driver kept (tasks/driver/release.py); refused, nothing changed, while a driver change runs or stopped
     part-way. ``found``: (``DriverLeft``, the paths' states) asked already (deploy/full.py: in the undo stage's
     bundle, tasks/undo.py ``driver_found``); else one command asks them. A box the stage never managed gets no
     operation."""

@@ -5,9 +5,9 @@ distro that runs every GPU and CUDA 11.8 (docs/driver.md, "The choice")."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from tasks.catalog import REPO_ROOT, tomllib
 from tasks.facts.gpu import GpuInventory, parse_compute_capability

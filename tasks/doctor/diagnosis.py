@@ -8,7 +8,7 @@ also runs alone on saved logs:
 An out-of-memory finding is read against the box's plan (plan.json beside the launcher): the
 phase that failed (rollout, reference, critic, actor) is found from the traceback, and the
 report names that component's estimate and what the plan would change next. A full disk is read
-by tasks/doctor_disk.py: the path that filled and the sizes its message gives.
+by tasks/doctor/disk.py: the path that filled and the sizes its message gives.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from tasks.catalog import REPO_ROOT, tomllib
-from tasks.doctor_disk import analyse_checkpoint_disk, analyse_disk
+from tasks.doctor.disk import analyse_checkpoint_disk, analyse_disk
 
 RULES_DIR = REPO_ROOT / "files" / "doctor"
 RULES_PATH = RULES_DIR / "rules.toml"     # the general rules; each other *.toml there holds one area's

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from typing import Iterable
+from collections.abc import Iterable
 
 TAG_PREFIX = "verl_lab"
 SCORE_TAG = f"{TAG_PREFIX}/gsm8k_accuracy"            # step 0: the base model; step N: the export of step N

@@ -7,10 +7,10 @@ through the controller: each box's ``<lab_root>/tracking/tensorboard`` is copied
 ``<lab_root>/tracking-lab`` (root's, under root-owned parents: the train user reads it and can change
 nothing in it), which ``verl-lab-tensorboard.service`` serves (TensorBoard from the env, as the train user,
 on 127.0.0.1 by default: reached with the SSH tunnel deploy/status.py prints). Both legs append only the
-bytes a file gained (tasks/tracking_copy.py). A box that goes away keeps its curves: the cache and the hub
+bytes a file gained (tasks/tracking/copy.py). A box that goes away keeps its curves: the cache and the hub
 keep what was copied; nothing is deleted for a box that did not answer. A new hub gets everything back
 from the cache on its first run. The lab's own scalars (the GSM8K base -> trained scores, the plan's
-predicted peak) go beside verl's as a run of their own per box, ``<box>/verl-lab`` (tasks/tracking_events.py).
+predicted peak) go beside verl's as a run of their own per box, ``<box>/verl-lab`` (tasks/tracking/events.py).
 
 Pure parts first (paths, the summary file, the tunnel), then the ``@deploy``.
 """
@@ -25,14 +25,15 @@ from pyinfra.api import deploy
 from pyinfra.api.exceptions import PyinfraError
 from pyinfra.operations import python, server, systemd
 
+from tasks.catalog import REPO_ROOT
 from tasks.placed import place, rendered, wanted_dir, wanted_file
 from tasks.settings import LabSettings
-from tasks.tracking_copy import push
-from tasks.tracking_events import summary_digest, summary_events, summary_file_name
+from tasks.tracking.copy import push
+from tasks.tracking.events import summary_digest, summary_events, summary_file_name
 
 HUB_UNIT = "verl-lab-tensorboard.service"
 UNIT_PATH = f"/etc/systemd/system/{HUB_UNIT}"
-UNIT_TEMPLATE = Path(__file__).resolve().parent.parent / "files" / "templates" / "verl-lab-tensorboard.service.j2"
+UNIT_TEMPLATE = REPO_ROOT / "files" / "templates" / "verl-lab-tensorboard.service.j2"
 SUMMARY_RUN = "verl-lab"           # <box>/verl-lab: the lab's own scalars
 START_WAIT_S = 90
 

@@ -16,7 +16,7 @@ verl's RL format.
 - GSM8K is converted on the box, in the env, by ``verl_lab_box/gsm8k.py`` (why there: see its
   docstring), into ``<data_dir>/{train,test,val_small}.parquet``.
 - What the stage fetches and makes is decided first, from the settings alone
-  (``tasks.data_plan.data_plan``, which the inventory pass also makes for every host).
+  (``tasks.data.plan.data_plan``, which the inventory pass also makes for every host).
 - Proofs on the box, then the marker ``settings.marker("data")``; a re-run whose marker digest
   matches and whose files are present does nothing (zero changed operations).
 
@@ -38,15 +38,15 @@ from pyinfra import host
 from pyinfra.api import FileUploadCommand, StringCommand, deploy, operation
 from pyinfra.operations import files, server
 
-from tasks.data_plan import SCRIPTS, DataPlan, data_plan
+from tasks.data.plan import SCRIPTS, DataPlan, data_plan
+from tasks.facts.bundle import ask
 from tasks.facts.data import FilesPresent, PythonModules, SnapshotStamp, StagedFiles
 from tasks.facts.disk import FreeDisk
-from tasks.facts.bundle import ask
 from tasks.facts.files import Marker
-from tasks.placed import marker_command
 from tasks.failure import fail_host
+from tasks.placed import marker_command
 from tasks.settings import LabSettings
-from verl_lab_box import hf_snapshot as hfsnapshot      # hf_snapshot is this stage's operation below
+from verl_lab_box import hf_snapshot as hfsnapshot  # hf_snapshot is this stage's operation below
 from verl_lab_box.hf_snapshot import RepoSpec, SnapshotError
 
 MIB = 1024 * 1024

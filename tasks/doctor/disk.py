@@ -9,7 +9,8 @@ there from the library that prints it.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from verl_lab_box.checkpoints import gib
 
@@ -25,7 +26,7 @@ HF_SPACE = re.compile(r"The expected file size is: ([\d.]+) MB\. The target loca
 # verl_lab_box/hf_snapshot.py
 CUT = re.compile(r"was cut at (\d+) of (\d+) bytes \(\[Errno 28\][^)]*\); the partial file (\S+) is kept")
 STAGING = re.compile(r"completed files are kept in (\S+?)(?: and|$)")
-# verl-lab's own disk checks (tasks/data.py, tasks/cuda.py)
+# verl-lab's own disk checks (tasks/data/stage.py, tasks/cuda.py)
 STAGE_SHORT = re.compile(r"not enough free disk on (\S+) .*?: (\d+) MiB free, (\d+) MiB needed")
 # the env build's own line (files/templates/env-build.sh.j2)
 ENV_GEN = re.compile(r"verl-lab: building (\S+)")

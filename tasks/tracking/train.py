@@ -13,11 +13,11 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from tasks.placed import Wanted, wanted_dir, wanted_file
-from tasks.tracking import Tracking, read_keys
+from tasks.tracking.setting import Tracking, read_keys
 
 KEYS_FILE = "tracking-keys.env"
 

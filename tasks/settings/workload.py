@@ -8,10 +8,11 @@ docs/plan.md). Checkers in ``tasks.settings``' form: ``check(host, *values)``, r
 from __future__ import annotations
 
 import difflib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tasks.facts.gpu import parse_compute_capability
-from tasks.settings_errors import SettingsError, SettingsErrors, did_you_mean
+from tasks.settings.errors import SettingsError, SettingsErrors, did_you_mean
 
 # workload keys and their defaults: verl's GSM8K quick start, one epoch, the plan's fallback ladder
 WORKLOAD_DEFAULTS: dict[str, Any] = {"algorithm": "auto", "model": None, "train_batch_size": 256,

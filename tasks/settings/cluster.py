@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-from tasks.settings_errors import SettingsError, SettingsErrors
-
+from tasks.settings.errors import SettingsError, SettingsErrors
 
 CLUSTER_EXAMPLE = "cluster = {'name': 'lab1', 'head': 'box1'} on every box of the cluster (e.g. in its group_data)"
 CLUSTER_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,30}$")

@@ -1,7 +1,7 @@
 """The data stage's plan (pure): which model and dataset snapshots a host gets, from where, into
 which folders, and the rows its GSM8K splits must have; from the host's settings alone.
 
-The data stage (tasks/data.py) carries it out; the inventory pass (tasks/validation.py) makes it
+The data stage (tasks/data/stage.py) carries it out; the inventory pass (tasks/validation.py) makes it
 for every host before any host changes, so a bad catalog override stops the run there.
 """
 

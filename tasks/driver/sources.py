@@ -5,10 +5,9 @@ headers DKMS builds the module with."""
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from tasks.driver_choice import Distro
-
+from tasks.driver.choice import Distro
 
 # ---------------------------------------------------------------- apt sources (pure)
 

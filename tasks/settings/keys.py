@@ -22,9 +22,10 @@ Pure; imports nothing of the project. ``tasks.settings.load_settings`` runs ``ex
 from __future__ import annotations
 
 import difflib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from tasks.settings_errors import SettingsError
+from tasks.settings.errors import SettingsError
 
 # Host data that belongs to pyinfra: its connectors' keys and its global arguments (``_sudo``...)
 PYINFRA_KEY_PREFIXES = ("_", "ssh_", "docker_", "podman_", "chroot_", "local_", "winrm_", "vagrant_",
@@ -127,11 +128,11 @@ def unread_keys(host: str, data: Mapping[str, Any], known: set[str], nested: Map
                                        f"{{{leaf!r}: {value!r}}} in host data or group_data"))
         elif meant:
             found.append(SettingsError(host, key, "not a verl-lab setting (it would be ignored and the default used)",
-                                  f"did you mean {meant[0]}? (every setting and its default: tasks/settings.py "
+                                  f"did you mean {meant[0]}? (every setting and its default: tasks/settings/load.py "
                                   "DEFAULTS)"))
         else:
             found.append(SettingsError(host, key, "not a verl-lab setting, nor pyinfra's (ssh_*, _sudo...), nor a deploy's "
                                   f"({', '.join(sorted(DEPLOY_KEYS))}): nothing would read it",
                                   f"remove it, or name your site's own keys {SITE_PREFIX}* (README, Settings); every "
-                                  "setting and its default: tasks/settings.py DEFAULTS"))
+                                  "setting and its default: tasks/settings/load.py DEFAULTS"))
     return found

@@ -3,14 +3,14 @@ its distro and the branch chosen for its GPUs (docs/driver.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
-from tasks.driver_choice import BranchChoice, Distro, DriverTable, GpuSeen, choose_branch, load_table
-from tasks.driver_sources import headers_packages, parse_sources, sources_to_add
-from tasks.driver_status import newer_build
-from tasks.gpu_support import min_driver
 from tasks.burnin.plan import BURNIN_UNIT
+from tasks.driver.choice import BranchChoice, Distro, DriverTable, GpuSeen, choose_branch, load_table
+from tasks.driver.sources import headers_packages, parse_sources, sources_to_add
+from tasks.driver.status import newer_build
+from tasks.gpu_support import min_driver
 from tasks.settings import RAY_UNIT, TRAIN_UNIT, LabSettings
 from verl_lab_box.nvidia_driver_state import JOB_UNIT, branch_of, installed_from, upstream, verdict
 from verl_lab_box.nvidia_driver_units import IDLE, busy_fix, busy_reasons

@@ -93,7 +93,7 @@ def patch_wanted(settings: LabSettings) -> list[Wanted]:
     box_paths = box_patch_paths(settings, art.version)
     return [wanted_dir(box_paths[0].rsplit("/", 1)[0], "Directory for verl patches"),
             *(wanted_file(remote, f"Patch {local.name}", local.read_bytes())
-              for local, remote in zip(patch_files(art.version), box_paths))]
+              for local, remote in zip(patch_files(art.version), box_paths, strict=True))]
 
 
 def checkout_done(settings: LabSettings, checkout: dict | None) -> bool:

@@ -1,9 +1,9 @@
 """Offline trackers' runs: copied from the box into the controller cache, then synced from there with the
 controller's keys (deploy/tracking.py), as the relay mode does for downloads the other way.
 
-A box without internet logs wandb, SwanLab and MLflow offline (tasks/tracking.py): wandb to
+A box without internet logs wandb, SwanLab and MLflow offline (tasks/tracking/setting.py): wandb to
 ``$WANDB_DIR/wandb/offline-run-*``, SwanLab to ``$SWANLAB_LOG_DIR``, MLflow to a file store. Their folders are
-copied to ``<controller_cache>/tracking/boxes/<box>/<tracker>/`` (tasks/tracking_copy.py: the bytes each file
+copied to ``<controller_cache>/tracking/boxes/<box>/<tracker>/`` (tasks/tracking/copy.py: the bytes each file
 gained, read as the train user) and synced, one run at a time, each with its own time limit (``run_timeout``):
 
 * wandb: ``python -m wandb sync --no-sync-tensorboard --no-mark-synced <offline-run-*>`` (wandb 0.21.0's own
@@ -43,8 +43,8 @@ from pyinfra.api import deploy
 from pyinfra.operations import python
 
 from tasks.settings import LabSettings
-from tasks.tracking import KEY_VARS, Tracking, read_keys
-from tasks.tracking_copy import collect
+from tasks.tracking.copy import collect
+from tasks.tracking.setting import KEY_VARS, Tracking, read_keys
 
 # a run's sync: a base, and more for each MiB it holds (wandb 0.21.0 sends a run's history rows and files;
 # a 3- or 5-step run took 5 s against the stand-in server on this machine: tests/unit/test_tracking_sync.py)
