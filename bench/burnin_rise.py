@@ -6,9 +6,18 @@ computes it: rollouts sampled at temperature 1, old log-probs, GRPO's group-norm
 lambda 1) with a critic (its value head, verl's clipped value loss, lr 1e-5), the clipped policy loss with dual clip
 (token-mean), mini-batches with micro-batch accumulation, grad-norm clip 1.0, AdamW (0.9, 0.999, wd 0.01).
 
-Per step it prints the sampled score (what verl logs), its standard error (over the prompts' group means), the policy's
-exact expected score over the same contexts (the class's probability mass, averaged over the response positions:
-no sampling noise), verl's ppo_kl and pg_clipfrac, the entropy.
+The prompts are random ids with a head (``--head``, 30) and tail (``--tail``, 5) every prompt shares, as a chat
+template's system turn and assistant opening are shared by every GSM8K prompt. ``--score`` is what the advantage is
+computed from: the share's z-score (what the burn-in hands verl, verl_lab_box/burnin_reward.py) or the share.
+
+Per step it prints the sampled share (the burn-in's score), its standard error (over the prompts' group means), the
+policy's class probability at the step's sampled contexts (``expected``, averaged over the response positions), its
+paired change after the step's updates over the same contexts (``moved``: no sampling noise), verl's ppo_kl and
+pg_clipfrac, the entropy; at the end the burn-in's comparison (step 1 against the mean of the last two steps).
+docs/burnin.md ("On the 0.5B's shape") has the runs and what they show.
+
+    P=$(.venv/bin/python -c 'from tests.fixtures.standins import env; print(env.test_env())')
+    OMP_NUM_THREADS=1 $P bench/burnin_rise.py --layers 2 --algo grpo --prompts 16 --n 4 --response 32 --threads 1
 """
 
 from __future__ import annotations
@@ -25,51 +34,45 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "files" / "models" / "qwen2.5-0.5b-instruct" / "config.json"
 
 
-def make_model(layers: int, seed: int, peaked: float = 1.0, hidden: int | None = None, vocab: int | None = None):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+def config(layers: int, hidden: int | None = None, vocab: int | None = None, **extra) -> dict:
+    """Qwen2.5-0.5B's config cut to ``layers`` (another width or vocabulary only for side studies)."""
     cfg = json.loads(CONFIG.read_text())
-    cfg["num_hidden_layers"] = layers
-    if hidden:
-        cfg["hidden_size"] = hidden
-    if vocab:
-        cfg["vocab_size"] = vocab
-    config = Qwen2Config.from_dict(cfg)
+    cfg.update(num_hidden_layers=layers, **extra)
+    cfg.update({k: v for k, v in (("hidden_size", hidden), ("vocab_size", vocab)) if v})
+    return cfg
+
+
+def initialised(model_class, cfg: dict, seed: int):
+    """``model_class`` with random weights initialised in bf16 (as bench/gpu/make_model.py makes the GPU's), in fp32."""
+    from transformers import Qwen2Config
+
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        model = Qwen2ForCausalLM(config)
+        model = model_class(Qwen2Config.from_dict(cfg))
     finally:
         torch.set_default_dtype(default)
-    model = model.float()
-    if peaked != 1.0:       # a model that prefers some tokens: its final norm scaled (logits peaked)
-        with torch.no_grad():
-            model.model.norm.weight.mul_(peaked)
-    return model
+    return model.float()
 
 
-def make_critic(layers: int, seed: int):
-    from transformers import Qwen2Config, Qwen2ForTokenClassification
+def make_model(layers: int, seed: int, hidden: int | None = None, vocab: int | None = None):
+    from transformers import Qwen2ForCausalLM
 
-    cfg = json.loads(CONFIG.read_text())
-    cfg.update(num_hidden_layers=layers, num_labels=1)
-    torch.manual_seed(seed + 1000)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        critic = Qwen2ForTokenClassification(Qwen2Config.from_dict(cfg))
-    finally:
-        torch.set_default_dtype(default)
-    return critic.float()
+    return initialised(Qwen2ForCausalLM, config(layers, hidden, vocab), seed)
 
 
-def class_of(model, kind: str, coordinate: int = 0):
-    emb = model.get_input_embeddings().weight.detach().float()
-    if kind == "axis":
-        col = emb[:, coordinate]
-        return col > col.median()
-    raise ValueError(kind)
+def make_critic(layers: int, seed: int, hidden: int | None = None, vocab: int | None = None):
+    """verl's critic: the model with a one-output token-classification head (its value head), its own weights."""
+    from transformers import Qwen2ForTokenClassification
+
+    return initialised(Qwen2ForTokenClassification, config(layers, hidden, vocab, num_labels=1), seed + 1000)
+
+
+def class_of(model, coordinate: int = 0):
+    """The burn-in's class (verl_lab_box/burnin_reward.py): ids whose input-embedding coordinate is above its median."""
+    col = model.get_input_embeddings().weight.detach().float()[:, coordinate]
+    return col > col.median()
 
 
 @torch.no_grad()
@@ -159,19 +162,16 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-seed", type=int, default=1)
-    ap.add_argument("--peaked", type=float, default=1.0)
-    ap.add_argument("--reward", default="axis")
     ap.add_argument("--score", choices=["z", "share"], default="z", help="what verl is handed: the share's z-score "
                     "(the product's) or the share")
     ap.add_argument("--sign", type=float, default=1.0, help="-1: the advantage's sign flipped")
-    ap.add_argument("--freeze", default="", help="comma list of name substrings to freeze (diagnosis)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
-    model = make_model(a.layers, a.seed, a.peaked, a.hidden, a.vocab)
-    in_class = class_of(model, a.reward)
+    model = make_model(a.layers, a.seed, a.hidden, a.vocab)
+    in_class = class_of(model)
     vocab = model.config.vocab_size
     if a.lora:
         from peft import LoraConfig, get_peft_model
@@ -182,14 +182,11 @@ def main(argv=None):
         base = model.get_base_model()
     else:
         base = model
-    for name, p in base.named_parameters():
-        if any(s and s in name for s in a.freeze.split(",")):
-            p.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), weight_decay=0.01)
     critic = copt = None
     if a.algo == "ppo":
-        critic = make_critic(a.layers, a.seed)
+        critic = make_critic(a.layers, a.seed, a.hidden, a.vocab)
         copt = torch.optim.AdamW(critic.parameters(), lr=a.critic_lr, betas=(0.9, 0.999), weight_decay=0.01)
 
     gen = torch.Generator().manual_seed(a.data_seed)

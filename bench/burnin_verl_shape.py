@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt", default="48,30,5,8", help="WIDTH,HEAD,TAIL,PAD: prompt ids a row, of them shared "
                     "by every prompt at its start and end (a chat template's), left padding of every other prompt "
-                    "(GSM8K's chat prompts on the GPU: 97-181 tokens; 48 here, as verl computes the logits of the prompt's positions too); 7,0,0,3 is the tiny test's")
+                    "(GSM8K's chat prompts on the GPU: 97-181 tokens; 48 here, as verl computes the logits of the "
+                    "prompt's positions too); 7,0,0,3 is the tiny test's")
     ap.add_argument("--timeout", type=int, default=4 * 3600)
     ap.add_argument("--keep", type=Path, default=None, help="work here (kept) instead of a temporary folder")
     a = ap.parse_args(argv)

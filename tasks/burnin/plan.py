@@ -8,7 +8,8 @@ override of plan.json) with these changes, each with its reason in the file (doc
 * two verl runs: steps 1..``first_steps`` ending in a save, then a run that resumes it (``trainer.resume_mode=auto``)
   and trains to ``total_steps``, saving again (the export is made from that save);
 * the reward: the burn-in's reward manager (verl_lab_box/burnin_reward.py: the share of response tokens whose input
-  embedding's coordinate ``REWARD_COORDINATE`` is above its median), which a model with random weights climbs too;
+  embedding's coordinate ``REWARD_COORDINATE`` is above its median, handed to verl as its z-score so that a random
+  critic's values do not drown it), which a model with random weights climbs too;
 * its own learning rate (``burnin_lr``), larger than the run's: the run's (verl's 1e-6 for full fine-tuning) moves
   the policy too little in four steps for any test to see;
 * optionally fewer prompts a step (``BurninSpec.prompts``; the micro-batches and the HF chunk stay the plan's, so
