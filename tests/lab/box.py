@@ -144,10 +144,15 @@ class Box:
         hosts = (r / "etc/hosts").read_text() if (r / "etc/hosts").exists() else "127.0.0.1\tlocalhost\n"
         (r / "etc/hosts").write_text(hosts + f"127.0.1.1\t{self.hostname} {self.name}\n")
         (r / "etc/machine-id").write_text(self.machine_id + "\n")
-        subprocess.run(["ssh-keygen", "-A", "-f", str(r)], check=True, stdout=subprocess.DEVNULL)
+        # one host key, ed25519: `ssh-keygen -A` also makes an RSA key, whose generation costs ~1 s of CPU a box
+        # (docs/testing.md, "CPU time"); pyinfra and ssh verify the ed25519 key as they would any other
+        (r / "etc/ssh").mkdir(parents=True, exist_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{self.hostname}",
+                        "-f", str(r / "etc/ssh/ssh_host_ed25519_key")], check=True, stdout=subprocess.DEVNULL)
         (r / "etc/ssh/sshd_config.d/verl-lab-box.conf").write_text(
             "# written by tests/lab/box.py: this box shares the machine's network\n"
-            f"Port {self.port}\nListenAddress 127.0.0.1\nPermitRootLogin prohibit-password\n"
+            f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey /etc/ssh/ssh_host_ed25519_key\n"
+            "PermitRootLogin prohibit-password\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUseDNS no\n"
             "MaxSessions 64\nMaxStartups 64:30:128\n")
         ssh_dir = r / "root/.ssh"
@@ -260,10 +265,7 @@ class Box:
 
     # ------------------------------------------------------------------ use
     def ssh_command(self) -> list[str]:
-        return ["ssh", "-F", "/dev/null", "-i", str(self.key), "-o", "IdentitiesOnly=yes",
-                "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={self.known_hosts}",
-                "-o", "StrictHostKeyChecking=yes", "-o", "ConnectTimeout=10", "-o", "LogLevel=ERROR",
-                "-p", str(self.port), "root@127.0.0.1"]
+        return ssh_argv(self.key, self.known_hosts, self.port, connect_timeout=10)
 
     def ssh(self, command: str, *, check: bool = True, timeout: float = 300, input: str | bytes | None = None,
             user: str | None = None) -> subprocess.CompletedProcess:
@@ -369,6 +371,20 @@ def _kill_rooted_at(root: Path) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.5)
+
+
+def ssh_argv(key: Path | str, known_hosts: Path | str, port: int, connect_timeout: int = 10) -> list[str]:
+    """The test harness's ssh to a box (root@127.0.0.1:port), up to the command.
+
+    KexAlgorithms: OpenSSH 9.x's default key exchange (sntrup761x25519) costs ~65 ms more client CPU a connection
+    than curve25519 (measured here: 77 against 12 ms), and the suite opens some 1,400 connections a run
+    (docs/testing.md, "CPU time"). Only this harness's own ssh uses it: pyinfra's connections (paramiko) are the
+    product's and keep their own choice."""
+    return ["ssh", "-F", "/dev/null", "-i", str(key), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+            "-o", f"UserKnownHostsFile={known_hosts}", "-o", "StrictHostKeyChecking=yes",
+            "-o", f"ConnectTimeout={connect_timeout}", "-o", "LogLevel=ERROR",
+            "-o", "KexAlgorithms=curve25519-sha256,curve25519-sha256@libssh.org",
+            "-p", str(port), "root@127.0.0.1"]
 
 
 def overlay_root(lower: Path, box_dir: Path) -> bool:

@@ -28,7 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from tests.lab import rootfs as rootfs_mod
-from tests.lab.box import Box, BoxError, BoxSpec, alive, proc_start_time, remove_tree, remove_tree_later, stop_box
+from tests.lab.box import (
+    Box,
+    BoxError,
+    BoxSpec,
+    alive,
+    proc_start_time,
+    remove_tree,
+    remove_tree_later,
+    ssh_argv,
+    stop_box,
+)
 from tests.lab.inventory import host_data, write_inventory
 from tests.lab.mirror import Mirror
 from tests.lab.results import DeployResult, parse
@@ -324,9 +334,7 @@ def stop_recorded(work_dir: Path, log=print, remove: bool = True) -> list[str]:
             ssh = None
             key, kh = state.get("key"), state.get("known_hosts")
             if key and kh and rec.get("port"):
-                ssh = ["ssh", "-F", "/dev/null", "-i", key, "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
-                       "-o", f"UserKnownHostsFile={kh}", "-o", "StrictHostKeyChecking=yes",
-                       "-o", "ConnectTimeout=5", "-o", "LogLevel=ERROR", "-p", str(rec["port"]), "root@127.0.0.1"]
+                ssh = ssh_argv(key, kh, rec["port"], connect_timeout=5)
             stop_box(rec, ssh=ssh, log=log)
             stopped.append(name)
         m = state.get("mirror") or {}
