@@ -32,7 +32,7 @@ from tasks.plan import DOC_GPUS
 from tasks.settings import RAY_UNIT, TRAIN_UNIT, load_settings
 from tasks.target import decide_compiler
 from tests.lab.gpus import GPUS
-from verl_lab_box.nvidia_driver_state import JOB_UNIT, package_name, verdict
+from verl_lab_box.nvidia_driver_state import JOB_UNIT, package_name, parse_fact_output, verdict
 
 TABLE = load_table()
 BOOKWORM = {"ID": "debian", "VERSION_ID": "12", "PRETTY_NAME": "Debian GNU/Linux 12 (bookworm)"}
@@ -302,11 +302,14 @@ def test_a_multiarch_box_is_held_until_each_architecture_is():
     stage before the fix (``apt-mark hold libcuda1`` holds the native one alone), the plan holds again; held by
     each architecture's name, it settles. Mutation: ``package_name`` dropping every architecture (the names of
     ``${Package}``): both cases plan "hold", on every deploy."""
-    old = case("debian12_multiarch_old_hold")
+    def parsed(name):                           # the recorded output parsed now, not its recorded answer
+        return parse_fact_output("\n".join(json.loads((CASES / f"{name}.json").read_text())["output"]))
+
+    old = parsed("debian12_multiarch_old_hold")
     cuda = {p["name"]: p["held"] for p in old["packages"] if p["name"].startswith("libcuda1")}
     assert cuda == {"libcuda1": True, "libcuda1:i386": False}
     assert plan_driver(want(), facts(old)).action == "hold"
-    held = case("debian12_multiarch_held")
+    held = parsed("debian12_multiarch_held")
     assert {p["name"]: p["held"] for p in held["packages"] if p["name"].startswith("libcuda1")} == {
         "libcuda1": True, "libcuda1:i386": True}
     assert "libcuda1:i386" in held["pin"]["packages"]

@@ -216,7 +216,7 @@ def test_a_multiarch_box_releases_each_architecture():
     """What DriverLeft read on the multiarch box the stage held (the lab's Debian 12 rootfs, recorded: libcuda1 for
     amd64 and i386): the unhold and its check name the i386 library by its own name, as apt-mark showhold prints
     it. Mutation: ``package_name`` dropping the architecture: libcuda1:i386 is not unheld."""
-    left = json.loads((FACTS / "driver.DriverLeft" / "multiarch_held.json").read_text())["fact"]
+    left = DriverLeft().process(json.loads((FACTS / "driver.DriverLeft" / "multiarch_held.json").read_text())["output"])
     (step,) = plan_release("box1", WANT, left, {PIN_FILE: FILE}).steps
     assert step.commands[0] == ("apt-mark -o DPkg::Lock::Timeout=300 unhold libcuda1 libcuda1:i386 nvidia-driver "
                                 "nvidia-kernel-dkms nvidia-smi >/dev/null")
