@@ -13,9 +13,10 @@ Stand-ins (tests/fixtures/standins/driver.py): control-only packages under Debia
 archive's 535.261.03-1 and a newer 535.300.01-1, in a local repository; the headers of the machine's kernel. They
 prove what dpkg and apt do with the names, holds and pins of such packages, not a driver: no file, no module.
 
-Mutation: the state's packages read with ``${Package}`` again (verl_lab_box/nvidia_driver_state.py, the fix undone):
-``libcuda1:i386`` is named ``libcuda1``, the hold leaves it unheld, and the first test fails on showhold (and the
-plan says "hold" on every run: the second fails)."""
+Mutations: the state's names without the foreign architecture, as ``${Package}`` read them (``package_name``
+returning the bare name: the fix undone): 4 of the 5 fail (the state names no ``libcuda1:i386``; the plan says "hold"
+again on the second run; the user's hold of it is not named in the pin; dpkg's selections get the ambiguous bare
+name). ``selections`` naming the native package bare: the last fails ("ambiguous package name 'libcuda1'")."""
 
 from __future__ import annotations
 
@@ -38,10 +39,13 @@ from tests.fixtures.standins.driver import (
     remove_standins,
     serve_from_local_repo,
 )
+from tests.lab.rootfs import cached_rootfs, is_complete
 
 pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(t) for t in ("chroot", "dpkg-deb", "mount")),
-    reason="needs root, chroot, dpkg-deb and mount (an overlay on the lab's cached rootfs)")
+    os.geteuid() != 0 or not all(shutil.which(t) for t in ("chroot", "dpkg-deb", "mount"))
+    or not (is_complete(cached_rootfs()) or shutil.which("debootstrap")),
+    reason="needs root, chroot, dpkg-deb and mount (an overlay on the lab's cached rootfs), and debootstrap where "
+           "that rootfs is not built yet")
 
 VERSION, NEWER = "535.261.03-1", "535.300.01-1"
 SOURCE = "nvidia-graphics-drivers"
