@@ -101,8 +101,9 @@ def hold_packages(names: list[str], log) -> None:
     if res.returncode == 0:
         return
     log.say(f"apt-mark hold failed (exit {res.returncode}): holding through `dpkg --set-selections`")
-    sel = subprocess.run(["dpkg", "--set-selections"], input="".join(f"{n} hold\n" for n in names),
-                         capture_output=True, text=True)
+    native = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True).stdout.strip()
+    sel = subprocess.run(["dpkg", "--set-selections"], input=selections(names, native), capture_output=True,
+                         text=True)
     log.say(sel.stdout + sel.stderr)
     if sel.returncode != 0:
         raise Failed(f"could not hold {' '.join(names)}: apt-mark hold exited {res.returncode} "
@@ -110,6 +111,15 @@ def hold_packages(names: list[str], log) -> None:
                      "packages are NOT held: unattended-upgrades may replace them. Hold them by hand (`apt-mark hold "
                      f"{' '.join(names)}`)")
     log.say(f"held {len(names)} packages through dpkg --set-selections")
+
+
+def selections(names: list[str], native: str) -> str:
+    """``dpkg --set-selections``' input holding ``names`` (apt's names: ``libcuda1``, ``libcuda1:i386``). A package
+    installed for two architectures is named with its architecture, dpkg's own too: a bare ``libcuda1`` is refused
+    there ("ambiguous package name 'libcuda1' with more than one installed instance", dpkg 1.21), where apt-mark
+    takes it for the native one."""
+    twins = {n.split(":", 1)[0] for n in names if ":" in n}
+    return "".join(f"{n}:{native} hold\n" if native and n in twins else f"{n} hold\n" for n in names)
 
 
 def write_pin(path: str, text: str) -> None:

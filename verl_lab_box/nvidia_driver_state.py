@@ -73,7 +73,10 @@ def fact_command(pin: str, units: str | tuple[str, ...] | list[str], skip_source
                     f"for lib in {libs}; do p=$(ldconfig -p | awk -v l=$lib '$1 == l {{print $NF; exit}}'); "
                     "[ -n \"$p\" ] || continue; r=$(readlink -f \"$p\"); "
                     "o=$(dpkg -S \"$r\" 2>/dev/null | head -n 1 | cut -d: -f1); echo \"lib $r ${o:-none}\"; done"),
-        ("packages", "dpkg-query -W -f='${Package}\\t${source:Package}\\t${Version}\\t${db:Status-Abbrev}\\n'"
+        # ${binary:Package}: a package of another architecture than dpkg's own (libcuda1:i386 beside libcuda1 on a
+        # multiarch box) is a package of its own, named with its architecture (parse_fact_output's names)
+        ("packages", "echo \"arch $(dpkg --print-architecture)\"; "
+                     "dpkg-query -W -f='${binary:Package}\\t${source:Package}\\t${Version}\\t${db:Status-Abbrev}\\n'"
                      " | grep -i nvidia"),
         ("headers", "dpkg-query -W -f='${db:Status-Abbrev}\\n' \"linux-headers-$(uname -r)\""),
         ("pin", f"cat {q(pin)}"),
@@ -150,10 +153,13 @@ def parse_fact_output(text: str) -> dict:
             path, _, owner = rest.rpartition(" ")
             runfile["libs"][path] = None if owner == "none" else owner
     packages = []
+    native = next((line.split()[1] for line in lines("packages") if line.startswith("arch ") and len(line.split()) == 2),
+                  None)
     for line in sections.get("packages", []):
         fields = line.split("\t")
         if len(fields) == 4 and fields[0]:
-            name, source, version, status = fields
+            binary, source, version, status = fields
+            name = package_name(binary, native)
             # installed: configured (i), or with triggers pending (t) or awaited (W): dpkg has configured it
             packages.append({"name": name, "source": source or name, "version": version,
                              "installed": status[1:2] in ("i", "t", "W"), "held": status[:1] == "h",
@@ -181,6 +187,15 @@ def parse_fact_output(text: str) -> dict:
         "sources": {path: "\n".join(body) for path, body in sources.items()},
     }
 
+
+
+def package_name(binary: str, native: str | None) -> str:
+    """dpkg's ``${binary:Package}`` -> the name apt gives the package: bare for dpkg's own architecture
+    (``native``) and ``all``, ``name:arch`` for another (``libcuda1:i386``), as ``apt-mark hold`` and
+    ``apt-mark showhold``, the apt preferences' ``Package:`` line and apt-get's ``Inst`` lines name it. dpkg
+    qualifies every ``Multi-Arch: same`` package, its own architecture's too (``libcuda1:amd64``)."""
+    name, _, arch = binary.partition(":")
+    return name if not arch or arch in (native, "all") else binary
 
 
 def parse_units(lines: list[str]) -> dict[str, dict]:

@@ -18,7 +18,8 @@ DPKG_UPDATES = "/var/lib/dpkg/updates"     # files there: a dpkg run that was in
 
 class DriverState(FactBase[dict]):
     """The NVIDIA driver side of a box: the running kernel, Secure Boot, signs of NVIDIA's .run
-    installer, the installed NVIDIA packages (name, source package, version, installed, held), the
+    installer, the installed NVIDIA packages (name, source package, version, installed, held; a package of
+    another architecture than dpkg's own named with it, ``libcuda1:i386``, as apt names it), the
     stage's apt pin (``pin``), the loaded module (/proc/driver/nvidia/version), nouveau, the module
     built for the running kernel (modinfo) and DKMS's status, the NVIDIA display controllers on
     the PCI bus (lspci, or sysfs ids) and its NVSwitches, the state of ``units`` (the training and

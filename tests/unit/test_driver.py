@@ -32,7 +32,7 @@ from tasks.plan import DOC_GPUS
 from tasks.settings import RAY_UNIT, TRAIN_UNIT, load_settings
 from tasks.target import decide_compiler
 from tests.lab.gpus import GPUS
-from verl_lab_box.nvidia_driver_state import JOB_UNIT, verdict
+from verl_lab_box.nvidia_driver_state import JOB_UNIT, package_name, parse_fact_output, verdict
 
 TABLE = load_table()
 BOOKWORM = {"ID": "debian", "VERSION_ID": "12", "PRETTY_NAME": "Debian GNU/Linux 12 (bookworm)"}
@@ -294,6 +294,37 @@ def test_done_only_when_loaded_held_pinned_and_marked():
     noheaders["headers_installed"] = False                                            # booted a new kernel
     headers = plan_driver(want(), facts(noheaders, marker=marker))
     assert headers.action == "headers" and "the driver and its hold stay as they are" in headers.reason
+
+
+def test_a_multiarch_box_is_held_until_each_architecture_is():
+    """libcuda1 for amd64 and i386 (the lab's Debian 12 rootfs with ``dpkg --add-architecture i386``: dpkg's own
+    output, tests/unit/test_driver_multiarch.py): two packages, the foreign one named as apt names it. Held by the
+    stage before the fix (``apt-mark hold libcuda1`` holds the native one alone), the plan holds again; held by
+    each architecture's name, it settles. Mutation: ``package_name`` dropping every architecture (the names of
+    ``${Package}``): both cases plan "hold", on every deploy."""
+    def parsed(name):                           # the recorded output parsed now, not its recorded answer
+        return parse_fact_output("\n".join(json.loads((CASES / f"{name}.json").read_text())["output"]))
+
+    old = parsed("debian12_multiarch_old_hold")
+    cuda = {p["name"]: p["held"] for p in old["packages"] if p["name"].startswith("libcuda1")}
+    assert cuda == {"libcuda1": True, "libcuda1:i386": False}
+    assert plan_driver(want(), facts(old)).action == "hold"
+    held = parsed("debian12_multiarch_held")
+    assert {p["name"]: p["held"] for p in held["packages"] if p["name"].startswith("libcuda1")} == {
+        "libcuda1": True, "libcuda1:i386": True}
+    assert "libcuda1:i386" in held["pin"]["packages"]
+    assert plan_driver(want(), facts(held)).action == "settle"
+
+
+@pytest.mark.parametrize("binary,native,name", [
+    ("libcuda1:amd64", "amd64", "libcuda1"),            # Multi-Arch: same, dpkg's own architecture
+    ("libcuda1:i386", "amd64", "libcuda1:i386"),        # another architecture: a package of its own
+    ("nvidia-driver", "amd64", "nvidia-driver"),
+    ("libcuda1:arm64", "arm64", "libcuda1"),
+    ("libcuda1", None, "libcuda1"),                     # recorded with ${Package}: no architecture line
+])
+def test_package_names_are_apts(binary, native, name):
+    assert package_name(binary, native) == name
 
 
 def with_units(state, **states):

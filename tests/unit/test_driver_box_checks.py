@@ -220,6 +220,19 @@ def test_a_hold_placed_before_the_stages_is_named_in_its_pin_and_its_own_are_not
     assert hold(again)["theirs"] == ["nvidia-smi"]
 
 
+def test_the_hold_and_the_pin_name_each_architecture(tmp_path, plan):
+    """The multiarch box the stage held before the fix (libcuda1:i386 unheld; the lab's Debian 12 rootfs, recorded):
+    apt-mark holds the i386 library by its own name, and the pin names it. Mutation: ``package_name`` dropping the
+    architecture: the hold names libcuda1 alone."""
+    state = st.parse_fact_output(recorded("debian12_multiarch_old_hold"))
+    log = QuietLog()
+    box.hold.do_hold(plan, log, lambda: state)
+    (hold,) = [c for c in log.calls if is_hold(c)]
+    assert held_names(hold) == ["libcuda1", "libcuda1:i386", "nvidia-driver", "nvidia-kernel-dkms", "nvidia-smi"]
+    pin = st.parse_pin(Path(plan["pin"]).read_text())
+    assert pin["packages"] == held_names(hold) and pin["theirs"] == []
+
+
 def test_an_install_keeps_naming_the_holds_it_found_that_were_not_its_own(monkeypatch, tmp_path, plan):
     """A driver installed and held by hand (no pin of the stage's), then driver = "install" with driver_update: the
     install releases those holds for apt and holds everything after; its pin names them as held before it, so

@@ -255,6 +255,10 @@ def test_apt_mark_hold_failing_falls_back_to_dpkgs_selections(monkeypatch, tmp_p
                    rc={"apt-mark hold": 100, "dpkg": 2})
     assert run_main(monkeypatch, tmp_path, plan, fake, "install") == 1
     assert "the packages are NOT held: unattended-upgrades may replace them" in capsys.readouterr().err
+    # a package installed for two architectures is named with each to dpkg (tests/unit/test_driver_multiarch.py runs
+    # it on real dpkg). Mutation: the native one bare: dpkg refuses the ambiguous name
+    assert box.hold.selections(["libcuda1", "libcuda1:i386", "nvidia-driver"], "amd64") == \
+        "libcuda1:amd64 hold\nlibcuda1:i386 hold\nnvidia-driver hold\n"
 
 
 def test_fabric_manager_failing_to_enable_leaves_the_install_held_and_pinned(monkeypatch, tmp_path, plan, capsys):

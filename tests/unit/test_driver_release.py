@@ -210,3 +210,14 @@ def test_the_paths_asked_are_those_released_and_kept():
     assert stage_paths(WANT) == [PIN_FILE, "/opt/verl-lab/libexec/driver", "/opt/verl-lab/markers/driver.done",
                                  BLACKLIST_FILE, SOURCES_FILE, "/opt/verl-lab/logs/driver.log",
                                  "/usr/bin/nvidia-uninstall", "/proc/driver/nvidia/version"]
+
+
+def test_a_multiarch_box_releases_each_architecture():
+    """What DriverLeft read on the multiarch box the stage held (the lab's Debian 12 rootfs, recorded: libcuda1 for
+    amd64 and i386): the unhold and its check name the i386 library by its own name, as apt-mark showhold prints
+    it. Mutation: ``package_name`` dropping the architecture: libcuda1:i386 is not unheld."""
+    left = DriverLeft().process(json.loads((FACTS / "driver.DriverLeft" / "multiarch_held.json").read_text())["output"])
+    (step,) = plan_release("box1", WANT, left, {PIN_FILE: FILE}).steps
+    assert step.commands[0] == ("apt-mark -o DPkg::Lock::Timeout=300 unhold libcuda1 libcuda1:i386 nvidia-driver "
+                                "nvidia-kernel-dkms nvidia-smi >/dev/null")
+    assert step.commands[-1].startswith("if apt-mark showhold | grep -qxF -e libcuda1 -e libcuda1:i386 -e ")
