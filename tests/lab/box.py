@@ -148,7 +148,8 @@ class Box:
         # (docs/testing.md, "CPU time"); pyinfra and ssh verify the ed25519 key as they would any other
         (r / "etc/ssh").mkdir(parents=True, exist_ok=True)
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{self.hostname}",
-                        "-f", str(r / "etc/ssh/ssh_host_ed25519_key")], check=True, stdout=subprocess.DEVNULL)
+                        "-f", str(r / "etc/ssh/ssh_host_ed25519_key")], check=True, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL)
         (r / "etc/ssh/sshd_config.d/verl-lab-box.conf").write_text(
             "# written by tests/lab/box.py: this box shares the machine's network\n"
             f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey /etc/ssh/ssh_host_ed25519_key\n"
