@@ -147,6 +147,11 @@ def test_failed_rebuild_leaves_the_env_as_it_was(lab):
     assert link(lab, ENV) == "verl.gen1"
     assert marker(lab) == before
     assert proofs(lab)["healthy"]
+    # the failed run left its own build files (constraints, script); the next plain deploy puts the plan's
+    # back and keeps this env: nothing is built
+    res = deploy(lab, hosts=[BOX]).assert_ok()
+    assert res.changed and "building a new env generation" not in res.output, res.tail()
+    assert link(lab, ENV) == "verl.gen1" and marker(lab) == before
 
 
 def test_an_uninstalled_need_of_verl_is_found_by_the_quick_check_and_rebuilt_with_the_reason(lab):
