@@ -8,8 +8,8 @@ served by the lab mirror; verl's pinned deps (and the pinned pip) come from the 
 into the controller's cache and are served to the boxes as the `pypi` source.
 
 converge (both boxes) -> proofs (the ones each build ran and recorded in its generation; the T4 box:
-vLLM and the cu118 xformers) -> idempotence -> a rebuild made to fail leaves the env as it was ->
-uninstall one of verl's needs (codetiming): a plain deploy's quick re-check finds it, says why and
+vLLM and the cu118 xformers) -> idempotence -> a rebuild made to fail leaves the env as it was (the
+next plain deploy puts the plan's build files back, building nothing) -> uninstall one of verl's needs (codetiming): a plain deploy's quick re-check finds it, says why and
 rebuilds, the old generation kept as .prev (the rebuilds run on the P40 box only). The boxes are the
 shared ``env_lab`` (tests/e2e/conftest.py), which drill 5 of tests/e2e/test_drills.py uses after this
 module: it breaks the env four ways (torch uninstalled among them) and deploy/rebuild.py restores it,
