@@ -162,8 +162,8 @@ def fleet_lab(tmp_path_factory):
 def env_lab():
     """A P40 box and a T4 box with the env stage's stand-ins published (``lab.pyenv_overrides``),
     nothing deployed. Users, in this order: tests/e2e/test_env.py (the converge, proofs,
-    idempotence, rebuilds), test_drills.py's TestEnvDrill (drill 5 breaks the P40 box's env and
-    rebuilds it)."""
+    idempotence, rebuilds), test_drills.py's TestEnvDrill (drill 5 breaks the P40 box's env four
+    ways and rebuilds it with deploy/rebuild.py)."""
     with _shared("env_lab") as stack:
         make = stack.enter_context(labs())
         lab = make([BoxSpec(ENV_BOX, gpu="p40"), BoxSpec(ENV_T4_BOX, gpu="t4")])

@@ -23,7 +23,7 @@ SHARED_LABS = {
     # the converge verified, then read, then a checkpoint exported on its P40 box, then deploy/full.py's undo on its T4
     "fleet_lab": ("tests/e2e/test_foundation.py", "tests/e2e/test_security.py", "tests/e2e/test_export.py",
                   "tests/e2e/test_full_undo.py"),
-    # the env stage's converge and rebuilds, then drill 5 breaks that env three ways
+    # the env stage's converge and rebuilds, then drill 5 breaks that env four ways
     "env_lab": ("tests/e2e/test_env.py", "tests/e2e/test_drills.py::TestEnvDrill"),
 }
 

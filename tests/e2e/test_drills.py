@@ -9,9 +9,10 @@
    the URL, a bounded number of tries, no partial file kept as complete; then a clean converge;
 4. among six boxes, one with a too-old driver, one with too little disk and one without a GPU
    fail, each with its reason, and the three others finish;
-5. the Python env broken three ways (Apex extension deleted, a verl patch reverted, verl's
-   install removed): the PythonEnv health fact names each; deploy/rebuild.py restores it; a
-   rebuild killed midway leaves the old env working.
+5. the Python env broken four ways (Apex extension deleted, a verl patch reverted, verl's
+   install removed, torch uninstalled): the PythonEnv health fact names each; one
+   deploy/rebuild.py restores it (the old generation kept as .prev); a rebuild killed midway
+   leaves the old env working.
 
 Drills 1-4 run the cheap stages (deploy/cuda.py, deploy/data.py, deploy/train.py in one pyinfra
 run; the data stage gets a plain venv with pyarrow + huggingface_hub instead of the env stage's
@@ -28,6 +29,7 @@ import json
 import os
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -631,9 +633,10 @@ def test_bad_boxes_fail_alone_with_their_reason(lab):
     shut(lab, names)
 
 
-# ------------------------------------------------------------------ 5. the env broken three ways
+# ------------------------------------------------------------------ 5. the env broken four ways
 
 ENV = test_env.ENV
+ENVS = os.path.dirname(ENV)          # where its generations live (verl.gen1, verl.gen2, ...)
 PATCH_0001 = f"{LAB_ROOT}/patches/verl-0.5.0/0001-autocast-dtype-follows-param-dtype.diff"
 
 
@@ -646,13 +649,13 @@ def env_drill_lab(env_lab):
     return env_lab
 
 
-def health(lab) -> dict:
+def health(lab, quick: bool = False) -> dict:
     """The PythonEnv fact the env stage decides from: its own command, run on the box, and its
-    own parser."""
+    own parser; ``quick``: the stage's re-check of a converged env (nothing imported)."""
     fact = PythonEnv()
     expect = {"torch": "2.13.0", "cuda": "none", "gpu_cc": "6.1", "vllm": None,
               "vllm_skip": "compute capability 6.1 < 7.0", "verl": "0.5.0", "verl_src": test_env.VERL_SRC,
-              "compose": True, "overrides": []}
+              "compose": True, "overrides": [], **({"quick": True} if quick else {})}
     out = test_env.ssh(lab, fact.command(prefix=ENV, expect=expect)).stdout
     return fact.process(out.splitlines())
 
@@ -665,9 +668,14 @@ class TestEnvDrill:
     """Drill 5, on the env lab test_env.py converged (``env_lab``, a pytest-xdist work unit with
     tests/e2e/test_env.py, apart from drills 1-4: tests/e2e/shared_labs.py); only its P40 box."""
 
-    def test_env_broken_three_ways_is_named_and_rebuilt(self, env_drill_lab):
+    def test_env_broken_four_ways_is_named_and_rebuilt_and_the_old_one_kept(self, env_drill_lab):
+        """An Apex extension deleted, a verl patch reverted, verl's install removed, torch uninstalled: the
+        PythonEnv fact names each; one deploy/rebuild.py builds a new generation (its summary line per host),
+        proven, the old one kept as .prev and on disk; the stage then has nothing to do."""
         lab = env_drill_lab
-        assert health(lab)["healthy"]
+        # healthy to start with: the proofs its build ran on this generation, and the quick re-check now
+        # (what breaks in place; the full proofs after the first break show every other check still passing)
+        assert test_env.built_proof(lab)["healthy"] and health(lab, quick=True)["healthy"]
         before = test_env.link(lab, ENV)
         # 1. an Apex extension deleted
         ext = env_python(lab, "import amp_C; print(amp_C.__file__)")
@@ -687,16 +695,29 @@ class TestEnvDrill:
         h = health(lab)
         assert {"apex", "verl", "compose"} <= set(h["broken"]), h
         assert "No module named 'verl'" in h["checks"]["verl"]["detail"], h["checks"]["verl"]
+        # 4. torch uninstalled
+        test_env.ssh(lab, f"{test_env.PY} -m pip uninstall -y -q torch")
+        h = health(lab)
+        assert not h["healthy"] and "torch" in h["broken"], h
+        assert "No module named 'torch'" in h["checks"]["torch"]["detail"], h["checks"]["torch"]
         # the marker still names the old generation: the stage decides from the fact, not the marker
         assert test_env.marker(lab)["generation"] == before
 
-        test_env.deploy(lab, "deploy/rebuild.py", hosts=[test_env.BOX]).assert_ok()
+        res = test_env.deploy(lab, "deploy/rebuild.py", hosts=[test_env.BOX]).assert_ok()
+        # its line per host (tasks/run_summary.py), as deploy/full.py's (issue 44)
+        assert re.search(rf"^verl-lab: {test_env.BOX} \(1 x Tesla P40, from nvidia-smi\): base proven, env changed "
+                         r"\d+; changed \d+ operations?; plan none; unit untouched", res.output, re.M), res.tail()
         after = test_env.link(lab, ENV)
-        assert after != before and test_env.link(lab, f"{ENV}.prev") == before
-        h = health(lab)
-        assert h["healthy"], h
+        assert after.startswith("verl.gen") and after != before, after
+        # the old generation is .prev and kept on disk
+        assert test_env.link(lab, f"{ENV}.prev") == before and lab.box(test_env.BOX).exists(f"{ENVS}/{before}")
+        # proven: the proofs the rebuild ran on this generation before it swapped it in (the same program as the
+        # fact, on the same files: asked again it would import torch and verl once more for the same answer)
+        p = test_env.built_proof(lab)
+        assert p["healthy"], p
         assert test_env.marker(lab)["generation"] == after
         test_env.ssh(lab, f"git -C {test_env.VERL_SRC} apply -R --check {PATCH_0001}")    # applied again
+        # the stage itself now finds a healthy env built from its plan: nothing to do
         test_env.deploy(lab, hosts=[test_env.BOX]).assert_idempotent()
 
     def test_killed_rebuild_leaves_the_old_env_working(self, env_lab):
