@@ -299,15 +299,22 @@ class Box:
         return mode, owner, group
 
     # ------------------------------------------------------------------ destroy
-    def stop(self, timeout: float = 20) -> None:
+    def stop(self, timeout: float = 20, remove: bool = True) -> subprocess.Popen | None:
+        """Stop the box; ``remove``: delete its folder too (see stop_box). Returns the deleting process."""
         self._stopping = True
-        stop_box(self.record(), timeout=timeout, ssh=self.ssh_command(), proc=self.proc, log=self.log)
+        deleting = stop_box(self.record(), timeout=timeout, ssh=self.ssh_command(), proc=self.proc, log=self.log,
+                            remove=remove)
         self.pid = None
+        return deleting
 
 
 def stop_box(rec: Mapping[str, Any], *, timeout: float = 20, ssh: list[str] | None = None,
-             proc: subprocess.Popen | None = None, log=print) -> None:
-    """Stop a box from its state record: poweroff over ssh, then its PID, then leftovers by root dir."""
+             proc: subprocess.Popen | None = None, log=print, remove: bool = True) -> subprocess.Popen | None:
+    """Stop a box from its state record: poweroff over ssh, then its PID, then leftovers by root dir.
+
+    ``remove``: also delete the box's folder (in the background; the deleting process is returned). A lab
+    that deletes its whole folder next passes False: a second ``rm`` over a tree another ``rm`` is still
+    deleting costs many times the CPU of one (docs/testing.md, "Deleting a lab")."""
     pid, start, root = rec.get("pid"), rec.get("pid_start"), Path(rec["root"])
     if alive(pid, start):
         if ssh:
@@ -332,10 +339,11 @@ def stop_box(rec: Mapping[str, Any], *, timeout: float = 20, ssh: list[str] | No
     _kill_rooted_at(root)
     unmount_root(root)
     box_dir = Path(rec["dir"])
-    if box_dir.exists():
+    if remove and box_dir.exists():
         # a full rootfs copy takes ~30 s to delete on a discard-mounted disk, and an overlay's own
         # writes can be GBs too (Python env generations): teardown does not wait for either
-        remove_tree_later(box_dir)
+        return remove_tree_later(box_dir)
+    return None
 
 
 def _wait_gone(pid, start, proc, timeout):
@@ -423,15 +431,16 @@ def unmount_root(root: Path) -> None:
         subprocess.run(["umount", "-l", target], capture_output=True)
 
 
-def remove_tree_later(path: Path) -> None:
-    """Rename ``path`` aside and delete it in a detached process, so teardown does not wait."""
+def remove_tree_later(path: Path) -> subprocess.Popen | None:
+    """Rename ``path`` aside and delete it in a detached process, so teardown does not wait; returns that
+    process (None when the rename failed and ``path`` was deleted here)."""
     trash = path.with_name(f".deleting-{path.name}-{uuid.uuid4().hex[:8]}")
     try:
         path.rename(trash)
     except OSError:
         remove_tree(path)
-        return
-    subprocess.Popen(["rm", "-rf", "--one-file-system", str(trash)], stdin=subprocess.DEVNULL,
+        return None
+    return subprocess.Popen(["rm", "-rf", "--one-file-system", str(trash)], stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 

@@ -85,6 +85,7 @@ class Lab:
         self._deploys = 0
         self._started = False
         self._mirror_urls: dict[str, str] | None = None
+        self._deleting: list[subprocess.Popen] = []     # folders of boxes stopped before close, being deleted
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Lab:
@@ -122,13 +123,19 @@ class Lab:
         self.close()
 
     def close(self, keep_dir: bool = False) -> None:
-        """Stop every box (poweroff, then PID), the mirror, and remove the boxes' copies."""
+        """Stop every box (poweroff, then PID), the mirror, and remove the lab's folder, boxes included.
+
+        One ``rm`` deletes the folder: the boxes do not delete their own folders inside it, and the deletes of
+        boxes stopped earlier (``stop_box``) are ended first. Two ``rm`` racing over the same tree cost many
+        times the CPU of one (docs/testing.md, "Deleting a lab")."""
         errors = []
+        removing = (self._started and not keep_dir and self.dir.exists()
+                    and not os.environ.get("VERL_LAB_KEEP"))
         boxes = list(self.boxes.values())
         if boxes:
             # side by side: each box's poweroff waits for its systemd to finish
             with ThreadPoolExecutor(len(boxes)) as pool:
-                stops = [(box, pool.submit(box.stop)) for box in boxes]
+                stops = [(box, pool.submit(box.stop, remove=not removing)) for box in boxes]
             for box, stop in stops:
                 try:
                     stop.result()
@@ -144,7 +151,8 @@ class Lab:
             except subprocess.TimeoutExpired:
                 self._mirror_proc.kill()
             self._mirror_proc = None
-        if self._started and not keep_dir and self.dir.exists() and not os.environ.get("VERL_LAB_KEEP"):
+        if removing:
+            self._end_deletes()
             remove_tree_later(self.dir)   # boxes are stopped and unmounted: only files are left
         elif self._started:
             self._save()
@@ -216,9 +224,20 @@ class Lab:
     def box(self, name: str) -> Box:
         return self.boxes[name]
 
+    def _end_deletes(self) -> None:
+        """End the deletes of boxes stopped earlier that still run: what they left is inside the folder
+        the lab deletes next, by one ``rm``."""
+        for proc in self._deleting:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+        self._deleting.clear()
+
     def stop_box(self, name: str) -> None:
         box = self.boxes.pop(name)
-        box.stop()
+        deleting = box.stop()
+        if deleting is not None:
+            self._deleting.append(deleting)
         self._write_known_hosts()
         self._save()
 
@@ -335,7 +354,7 @@ def stop_recorded(work_dir: Path, log=print, remove: bool = True) -> list[str]:
             key, kh = state.get("key"), state.get("known_hosts")
             if key and kh and rec.get("port"):
                 ssh = ssh_argv(key, kh, rec["port"], connect_timeout=5)
-            stop_box(rec, ssh=ssh, log=log)
+            stop_box(rec, ssh=ssh, log=log, remove=not remove)   # the folder goes whole, by one rm
             stopped.append(name)
         m = state.get("mirror") or {}
         if alive(m.get("pid"), m.get("pid_start")):
