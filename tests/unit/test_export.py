@@ -73,15 +73,46 @@ def exported(lab, checkpoints):
     return found
 
 
-def _digests(lab, actor: Path) -> dict:
-    """sha256 of each parameter as export.full_weights rebuilds it from the shards."""
+@pytest.fixture(scope="module")
+def library(lab, checkpoints, exported, tmp_path_factory):
+    """export.py's functions called in one process (not the program: its runs below are their own processes):
+    the sha256 of each parameter as export.full_weights rebuilds it from each checkpoint's shards; export.prove of
+    two folders that are not the FSDP1 checkpoint's export (one weight moved; the same weights under another
+    config: rope_theta changed); last, as it changes the process, export.prove of the real export with the limits
+    taken to zero. {"digests": {strategy: {name: sha256}}, "prove": {folder: "proven" or the error}, "bf16_limit":
+    "proven" or the error}."""
+    tmp = tmp_path_factory.mktemp("export-library")
+    step = exported["fsdp"][0]
+    moved, config = tmp / "moved", tmp / "config"
+    shutil.copytree(step / "hf", moved)
+    shutil.copytree(step / "hf", config)
+    cfg = json.loads((config / "config.json").read_text())
+    cfg["rope_theta"] = 10000.0
+    (config / "config.json").write_text(json.dumps(cfg))
+    spec = {"actors": {s: str(ckpt / f"global_step_{STEPS}" / "actor") for s, (ckpt, _) in checkpoints.items()},
+            "folders": [str(moved), str(config)], "hf": str(step / "hf"), "actor": str(step / "actor")}
     code = ("import hashlib, json, sys, export\n"
-            "w, _ = export.full_weights(sys.argv[1])\n"
-            "print(json.dumps({k: hashlib.sha256(v.float().contiguous().numpy().tobytes()).hexdigest() "
-            "for k, v in w.items()}))")
-    res = lab.run("-c", code, actor)
+            "from safetensors.torch import load_file, save_file\n"
+            "spec = json.loads(sys.argv[1])\n"
+            "found = {'digests': {}, 'prove': {}}\n"
+            "for strategy, actor in spec['actors'].items():\n"
+            "    w, _ = export.full_weights(actor)\n"
+            "    found['digests'][strategy] = {k: hashlib.sha256(v.float().contiguous().numpy().tobytes()).hexdigest() "
+            "for k, v in w.items()}\n"
+            "path = spec['folders'][0] + '/model.safetensors'\n"
+            "t = load_file(path); t['model.norm.weight'][0] += 0.5; save_file(t, path, metadata={'format': 'pt'})\n"
+            "for folder in spec['folders']:\n"
+            "    try:\n        export.prove(folder, spec['actor']); found['prove'][folder] = 'proven'\n"
+            "    except export.ExportError as exc:\n        found['prove'][folder] = str(exc)\n"
+            "export._proof.BF16_RELATIVE_TOLERANCE = 0.0\n"
+            "export._proof.SAME_DTYPE_TOLERANCE = 0.0\n"
+            "try:\n    export.prove(spec['hf'], spec['actor']); found['bf16_limit'] = 'proven'\n"
+            "except export.ExportError as exc:\n    found['bf16_limit'] = str(exc)\n"
+            "print(json.dumps(found))")
+    res = lab.run("-c", code, json.dumps(spec))
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    found = json.loads(res.stdout.strip().splitlines()[-1])
+    return {**found, "moved": str(moved), "config": str(config)}
 
 
 @pytest.mark.parametrize("strategy,fsdp_version", [("fsdp", 1), ("fsdp2", 2)])
@@ -107,11 +138,11 @@ def test_the_latest_checkpoint_becomes_a_proven_hugging_face_folder(lab, checkpo
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
-def test_the_proof_rebuilds_the_weights_fsdp_itself_gathers(lab, checkpoints, strategy):
+def test_the_proof_rebuilds_the_weights_fsdp_itself_gathers(checkpoints, library, strategy):
     """The proof's reference is not the merger's join: each parameter rebuilt from the shards equals,
     bit for bit, what FSDP's own full state dict gave at that step (and step 1's differs: it trained)."""
-    ckpt, digests = checkpoints[strategy]
-    rebuilt = _digests(lab, ckpt / f"global_step_{STEPS}" / "actor")
+    digests = checkpoints[strategy][1]
+    rebuilt = library["digests"][strategy]
     assert rebuilt == digests[str(STEPS)]
     assert rebuilt["model.norm.weight"] != digests["1"]["model.norm.weight"]
 
@@ -125,44 +156,17 @@ def test_a_re_run_changes_nothing(lab, checkpoints, exported):
     assert {p.name: p.stat().st_mtime_ns for p in [*(step / "hf").iterdir(), step / "hf.proof.json"]} == before
 
 
-def test_the_proof_refuses_an_export_that_is_not_the_checkpoint(lab, exported, tmp_path):
+def test_the_proof_refuses_an_export_that_is_not_the_checkpoint(library):
     """One weight moved (the weight check), or the same weights under another config (the logits)."""
-    step = exported["fsdp"][0]
-    moved, config = tmp_path / "moved", tmp_path / "config"
-    shutil.copytree(step / "hf", moved)
-    shutil.copytree(step / "hf", config)
-    cfg = json.loads((config / "config.json").read_text())
-    cfg["rope_theta"] = 10000.0
-    (config / "config.json").write_text(json.dumps(cfg))
-    code = ("import json, sys, export\n"
-            "from safetensors.torch import load_file, save_file\n"
-            "path = sys.argv[1] + '/model.safetensors'\n"
-            "t = load_file(path); t['model.norm.weight'][0] += 0.5; save_file(t, path, metadata={'format': 'pt'})\n"
-            "found = {}\n"
-            "for folder in sys.argv[1:3]:\n"
-            "    try:\n        export.prove(folder, sys.argv[3]); found[folder] = 'proven'\n"
-            "    except export.ExportError as exc:\n        found[folder] = str(exc)\n"
-            "print(json.dumps(found))")
-    res = lab.run("-c", code, moved, config, step / "actor")
-    assert res.returncode == 0, res.stderr[-3000:]
-    found = json.loads(res.stdout.strip().splitlines()[-1])
-    assert "model.norm.weight differs from the checkpoint's weights" in found[str(moved)]
-    assert "logits differ from the checkpoint's weights" in found[str(config)]
+    assert "model.norm.weight differs from the checkpoint's weights" in library["prove"][library["moved"]]
+    assert "logits differ from the checkpoint's weights" in library["prove"][library["config"]]
 
 
-def test_the_bf16_limit_is_enforced(lab, exported):
+def test_the_bf16_limit_is_enforced(library):
     """The export's gap to the fp32 checkpoint is checked, not only recorded: under a limit of zero the same
     export fails, naming the gap and the limit."""
-    step = exported["fsdp"][0]
-    code = ("import sys, export\n"
-            "export._proof.BF16_RELATIVE_TOLERANCE = 0.0\n"
-            "export._proof.SAME_DTYPE_TOLERANCE = 0.0\n"
-            "try:\n    export.prove(sys.argv[1], sys.argv[2]); print('proven')\n"
-            "except export.ExportError as exc:\n    print(exc)")
-    res = lab.run("-c", code, step / "hf", step / "actor")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "logits differ from the checkpoint's own (in float32)" in res.stdout and "allowed a bfloat16 export" \
-        in res.stdout
+    assert "logits differ from the checkpoint's own (in float32)" in library["bf16_limit"] and \
+        "allowed a bfloat16 export" in library["bf16_limit"], library["bf16_limit"]
 
 
 def _broken(checkpoints, tmp_path: Path, name: str) -> Path:

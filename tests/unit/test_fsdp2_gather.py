@@ -84,17 +84,24 @@ def runs(verl_python, tmp_path_factory):
         spec = tmp / f"{name}.json"
         spec.write_text(json.dumps({"overrides": overrides}))
         out[name] = _result(verl_python, trees[tree], "run", spec, tmp / f"{name}.pt")
-    for name in variants:
-        out[f"diff {name}"] = _result(verl_python, trees["patched"], "compare", tmp / "before.pt", tmp / f"{name}.pt")
+    # every variant against "before", all pairs in one process (one RESULT a pair, in this order)
+    diffs = _results(verl_python, trees["patched"], len(variants), "compare", tmp / "before.pt",
+                     *(tmp / f"{name}.pt" for name in variants))
+    out.update((f"diff {name}", diff) for name, diff in zip(variants, diffs, strict=True))
     return out
 
 
 def _result(python, cwd: Path, *args, env: dict | None = None) -> dict:
+    return _results(python, cwd, 1, *args, env=env)[0]
+
+
+def _results(python, cwd: Path, count: int, *args, env: dict | None = None) -> list[dict]:
+    """The ``count`` RESULT lines of one run of offload_worker_run.py (its exit 0 and every line required)."""
     res = subprocess.run([str(python), str(RUN), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600,
                          env=env)
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, f"{args}: {res.stdout[-3000:]}{res.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    assert res.returncode == 0 and len(lines) == count, f"{args}: {res.stdout[-3000:]}{res.stderr[-3000:]}"
+    return [json.loads(line[len("RESULT "):]) for line in lines]
 
 
 def test_the_run_is_the_offload_rung_and_trains(runs):

@@ -141,8 +141,10 @@ def lab(verl_python, tmp_path_factory):
     return SimpleNamespace(tmp=tmp, model=model, test=data / "test.parquet", fake=fake, run=run, pythonpath=pythonpath)
 
 
-def _truths_and_prompts(lab) -> dict:
-    """Ground truths and verl's prompt token ids of the test rows (in row order), from the env."""
+@pytest.fixture(scope="module")
+def known(lab) -> dict:
+    """Ground truths and verl's prompt token ids of the test rows (in row order), from the env: read once, by one
+    process, for the three tests that feed them back."""
     code = ("import json, sys, gsm8k_score as g\nfrom transformers import AutoTokenizer\n"
             "rows = g.read_rows(sys.argv[2], None)\ntok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
             "ids = g.prompt_ids(tok, rows)\n"
@@ -175,11 +177,10 @@ def test_the_tiny_model_is_scored_greedily_and_a_re_run_changes_nothing(lab):
     assert json.loads(out.read_text())["max_new_tokens"] == 8
 
 
-def test_verls_judge_counts_exactly_the_right_answers(lab):
+def test_verls_judge_counts_exactly_the_right_answers(lab, known):
     """The generation replaced by known responses: right answers for even rows, a wrong number for
     odd ones. The rows are generated longest prompt first, so this also shows answers go back to
     their own rows' ground truths."""
-    known = _truths_and_prompts(lab)
     code = ("import json, sys, gsm8k_score as g\n"
             "known = json.loads(open(sys.argv[1]).read())\n"
             "def fake(args, tok, ids, eos):\n"
@@ -223,12 +224,11 @@ def test_the_vllm_calls_are_vllm_085s_own_signatures():
     assert {"outputs", "token_ids"} <= found["attributes"] and "token_ids" in sig["completion_output"]
 
 
-def test_the_vllm_engine_is_asked_as_verls_greedy_validation_asks_it(lab):
+def test_the_vllm_engine_is_asked_as_verls_greedy_validation_asks_it(lab, known):
     """Plumbing: what the score program hands vLLM 0.8.5 (a stand-in accepting exactly the keywords
     of vLLM 0.8.5's source), and that it scores vLLM's token ids with the same judge."""
     from tests.fixtures.vllm_signatures import signatures
 
-    known = _truths_and_prompts(lab)
     record = lab.tmp / "vllm-record.jsonl"
     out = lab.tmp / "vllm.json"
     env = {"PYTHONPATH": f"{lab.fake}{os.pathsep}{lab.pythonpath}", "FAKE_VLLM_RECORD": str(record),
@@ -251,10 +251,9 @@ def test_the_vllm_engine_is_asked_as_verls_greedy_validation_asks_it(lab):
     assert (got["engine"], got["correct"], got["vllm"]) == ("vllm", 12, "0.8.5")
 
 
-def test_a_kept_score_becomes_final_when_the_run_finishes_at_its_step(lab):
+def test_a_kept_score_becomes_final_when_the_run_finishes_at_its_step(lab, known):
     """Scored on demand (not final), then asked again with --final once the run finished at that
     step: nothing is generated again, the JSON says final."""
-    known = _truths_and_prompts(lab)
     code = ("import json, sys, gsm8k_score as g\n"
             "known = json.loads(open(sys.argv[1]).read())\n"
             "def fake(args, tok, ids, eos):\n"

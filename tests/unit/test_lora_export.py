@@ -108,18 +108,21 @@ def exports(verl_python, tmp_path_factory):
     model = tiny_model(tmp / "model")
     stamp = _stamp(model)
     tree = _tree(tmp / "tree", verl_source.patch_files())
-    out = {}
     for name, (card, dtype, rollout) in CHECKPOINTS.items():
         spec = tmp / f"{name}.json"
         spec.write_text(json.dumps({"overrides": _in_dtype(plan_overrides(card, model), dtype, rollout)}))
         found, log = _run(verl_python, tree, spec, tmp / name)
         assert found is not None, log
-        res = subprocess.run([str(verl_python), str(EXPORT_RUN), str(tmp / name / "global_step_1" / "actor"),
-                              str(model), str(tmp / name / "run.pt"), str(tmp / f"{name}-export")],
-                             cwd=tree, capture_output=True, text=True, timeout=600)
-        lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
-        assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-3000:]
-        out[name] = json.loads(lines[-1][len("RESULT "):])
+    # the four exports by one process (one RESULT each, in this order): torch, transformers and peft imported once
+    args = [str(a) for name in CHECKPOINTS
+            for a in (tmp / name / "global_step_1" / "actor", model, tmp / name / "run.pt", tmp / f"{name}-export")]
+    res = subprocess.run([str(verl_python), str(EXPORT_RUN), *args], cwd=tree, capture_output=True, text=True,
+                         timeout=600 * len(CHECKPOINTS))
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert res.returncode == 0 and len(lines) == len(CHECKPOINTS), res.stdout[-3000:] + res.stderr[-3000:]
+    out = {}
+    for name, line in zip(CHECKPOINTS, lines, strict=True):
+        out[name] = json.loads(line[len("RESULT "):])
         out[name]["_paths"] = {"actor": tmp / name / "global_step_1" / "actor", "tree": tree, "model": model,
                                "stamp": stamp}
     return out

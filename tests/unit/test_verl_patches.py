@@ -102,7 +102,7 @@ PROBE_SET = {
         *[["hf_rollout_autocast", d] for d in ("float32", "float16", "unset")],
         ["critic_config_attn", "sdpa"], ["critic_config_attn", "unset"],
         ["valuehead_attn", "sdpa"], ["valuehead_attn", "default"],
-        ["flash_attn_guard"], ["remove_padding_without_flash_attn"],
+        ["flash_attn_guard"], ["remove_padding_without_flash_attn"], ["package_imports"],
     ],
 }
 
@@ -133,11 +133,10 @@ def probe(results):
     return answer
 
 
-def test_patched_package_imports(python, trees):
-    res = subprocess.run([str(python), "-c", "import verl, verl.workers.fsdp_workers; print(verl.__version__)"],
-                         cwd=trees["patched"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.strip().splitlines()[-1] == "0.5.0"
+def test_patched_package_imports(probe):
+    """verl.workers.fsdp_workers of the patched tree imports (in the probes' batch: one process per tree)."""
+    assert probe("patched", "package_imports") == {"version": "0.5.0",
+                                                   "fsdp_workers": "verl/workers/fsdp_workers.py"}
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
