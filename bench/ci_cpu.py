@@ -28,6 +28,8 @@ import argparse
 import bisect
 import collections
 import ctypes
+import os
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -45,13 +47,28 @@ def comp_t(v: int) -> int:
     return (v & 0x1FFF) << (3 * (v >> 13))
 
 
+def own_file(path: str) -> None:
+    """Create ``path`` (or take it) as this user's own regular file, never through a link: root writes there, and
+    a file or link another user placed (in /tmp, say) must not become the place it writes to."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_APPEND, 0o600)
+    except OSError as exc:
+        sys.exit(f"{path}: {exc.strerror} (a link is not followed); give a new path")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            sys.exit(f"{path}: not a regular file of this user; give a new path")
+    finally:
+        os.close(fd)
+
+
 def acct(path: str | None) -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     if path:
-        Path(path).touch()
+        own_file(path)
     if libc.acct(path.encode() if path else None) != 0:
         err = ctypes.get_errno()
-        sys.exit(f"acct({path!r}) failed: {__import__('os').strerror(err)} (needs root and CONFIG_BSD_PROCESS_ACCT)")
+        sys.exit(f"acct({path!r}) failed: {os.strerror(err)} (needs root and CONFIG_BSD_PROCESS_ACCT)")
 
 
 def records(path: Path) -> list[tuple[int, int, float, float, float, str]]:

@@ -15,8 +15,13 @@ def _file():
     global _out
     if _out is None:
         folder = Path(os.environ.get("CI_TIMELINE", "/tmp/ci-timeline"))
-        folder.mkdir(parents=True, exist_ok=True)
-        _out = open(folder / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.tsv", "a", buffering=1)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # the run is root's: a folder another user made (a link planted in it) is not written through
+        if folder.is_symlink() or folder.stat().st_uid != os.geteuid():
+            raise RuntimeError(f"CI_TIMELINE {folder}: not a folder of this user; give a new one")
+        name = folder / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.tsv"
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        _out = os.fdopen(fd, "a", buffering=1)
         _out.write(f"P\t{time.time():.2f}\t{os.getpid()}\n")
     return _out
 

@@ -4,7 +4,9 @@ distros (tasks/target.py). What Python 3.10 added at run time must not reach the
 
 Proves: no ``zip`` call with ``strict=`` in verl_lab_box/ (mutation: one added back fails the first test); every
 box module imports under the oldest Python found on this machine (pyenv's 3.8 or 3.9; skipped where none is),
-third-party imports (torch, ray, ...) aside.
+third-party imports (torch, ray, ...) aside; and, wherever this runs, every box module parses with Python 3.8's
+grammar (``ast.parse(feature_version=(3, 8))``: a ``match`` statement or parenthesized context managers fail it), so
+a machine without an old Python still checks the syntax.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ def test_no_box_program_calls_zip_with_strict():
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "zip"
              and any(k.arg == "strict" for k in node.keywords)]
     assert not found, f"zip(strict=...) is Python 3.10's; the box's python3 may be 3.8: {found}"
+
+
+def test_every_box_module_parses_with_python_3_8s_grammar():
+    refused = []
+    for path in BOX:
+        try:
+            ast.parse(path.read_text(), filename=str(path), feature_version=(3, 8))
+        except SyntaxError as exc:
+            refused.append(f"{path.relative_to(REPO)}:{exc.lineno}: {exc.msg}")
+    assert not refused, f"Python 3.8's grammar refuses: {refused}"
 
 
 def _oldest_python() -> str | None:
