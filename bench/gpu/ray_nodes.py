@@ -9,7 +9,11 @@ cluster with this module before the run and stops it afterwards:
   head with ``ray health-check``), then its ``ExecStart`` (``ray start --head|--address ... --block``) in a
   session of its own, in the unit's ``WorkingDirectory``, with the harness's environment, then the node's
   ``ray.env`` (the unit's ``EnvironmentFile``) over it, and ``CUDA_VISIBLE_DEVICES`` of the node's own GPUs
-  (on separate boxes each would see only its own). ``User=`` and the sandboxing lines are not applied: the
+  (on separate boxes each would see only its own). A node after the head starts once every node before it has
+  bound its raylet and object-store sockets: on one host the nodes share the head's session folder, and Ray
+  names a node's sockets by the first name free there (``raylet``, ``raylet.1``, ...), so a worker started
+  before the head's raylet bound its own took the same name and its raylet died with "bind: Address already in
+  use" (seen on a loaded 2-core CI machine). On separate boxes each node has its own session folder. ``User=`` and the sandboxing lines are not applied: the
   device runs everything as root.
 * ``wait``: a driver in the env's Python (started before the head, so its start-up is not counted) connects
   to the head as ``cluster-check`` does and reports when every node is alive with its GPUs: the formation time.
@@ -34,6 +38,7 @@ import re
 import shlex
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -41,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 START_TIMEOUT_S = 420        # the worker unit's TimeoutStartSec (30 tries of its head wait) and some room
+SOCKETS = ("raylet", "plasma_store")    # the sockets each node's raylet binds in the session's sockets/ folder
 
 
 class NodeError(RuntimeError):
@@ -128,13 +134,64 @@ class Started:
                 "exec_start": shlex.join(self.commands.start), "exec_stop": shlex.join(self.commands.stop)}
 
 
+def temp_dir(commands: UnitCommands) -> Path | None:
+    """The ``--temp-dir`` a head's ``ray start`` names (the session folders' parent), or None."""
+    for i, arg in enumerate(commands.start):
+        if arg.startswith("--temp-dir="):
+            return Path(arg.split("=", 1)[1])
+        if arg == "--temp-dir" and i + 1 < len(commands.start):
+            return Path(commands.start[i + 1])
+    return None
+
+
+def bound_sockets(temp: Path, old_session: str | None) -> int:
+    """How many nodes have bound both their sockets in the session ``temp/session_latest`` names (0 while it
+    still names ``old_session``, an earlier run's, whose socket files outlive their processes)."""
+    latest = temp / "session_latest"
+    if not latest.exists() or os.path.realpath(latest) == old_session:
+        return 0
+    counts = dict.fromkeys(SOCKETS, 0)
+    try:
+        entries = list(os.scandir(latest / "sockets"))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        kind = next((k for k in SOCKETS if re.fullmatch(rf"{k}(\.\d+)?", entry.name)), None)
+        if kind and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+            counts[kind] += 1
+    return min(counts.values())
+
+
+def wait_bound(temp: Path, old_session: str | None, nodes: int, started: list[Started], timeout_s: float) -> None:
+    """Wait until ``nodes`` nodes have bound their sockets (see the module's ``start``). NodeError when a started
+    node ends meanwhile or they have not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while bound_sockets(temp, old_session) < nodes:
+        ended = next((n for n in started if n.process.poll() is not None), None)
+        if ended is not None:
+            raise NodeError(f"{ended.role} {ended.host}: `ray start` exited {ended.process.returncode} before its "
+                            f"raylet bound its sockets (see {ended.log.name})")
+        if time.monotonic() > deadline:
+            raise NodeError(f"{nodes} node(s) started, fewer bound their raylet sockets under {temp}/session_latest/"
+                            f"sockets in {timeout_s:.0f} s: the next node was not started")
+        time.sleep(0.2)
+
+
 def start(cluster: dict, src: Path, env: dict, log_dir: Path, t0: float, started: list[Started]) -> None:
     """Start every node of ``cluster`` (the profile's record, head first) from the units under ``src``, appending
-    each to ``started`` as it starts (so a failure part-way still leaves what to stop). NodeError when a node's
-    ExecStartPre fails or its ``ray start`` exits at once."""
-    for node in cluster["nodes"]:
+    each to ``started`` as it starts (so a failure part-way still leaves what to stop); a node after the head once
+    the nodes before it have bound their sockets, where the head names its ``--temp-dir``. NodeError when a node's
+    ExecStartPre fails, its ``ray start`` exits at once, or the nodes before it never bind their sockets."""
+    temp = old_session = None
+    for index, node in enumerate(cluster["nodes"]):
         folder = src / node["dir"]
         commands = unit_commands((folder / "verl-lab-ray.service").read_text())
+        if index == 0:
+            temp = temp_dir(commands)
+            if temp is not None and (temp / "session_latest").exists():
+                old_session = os.path.realpath(temp / "session_latest")
+        elif temp is not None:
+            wait_bound(temp, old_session, index, started, START_TIMEOUT_S)
         node_environment = node_env(env, folder, node)
         log = log_dir / f"ray-{node['host']}.log"
         with open(log, "w") as fh:

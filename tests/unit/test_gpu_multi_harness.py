@@ -28,9 +28,11 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import types
 from pathlib import Path
 
@@ -439,6 +441,56 @@ def test_a_node_that_ends_while_the_cluster_forms_fails_it_at_once(tmp_path, wor
     assert started[0].process.poll() is None                       # the head is still up: the caller stops it
     assert [s["host"] for s in ray_nodes.stop(started)] == [n.host for n in started]
     assert all(n.process.poll() is not None for n in started)
+
+
+BIND = ("import os, socket, sys, time; d = sys.argv[1]; time.sleep(1.5); "
+        "os.makedirs(d + '/session_new/sockets', exist_ok=True); "
+        "os.symlink(d + '/session_new', d + '/tmp_latest'); os.replace(d + '/tmp_latest', d + '/session_latest'); "
+        "time.sleep(1); open(d + '/bound_at', 'w').write(str(time.time())); "
+        "[socket.socket(socket.AF_UNIX).bind(d + '/session_new/sockets/' + n) for n in ('raylet', 'plasma_store')]")
+
+
+def test_a_worker_starts_once_the_head_bound_its_sockets_not_on_an_old_sessions(tmp_path):
+    """On one host the nodes share the head's session folder and Ray names a node's sockets by the first free name:
+    ray_nodes.start holds a worker back until the head's raylet bound ``raylet`` and ``plasma_store`` in the session
+    the head made (an earlier session's socket files, left behind, do not count). Stand-ins of `ray start`: the head
+    makes its session 1.5 s after its start, binds its sockets 1 s later; the worker records when it started."""
+    ray_nodes = _module("ray_nodes")
+    temp = Path(tempfile.mkdtemp(prefix="vlr"))                    # short: a socket's path is at most 107 bytes
+    (temp / "session_old" / "sockets").mkdir(parents=True)
+    for name in ("raylet", "plasma_store"):                         # an earlier session's, its processes gone
+        socket.socket(socket.AF_UNIX).bind(str(temp / "session_old" / "sockets" / name))
+    (temp / "session_latest").symlink_to(temp / "session_old")
+    cluster = _stub_cluster(tmp_path, f"date +%s.%N > {tmp_path}/worker_at; exec sleep 60")
+    head = tmp_path / "cluster" / "head"
+    (head / "ray").write_text(f"#!/bin/sh\n{sys.executable} -c \"{BIND}\" {temp}\nexec sleep 60\n")
+    (head / "verl-lab-ray.service").write_text(f"[Service]\nWorkingDirectory={tmp_path}\n"
+                                              f"ExecStart={head / 'ray'} start --head --temp-dir={temp}\n")
+    started: list = []
+    try:
+        ray_nodes.start(cluster, tmp_path, dict(os.environ), tmp_path, time.monotonic(), started)
+        assert [n.role for n in started] == ["head", "worker"]
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "worker_at").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert float((tmp_path / "worker_at").read_text()) >= float((temp / "bound_at").read_text())
+    finally:
+        ray_nodes.stop(started)
+        shutil.rmtree(temp)
+
+
+def test_a_head_that_ends_before_binding_its_sockets_fails_the_start_without_the_worker(tmp_path):
+    ray_nodes = _module("ray_nodes")
+    cluster = _stub_cluster(tmp_path, f"touch {tmp_path}/worker_ran; exec sleep 60")
+    head = tmp_path / "cluster" / "head"
+    (head / "ray").write_text("#!/bin/sh\nsleep 1.5; exit 3\n")
+    (head / "verl-lab-ray.service").write_text(f"[Service]\nWorkingDirectory={tmp_path}\n"
+                                              f"ExecStart={head / 'ray'} start --head --temp-dir={tmp_path}/t\n")
+    started: list = []
+    with pytest.raises(ray_nodes.NodeError, match="head head: `ray start` exited 3 before its raylet bound its sockets"):
+        ray_nodes.start(cluster, tmp_path, dict(os.environ), tmp_path, time.monotonic(), started)
+    ray_nodes.stop(started)
+    assert [n.role for n in started] == ["head"] and not (tmp_path / "worker_ran").exists()
 
 
 # ------------------------------------------------------------------ the probe: each worker's own GPU
