@@ -39,6 +39,7 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 
 try:
     from verl_lab_box import nvidia_driver_hold as hold
@@ -88,6 +89,11 @@ def run_here(plan: dict, command: str, log: Log) -> int:
     except Failed as exc:
         rc, message = 1, str(exc)
         log.say(f"verl-lab driver: {exc}", sys.stderr)
+    except Exception as exc:            # never "it succeeded": the outcome says the job failed and where to look
+        rc, message = 1, (f"the driver job stopped on an unexpected error ({type(exc).__name__}: {exc}); its traceback "
+                          f"is in `journalctl -u {box_state.JOB_UNIT}`")
+        log.say(f"verl-lab driver: {message}", sys.stderr)
+        traceback.print_exc()
     finally:
         if plan.get("job_status"):
             job.write_status(plan, state="done", rc=rc, message=message)

@@ -46,6 +46,14 @@ def unconfigured(status: str) -> bool:
     return status[1:2] in ("U", "F", "H")
 
 
+def unpack_again(status: str) -> bool:
+    """dpkg's status says the package must be unpacked again before it can be configured: its unpack was cut
+    (the error flag reinst-required, ``R``: "hUR" where dpkg was killed unpacking it) or it is half-installed
+    (``H``). dpkg refuses to configure it ("package is in a very bad inconsistent state"), and apt unpacks it
+    again only where told to reinstall it, when it is at the version apt is taking it to."""
+    return status[2:3] == "R" or status[1:2] == "H"
+
+
 def secure(plan: dict, before: dict, log, read) -> str:
     """After a failure past apt (``before``: what the job recorded before releasing anything): apt
     changed no driver package -> the hold and the pin as they were; it did -> every driver package
@@ -91,8 +99,11 @@ def secure(plan: dict, before: dict, log, read) -> str:
                  "is built and loaded (a reboot, once DKMS built it)")
     elif newest and not loaded:
         said += f"; no nvidia kernel module is loaded: the module {newest} must be built (DKMS) and loaded"
+    again = sorted(n for n, (_, status) in now.items() if unpack_again(status))
+    by_hand = (f"`apt-get install --reinstall {' '.join(again)}`, then `dpkg --configure -a`" if again else
+               "`dpkg --configure -a`, then `apt-get -f install`")
     return said + (". Fix the cause above, then re-run the driver stage: it finishes the install at those versions "
-                   "and apt configures what dpkg left (by hand: `dpkg --configure -a`, then `apt-get -f install`)")
+                   f"and apt configures what dpkg left (by hand: {by_hand})")
 
 
 def hold_packages(names: list[str], log) -> None:

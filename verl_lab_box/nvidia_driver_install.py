@@ -26,7 +26,10 @@ Any failure in 5 or 6 (apt, dpkg's maintainer scripts such as DKMS's build, apt-
 interruption) ends in ``secure``: apt changed no driver package -> the previous hold and pin are
 back; it did -> every driver package dpkg has is held, and pinned at the version the transaction was
 taking it to (so a re-run finishes it: the packages dpkg left unconfigured are named to apt with the
-rest), and the message says which packages dpkg left unconfigured and what the loaded module is.
+rest, and one whose unpack was cut, reinst-required, is first unpacked again from the archive's file),
+and the message says which packages dpkg left unconfigured and what the loaded module is. Any other
+error there (an OSError, a fault of this program) gets the same putting right, and the job's outcome
+is a failure that names it.
 A job killed outright (SIGKILL, the OOM killer) gets the same from its unit's ExecStopPost. The
 hold, the pin and that putting right: nvidia_driver_hold.py.
 """
@@ -46,7 +49,7 @@ try:
     from verl_lab_box import nvidia_driver_job as job
     from verl_lab_box import nvidia_driver_state as box_state
     from verl_lab_box import nvidia_driver_units as units
-    from verl_lab_box.nvidia_driver_hold import LOCK_WAIT, do_hold, present, secure, theirs, unconfigured
+    from verl_lab_box.nvidia_driver_hold import LOCK_WAIT, do_hold, present, secure, theirs, unconfigured, unpack_again
     from verl_lab_box.nvidia_driver_log import Failed, errors
 except ImportError:                     # on a box: the modules lie side by side
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +57,7 @@ except ImportError:                     # on a box: the modules lie side by side
     import nvidia_driver_job as job
     import nvidia_driver_state as box_state
     import nvidia_driver_units as units
-    from nvidia_driver_hold import LOCK_WAIT, do_hold, present, secure, theirs, unconfigured
+    from nvidia_driver_hold import LOCK_WAIT, do_hold, present, secure, theirs, unconfigured, unpack_again
     from nvidia_driver_log import Failed, errors
 
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive", "NEEDRESTART_MODE": "l", "LC_ALL": "C"}
@@ -90,6 +93,9 @@ def _change(plan: dict, log, read, headers_only: bool) -> None:
     moves_pin = not headers_only and old is not None and (
         plan.get("update") or box_state.branch_of(old["version"]) != plan["branch"])
     opts = ["-o", f"Dir::Etc::PreferencesParts={prefs_without(plan['pin'])}"] if moves_pin else []
+    # a package whose unpack was cut (dpkg: reinst-required) at the version apt takes it to: apt only asks dpkg to
+    # configure it, which dpkg refuses, so the finish would stop there on every re-run; it is unpacked again first
+    cut = [] if headers_only else sorted(n for n, (_, status) in here.items() if unpack_again(status))
     kept = "the hold and the pin are as they were" if old else "nothing is held"
     sim = simulate(wanted, opts, log)
     if sim.returncode != 0:
@@ -114,7 +120,8 @@ def _change(plan: dict, log, read, headers_only: bool) -> None:
                      f"nothing was installed ({kept}). Re-run the driver stage: it simulates and checks what the "
                      "archive has now")
     would = {**apt.simulated(sim.stdout), **apt.removed(sim.stdout)}
-    held = sorted(p["name"] for p in state.get("packages", ()) if p["held"] and p["name"] in would)
+    cut = [n for n in cut if n not in would]          # one apt upgrades or reinstalls is unpacked by it
+    held = sorted(p["name"] for p in state.get("packages", ()) if p["held"] and (p["name"] in would or p["name"] in cut))
     unpinned = moves_pin and old is not None     # else the pin stays: a package comes back at the pinned version
     # the holds that are not the stage's (a user's own, of the packages it holds): held again after, and so named
     holds = theirs([p["name"] for p in state.get("packages", ()) if p["held"]], old)
@@ -131,6 +138,8 @@ def _change(plan: dict, log, read, headers_only: bool) -> None:
             log.say(f"released {'the hold of ' + ' '.join(held) if held else 'no hold'} and "
                     f"{'the pin (' + old['version'] + ')' if unpinned else 'not the pin'} for the install the "
                     "simulation proved")
+        if cut:
+            unpack_archives({n: here[n][0] for n in cut}, log)
         log.run(["apt-get", "-y", *APT_INSTALL[1:], *LOCK_WAIT, *opts, *exact], env=APT_ENV)
         deps = [p.split("=", 1)[0] for p in exact if p.split("=", 1)[0] not in wanted]
         back = sorted(n for n in deps if n in auto or apt.newly_installed(sim.stdout, n))
@@ -144,6 +153,23 @@ def _change(plan: dict, log, read, headers_only: bool) -> None:
         rebuild_initramfs(log)
     except Failed as exc:
         raise Failed(f"{exc}. {secure(plan, before, log, read)}") from None
+    except Exception as exc:            # a fault of this program or the box (OSError, a bug): the hold and pin still
+        raise Failed(f"the driver change stopped on an unexpected error ({type(exc).__name__}: {exc}). "
+                     f"{secure(plan, before, log, read)}") from exc
+
+
+def unpack_archives(versions: dict[str, str], log) -> None:
+    """dpkg unpacks again, from the archive's own files (``apt-get download``: apt checks them against the signed
+    lists), the packages whose unpack was cut, at the version dpkg has: plain "unpacked" after it, which the
+    install then configures."""
+    log.say(f"dpkg must unpack {', '.join(sorted(versions))} again (its unpack was cut: dpkg refuses to configure "
+            "it): unpacking the archive's file of the same version")
+    folder = tempfile.mkdtemp(prefix="verl-lab-debs-")
+    try:
+        log.run(["apt-get", "download", *[f"{n}={v}" for n, v in sorted(versions.items())]], cwd=folder, env=APT_ENV)
+        log.run(["dpkg", "--unpack", *sorted(glob.glob(os.path.join(folder, "*.deb")))], env=APT_ENV)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def simulate(packages: list[str], opts: list[str], log):

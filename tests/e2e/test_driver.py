@@ -610,9 +610,41 @@ def test_a_killed_job_leaves_the_hold_and_pin_and_unmasks(lab, converged):
     assert "driver-job-killed" in found, found
     if box.ssh("ls /var/lib/dpkg/updates", check=False).stdout.split():
         box.ssh("dpkg --configure -a >/dev/null 2>&1", check=False)   # the doctor's fix for an interrupted dpkg
-    deploy(lab, hosts=["deb12"])
-    assert unconfigured(box) == [] and installed_version(box, "nvidia-driver") == newer
+    again = deploy(lab, hosts=["deb12"])
+    assert unconfigured(box) == [] and installed_version(box, "nvidia-driver") == newer, \
+        box.ssh("dpkg -l | awk '$1 !~ /^[ih]i/ && /nvidia/'", check=False).stdout + again.tail(60)
     assert source_packages(box) <= held(box) and f"\nPin: version {newer}\nPin-Priority: 1001\n" in pinned(box)
+
+
+def set_dpkg_status(box, package: str, status: str) -> None:
+    """``package``'s Status line in dpkg's database set to ``status``, as dpkg writes it."""
+    box.ssh("python3 - <<'EOF'\nimport re\npath = '/var/lib/dpkg/status'\nstanzas = open(path).read().split('\\n\\n')\n"
+            f"stanzas = [re.sub(r'^Status: .*$', 'Status: {status}', s, flags=re.M) "
+            f"if s.startswith('Package: {package}\\n') else s for s in stanzas]\n"
+            "open(path, 'w').write('\\n\\n'.join(stanzas))\nEOF")
+
+
+def test_a_package_whose_unpack_was_cut_is_unpacked_again_and_configured(lab, converged):
+    """dpkg killed while it unpacks a package marks it reinst-required (`dpkg -l`: hUR; CI's killed job above left
+    xserver-xorg-video-nvidia so at the version apt was taking it to). dpkg refuses to configure it ("a very bad
+    inconsistent state") and apt, naming it at that version, only asks dpkg to configure it: every re-run stopped
+    there again. The stage now has dpkg unpack such a package again from the archive's file before apt installs. The kill's
+    moment cannot be chosen, so the state is written into dpkg's database as dpkg writes it; apt, dpkg and the
+    archive's package are real."""
+    box = lab.box("deb12")
+    back_to_bookworm(box)
+    set_dpkg_status(box, "xserver-xorg-video-nvidia", "hold reinstreq unpacked")
+    assert "hUR" in box.ssh("dpkg -l xserver-xorg-video-nvidia | tail -1").stdout
+    since = log_size(box)
+    res = deploy(lab, hosts=["deb12"])
+    log = box.ssh(f"tail -c +{since + 1} {LOG}").stdout.splitlines()
+    assert "dpkg must unpack xserver-xorg-video-nvidia again (its unpack was cut: dpkg refuses to configure it): " \
+           "unpacking the archive's file of the same version" in log, res.tail(60)
+    unpack = [x for x in log if x.startswith("+ dpkg --unpack")][-1]
+    assert unpack.endswith(f"/xserver-xorg-video-nvidia_{BOOKWORM}_amd64.deb"), unpack       # that package alone
+    assert log.index(unpack) < max(i for i, x in enumerate(log) if x.startswith("+ apt-get -y install"))
+    assert unconfigured(box) == [] and installed_version(box, "xserver-xorg-video-nvidia") == BOOKWORM, res.tail(60)
+    assert source_packages(box) <= held(box) and f"\nPin: version {BOOKWORM}\nPin-Priority: 1001\n" in pinned(box)
 
 
 def test_the_stop_policy_masks_and_stops_the_units_and_each_failure_after_apt_leaves_the_hold_and_pin(lab, converged):

@@ -303,6 +303,37 @@ def test_an_interruption_during_apt_puts_the_hold_and_pin_back_and_unmasks(monke
     assert status["restore"]["target"] == {p: UPDATED for p in MOVING}
 
 
+def test_an_unexpected_error_during_apt_puts_the_hold_and_pin_back_and_the_job_fails(monkeypatch, tmp_path, plan,
+                                                                                      capsys):
+    """An error that is no Failed (an OSError of the box, a fault of the program) after the hold was released: the
+    hold and the pin are put back as for any failure, and the job's outcome is a failure naming it. Before, the
+    hold was left released and the status said rc 0: the caller printed success. Mutations: either ``except
+    Exception`` removed (nvidia_driver_install._change: nothing held; nvidia_driver.run_here: rc 0)."""
+    pin = write_old_pin(plan)
+    fake = FakeBox(held_state(), simulate=(0, UPDATE), raises={"-y": OSError(5, "Input/output error")})
+    assert run_main(monkeypatch, tmp_path, dict(plan, update=True), fake, "install") == 1
+    assert Path(plan["pin"]).read_text() == pin and masks(plan) == []
+    assert held_names([c for c in fake.calls if is_hold(c)][-1]) == list(MOVING)
+    err = capsys.readouterr().err
+    assert "the driver change stopped on an unexpected error (OSError: [Errno 5] Input/output error). apt changed no " \
+           "driver package: the previous hold and pin are back" in err
+    status = json.loads(Path(plan["job_status"]).read_text())
+    assert status["state"] == "done" and status["rc"] == 1 and "unexpected error (OSError" in status["message"]
+
+
+def test_a_fault_outside_the_change_is_the_jobs_failure_not_its_success(monkeypatch, tmp_path, plan, capsys):
+    def broken(plan, log, read, headers_only=False):
+        raise TypeError("'CompletedProcess' object is not iterable")
+
+    monkeypatch.setattr(box.inst, "do_install", broken)
+    assert run_main(monkeypatch, tmp_path, plan, FakeBox(recorded("debian12_fresh")), "install") == 1
+    status = json.loads(Path(plan["job_status"]).read_text())
+    assert status["state"] == "done" and status["rc"] == 1, status
+    assert status["message"] == ("the driver job stopped on an unexpected error (TypeError: 'CompletedProcess' object "
+                                 "is not iterable); its traceback is in `journalctl -u verl-lab-driver-apt.service`")
+    assert "Traceback" in capsys.readouterr().err
+
+
 def test_the_job_turns_sigterm_sighup_and_sigint_into_that_failure(monkeypatch, tmp_path, plan):
     seen = {}
 
