@@ -100,3 +100,25 @@ def test_the_read_back_of_a_run_cut_before_its_verdict_prints_its_shares():
     assert "share by step: 1: 0.5070 +- 0.0031 (ppo_kl 0.221)" in told
     # what verl was handed then (the share itself) and how far its critic was from it
     assert "critic/score/mean by step: 1: 0.507 (vf_explained_var -251.5)" in told
+
+
+CALLS_20261206 = REPO / "bench" / "gpu" / "results" / "burnin-20261206"
+
+
+@pytest.mark.parametrize("call, name, state, failed, first, last, needed", [
+    ("callA", "p40-burnin", "passed", [], 0.5055, 0.5461, 0.0185),
+    ("callA", "gtx1080-lora-burnin", "passed", [], 0.5118, 0.5280, 0.0160),
+    ("callB", "rtx3060-burnin", "passed", [], 0.5014, 0.5342, 0.0152),
+    ("callB", "gtx1080-burnin", "passed", [], 0.4985, 0.5376, 0.0172),
+    ("callB", "rtx3060-burnin-sign-flipped", "failed", ["reward-fell"], 0.5059, 0.4678, 0.0155),
+])
+def test_the_gpu_calls_of_2026_12_06_read_back_as_docs_burnin_says(call, name, state, failed, first, last, needed):
+    """GPU calls A and B of 2026-12-06 (real records, an H100, each capped as its card): every burn-in reached its
+    verdict and ended as expected; the figures are docs/burnin.md's "On the GPU" table."""
+    found = burnin_results.summary(burnin_results.read(CALLS_20261206 / call / "runs" / name))
+    assert (found["state"], found["failed"], found["as_expected"]) == (state, failed, True)
+    reward = found["reward"]
+    assert (round(reward["first"], 4), round(reward["last"], 4), round(reward["needed"], 4)) == (first, last, needed)
+    # each phase that ran at the plan's shape holds within 6% of the plan's figure (the rollout runs the burn-in's
+    # smaller batch: under it)
+    assert found["phases"] and all(p["ratio"] <= 1.06 for p in found["phases"])
