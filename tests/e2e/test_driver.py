@@ -632,7 +632,10 @@ def test_a_package_whose_unpack_was_cut_is_unpacked_again_and_configured(lab, co
     moment cannot be chosen, so the state is written into dpkg's database as dpkg writes it; apt, dpkg and the
     archive's package are real."""
     box = lab.box("deb12")
-    back_to_bookworm(box)
+    version = installed_version(box, "xserver-xorg-video-nvidia")
+    if unconfigured(box) or f"Pin: version {version}" not in pinned(box):    # the test above left it otherwise
+        back_to_bookworm(box)
+        version = BOOKWORM
     set_dpkg_status(box, "xserver-xorg-video-nvidia", "hold reinstreq unpacked")
     assert "hUR" in box.ssh("dpkg -l xserver-xorg-video-nvidia | tail -1").stdout
     since = log_size(box)
@@ -641,10 +644,10 @@ def test_a_package_whose_unpack_was_cut_is_unpacked_again_and_configured(lab, co
     assert "dpkg must unpack xserver-xorg-video-nvidia again (its unpack was cut: dpkg refuses to configure it): " \
            "unpacking the archive's file of the same version" in log, res.tail(60)
     unpack = [x for x in log if x.startswith("+ dpkg --unpack")][-1]
-    assert unpack.endswith(f"/xserver-xorg-video-nvidia_{BOOKWORM}_amd64.deb"), unpack       # that package alone
+    assert unpack.endswith(f"/xserver-xorg-video-nvidia_{version.replace(':', '%3a')}_amd64.deb"), unpack  # it alone
     assert log.index(unpack) < max(i for i, x in enumerate(log) if x.startswith("+ apt-get -y install"))
-    assert unconfigured(box) == [] and installed_version(box, "xserver-xorg-video-nvidia") == BOOKWORM, res.tail(60)
-    assert source_packages(box) <= held(box) and f"\nPin: version {BOOKWORM}\nPin-Priority: 1001\n" in pinned(box)
+    assert unconfigured(box) == [] and installed_version(box, "xserver-xorg-video-nvidia") == version, res.tail(60)
+    assert source_packages(box) <= held(box) and f"\nPin: version {version}\nPin-Priority: 1001\n" in pinned(box)
 
 
 def test_the_stop_policy_masks_and_stops_the_units_and_each_failure_after_apt_leaves_the_hold_and_pin(lab, converged):
