@@ -19,6 +19,9 @@ so by naming the program). Usage:
     python3 bench/ci_cpu.py acct-off
     python3 bench/ci_cpu.py report /tmp/acct.log /tmp/timeline [--units 25] [--programs 12]
 
+One unit alone (pytest without -n, the same plugin): ``python3 bench/ci_cpu.py tree /tmp/acct.log /tmp/timeline``
+sums the pytest process and every process descending from it, by lab box: other work on the machine left out.
+
 Not a timed test: it prints numbers; docs/testing.md keeps the ones measured.
 """
 
@@ -32,6 +35,7 @@ import os
 import stat
 import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,6 +89,20 @@ def records(path: Path) -> list[tuple[int, int, float, float, float, str]]:
     return out
 
 
+def parents(recs: list) -> Callable:
+    """``parent(record)``: the record of the process that started it (alive then), or None."""
+    by_pid = collections.defaultdict(list)
+    for r in recs:
+        by_pid[r[0]].append(r)
+
+    def parent(r):
+        for p in by_pid.get(r[1], ()):
+            if p[2] <= r[2] + 1 and p[3] >= r[2] - 1:        # alive when r started (1 s of acct's rounding)
+                return p
+        return None
+    return parent
+
+
 def timeline(folder: Path) -> tuple[dict[int, str], dict[str, list[tuple[float, float, str]]]]:
     """({worker pid: name}, {worker name: [(start, end, nodeid)] sorted})."""
     pids: dict[int, str] = {}
@@ -110,15 +128,7 @@ def report(acct_log: Path, folder: Path, n_units: int, n_programs: int) -> None:
 
     recs = records(acct_log)
     workers, tests = timeline(folder)
-    by_pid = collections.defaultdict(list)
-    for r in recs:
-        by_pid[r[0]].append(r)
-
-    def parent(r):
-        for p in by_pid.get(r[1], ()):
-            if p[2] <= r[2] + 1 and p[3] >= r[2] - 1:        # alive when r started (1 s of acct's rounding)
-                return p
-        return None
+    parent = parents(recs)
 
     def owner(r):
         names, x = [], r
@@ -163,6 +173,32 @@ def report(acct_log: Path, folder: Path, n_units: int, n_programs: int) -> None:
     print("\nevery unit, by program: " + ", ".join(f"{p} {c:.0f} ({n[p]})" for p, c in every.most_common(20)))
 
 
+def tree(acct_log: Path, folder: Path) -> None:
+    """The CPU of one pytest run without xdist (its timeline's ``main`` worker) and of every process descending from
+    it, by lab box (a box's processes descend from its systemd-nspawn, which the harness starts): what a unit costs
+    alone, other work on the machine left out."""
+    recs = records(acct_log)
+    root = next(iter(timeline(folder)[0]))
+    parent = parents(recs)
+    cpu: collections.Counter = collections.Counter()
+    progs: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in recs:
+        x, line = r, []
+        while x is not None and x[0] != root and len(line) < 80:
+            line.append(x)
+            x = parent(x)
+        if x is None or x[0] != root:
+            continue
+        box = next((f"the box of systemd-nspawn {y[0]}" for y in line if y[5] == "systemd-nspawn"), None)
+        where = box or "pytest and its other descendants (the controller)"
+        cpu[where] += r[4]
+        progs[where][r[5]] += r[4]
+    for where, s in cpu.most_common():
+        if s >= 0.5:
+            print(f"{s:7.1f}  {where}: " + ", ".join(f"{p} {c:.0f}" for p, c in progs[where].most_common(6)))
+    print(f"{sum(cpu.values()):7.1f}  in all (pytest {root} and every process descending from it)")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -174,11 +210,16 @@ def main(argv: list[str] | None = None) -> None:
     rep.add_argument("timeline", type=Path)
     rep.add_argument("--units", type=int, default=25)
     rep.add_argument("--programs", type=int, default=10)
+    one = sub.add_parser("tree", help="one pytest run without -n: its CPU and its descendants', by lab box")
+    one.add_argument("log", type=Path)
+    one.add_argument("timeline", type=Path)
     a = ap.parse_args(argv)
     if a.cmd == "acct-on":
         acct(a.log)
     elif a.cmd == "acct-off":
         acct(None)
+    elif a.cmd == "tree":
+        tree(a.log, a.timeline)
     else:
         report(a.log, a.timeline, a.units, a.programs)
 

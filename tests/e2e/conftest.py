@@ -36,7 +36,6 @@ if str(REPO_ROOT) not in sys.path:
 
 from tests.e2e.shared_labs import (  # noqa: E402
     ENV_BOX,
-    ENV_T4_BOX,
     FLEET_BOXES,
     FLEET_FRESH,
     SHARED_LABS,
@@ -139,8 +138,8 @@ def fleet_lab(tmp_path_factory):
     """Three boxes (a P40 and a T4 in relay mode, an RTX 3090 in direct mode) converged once by
     deploy/full.py with every stage's stand-ins and an HF token the endpoint stand-in requires
     (``hf_token_file``), and a fresh V100 box nothing converges. Users, in this order:
-    tests/e2e/test_foundation.py (the converge, verify, idempotence, drift put back, a bad
-    inventory), test_security.py (the unit's user, file modes, the token nowhere), test_export.py
+    tests/e2e/test_foundation.py (the converge, verify, the T4's env with vLLM and xformers,
+    idempotence, drift put back, a bad inventory), test_security.py (the unit's user, file modes, the token nowhere), test_export.py
     (a checkpoint on the P40 box exported, proven and scored), test_full_undo.py (deploy/full.py undoes
     on the T4 box what its settings no longer ask for). A test that changes a box puts it back and
     proves the fleet converged again (a re-run changes nothing)."""
@@ -160,12 +159,13 @@ def fleet_lab(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def env_lab():
-    """A P40 box and a T4 box with the env stage's stand-ins published (``lab.pyenv_overrides``),
-    nothing deployed. Users, in this order: tests/e2e/test_env.py (the converge, proofs,
-    idempotence, rebuilds), test_drills.py's TestEnvDrill (drill 5 breaks the P40 box's env four
-    ways and rebuilds it with deploy/rebuild.py)."""
+    """A P40 box with the env stage's stand-ins published (``lab.pyenv_overrides``), nothing
+    deployed. Users, in this order: tests/e2e/test_env.py (the converge, proofs, idempotence,
+    rebuilds), test_drills.py's TestEnvDrill (drill 5 breaks its env four ways and rebuilds it
+    with deploy/rebuild.py). The env of a box that gets vLLM and xformers (a T4) is the fleet's
+    (``fleet_lab``): tests/e2e/test_foundation.py reads it."""
     with _shared("env_lab") as stack:
         make = stack.enter_context(labs())
-        lab = make([BoxSpec(ENV_BOX, gpu="p40"), BoxSpec(ENV_T4_BOX, gpu="t4")])
+        lab = make([BoxSpec(ENV_BOX, gpu="p40")])
         lab.pyenv_overrides = env_standins.publish(lab.mirror.root)
         yield lab

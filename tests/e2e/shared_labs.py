@@ -20,10 +20,12 @@ from tests.lab import DeployResult, Lab
 # that use it, in the order they run: one pytest-xdist work unit (tests/conftest.py), the lab
 # closed when its last test is done; a test elsewhere that asks for one stops the run
 SHARED_LABS = {
-    # the converge verified, then read, then a checkpoint exported on its P40 box, then deploy/full.py's undo on its T4
+    # the converge verified (the T4's env with vLLM and xformers among it), then read, then a checkpoint exported on
+    # its P40 box, then deploy/full.py's undo on its T4
     "fleet_lab": ("tests/e2e/test_foundation.py", "tests/e2e/test_security.py", "tests/e2e/test_export.py",
                   "tests/e2e/test_full_undo.py"),
-    # the env stage's converge and rebuilds, then drill 5 breaks that env four ways
+    # the env stage's converge and rebuilds on a P40 box, then drill 5 breaks that env four ways (a box that gets
+    # vLLM and xformers is fleet_lab's T4: test_foundation.py reads the env deploy/full.py built there)
     "env_lab": ("tests/e2e/test_env.py", "tests/e2e/test_drills.py::TestEnvDrill"),
 }
 
@@ -38,7 +40,7 @@ def shared_lab_of(nodeid: str) -> tuple[str, int] | None:
 
 # ------------------------------------------------------------------ the env stage's boxes: env_lab
 
-ENV_BOX, ENV_T4_BOX = "envbox", "envt4"          # a P40 and a T4 (vLLM and xformers on the T4 only)
+ENV_BOX = "envbox"          # a P40 (no vLLM, no xformers)
 
 # ------------------------------------------------------------------ the converged fleet: fleet_lab
 

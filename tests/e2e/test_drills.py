@@ -666,7 +666,7 @@ def env_python(lab, code: str) -> str:
 
 class TestEnvDrill:
     """Drill 5, on the env lab test_env.py converged (``env_lab``, a pytest-xdist work unit with
-    tests/e2e/test_env.py, apart from drills 1-4: tests/e2e/shared_labs.py); only its P40 box."""
+    tests/e2e/test_env.py, apart from drills 1-4: tests/e2e/shared_labs.py): its one box, a P40."""
 
     def test_env_broken_four_ways_is_named_and_rebuilt_and_the_old_one_kept(self, env_drill_lab):
         """An Apex extension deleted, a verl patch reverted, verl's install removed, torch uninstalled: the

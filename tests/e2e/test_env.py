@@ -1,5 +1,5 @@
-"""The Python-env stage on lab-in-a-box hosts, a P40 box and a T4 box (venv backend; conda
-cannot be fetched here and is tested at the command level in tests/unit/test_env.py).
+"""The Python-env stage on a lab-in-a-box host, a P40 box (venv backend; conda cannot be fetched
+here and is tested at the command level in tests/unit/test_env.py).
 
 Stand-ins (tests/fixtures/standins/env.py): the CPU torch 2.13.0 from /opt/wheels under a
 test catalog profile (torch.cuda = "none"), an Apex-shaped source tree, the real verl 0.5.0
@@ -7,13 +7,15 @@ sdist as a git repo, the vLLM 0.8.5 cu118 wheel and the cu118 index's xformers 0
 served by the lab mirror; verl's pinned deps (and the pinned pip) come from the real PyPI once
 into the controller's cache and are served to the boxes as the `pypi` source.
 
-converge (both boxes) -> proofs (the ones each build ran and recorded in its generation; the T4 box:
-vLLM and the cu118 xformers) -> idempotence -> a rebuild made to fail leaves the env as it was (the
-next plain deploy puts the plan's build files back, building nothing) -> uninstall one of verl's needs (codetiming): a plain deploy's quick re-check finds it, says why and
-rebuilds, the old generation kept as .prev (the rebuilds run on the P40 box only). The boxes are the
-shared ``env_lab`` (tests/e2e/conftest.py), which drill 5 of tests/e2e/test_drills.py uses after this
-module: it breaks the env four ways (torch uninstalled among them) and deploy/rebuild.py restores it,
-the old generation kept as .prev and on disk, its summary line per host, then idempotence.
+converge -> proofs (the ones the build ran and recorded in its generation; a P40: no vLLM, no xformers, each
+with its reason) -> idempotence -> a rebuild made to fail leaves the env as it was (the next plain deploy puts
+the plan's build files back, building nothing) -> uninstall one of verl's needs (codetiming): a plain deploy's
+quick re-check finds it, says why and rebuilds, the old generation kept as .prev. The box is the shared
+``env_lab`` (tests/e2e/conftest.py), which drill 5 of tests/e2e/test_drills.py uses after this module: it breaks
+the env four ways (torch uninstalled among them) and deploy/rebuild.py restores it, the old generation kept as
+.prev and on disk, its summary line per host, then idempotence. A box that gets vLLM and the cu118 xformers (a
+T4) is the converged fleet's: tests/e2e/test_foundation.py reads its env with this module's ``marker`` and
+``built_proof`` (the same env stand-ins, built by deploy/full.py's env stage).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 
 import pytest
 
-from tests.e2e.shared_labs import ENV_BOX, ENV_T4_BOX
+from tests.e2e.shared_labs import ENV_BOX
 from tests.fixtures.standins import env as standin
 
 LAB_ROOT = "/opt/verl-lab"
@@ -31,7 +33,7 @@ ENV = f"{LAB_ROOT}/envs/verl"
 PY = f"{ENV}/bin/python"
 MARKER = f"{LAB_ROOT}/markers/env.done"
 VERL_SRC = f"{LAB_ROOT}/src/verl"
-BOX, T4_BOX = ENV_BOX, ENV_T4_BOX
+BOX = ENV_BOX
 TIMINGS: dict[str, float] = {}
 
 
@@ -116,24 +118,6 @@ def test_converge_builds_a_proven_env(lab):
     assert ssh(lab, f"{PY} -m pip --version").stdout.split()[1] == "25.1.1"
     assert m["xformers"] == "skipped" and "no vLLM" in m["xformers_reason"]
     assert "xformers" not in constraints
-
-
-def test_t4_box_gets_vllm_and_the_cu118_xformers(lab):
-    m = marker(lab, T4_BOX)
-    assert m["vllm"] == "0.8.5" and m["xformers"] == "0.0.29.post2"
-    assert "V0 engine" in m["xformers_reason"]
-    # the cu118 index's build (the stand-in published there), pinned for vLLM's install
-    init = ssh(lab, f"cd / && {PY} -c 'import xformers; print(xformers.__file__)'", box=T4_BOX).stdout.strip()
-    assert "stand-in for xformers 0.0.29.post2" in ssh(lab, f"cat {init}", box=T4_BOX).stdout
-    constraints = ssh(lab, f"cat {ENV}/verl-lab-constraints.txt", box=T4_BOX).stdout.splitlines()
-    assert "xformers==0.0.29.post2" in constraints
-    # the proofs its build ran on this generation (as in test_converge_builds_a_proven_env)
-    p = built_proof(lab, T4_BOX)
-    assert p["healthy"], p
-    assert p["checks"]["gpu"]["detail"] == "skipped: CPU torch stand-in (the box reports compute capability 7.5)"
-    assert p["checks"]["xformers"]["detail"] == ("xformers 0.0.29.post2 (the CUDA 11.8 build for torch 2.6.0+cu118,"
-                                                 " verl-lab test stand-in): compiled ops loaded")
-    assert p["checks"]["vllm"]["detail"] == "vllm 0.8.5+cu118"
 
 
 def test_rerun_changes_nothing(lab):

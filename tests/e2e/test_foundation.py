@@ -5,8 +5,9 @@ changes -> destroy (the fixture).
 
 The boxes are the converged fleet (tests/e2e/conftest.py ``fleet_lab``): booted and converged
 once per run, its first converge ran on never-converged boxes and is what this module verifies;
-test_security.py reads the same converge. A test here that changes a box puts it back and proves
-a re-run changes nothing again."""
+test_security.py reads the same converge. Its T4 box is the one env with vLLM and the cu118 xformers
+that an e2e test builds (tests/e2e/test_env.py's env stage converges a P40). A test here that changes a box
+puts it back and proves a re-run changes nothing again."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import test_env
 from tests.e2e.shared_labs import FLEET_BOXES, FLEET_FRESH
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,6 +125,30 @@ def test_verify_every_stage_on_each_box(lab, converged, name):
         assert f'"{key}": "{value}"' in plan, (name, key, plan[:400])
     assert box.ssh("/opt/verl-lab/envs/verl/bin/python -c 'import verl, torch; print(verl.__version__)'").stdout.strip() == "0.5.0"
     assert box.ssh("systemctl is-enabled verl-lab-train.service").stdout.strip() == "enabled"
+
+
+def test_t4_box_gets_vllm_and_the_cu118_xformers(lab, converged):
+    """The env stage on a box that gets vLLM (compute capability 7.5 >= 7.0): the fleet's T4, whose env
+    deploy/full.py built with the env stage's own stand-ins (tests/fixtures/standins/fleet.py: env.publish) before
+    anything here changes it (test_full_undo.py does, later). tests/e2e/test_env.py proves the same stage on a
+    P40 (no vLLM, no xformers); its readers of the marker and of the proofs the build recorded are used here."""
+    box = "t4"
+    m = test_env.marker(lab, box)
+    assert m["vllm"] == "0.8.5" and m["xformers"] == "0.0.29.post2"
+    assert "V0 engine" in m["xformers_reason"]
+    # the cu118 index's build (the stand-in published there), pinned for vLLM's install
+    py, env = test_env.PY, test_env.ENV
+    init = test_env.ssh(lab, f"cd / && {py} -c 'import xformers; print(xformers.__file__)'", box=box).stdout.strip()
+    assert "stand-in for xformers 0.0.29.post2" in test_env.ssh(lab, f"cat {init}", box=box).stdout
+    constraints = test_env.ssh(lab, f"cat {env}/verl-lab-constraints.txt", box=box).stdout.splitlines()
+    assert "xformers==0.0.29.post2" in constraints
+    # the proofs its build ran on this generation (as in test_env.py's test_converge_builds_a_proven_env)
+    p = test_env.built_proof(lab, box)
+    assert p["healthy"], p
+    assert p["checks"]["gpu"]["detail"] == "skipped: CPU torch stand-in (the box reports compute capability 7.5)"
+    assert p["checks"]["xformers"]["detail"] == ("xformers 0.0.29.post2 (the CUDA 11.8 build for torch 2.6.0+cu118,"
+                                                 " verl-lab test stand-in): compiled ops loaded")
+    assert p["checks"]["vllm"]["detail"] == "vllm 0.8.5+cu118"
 
 
 def test_second_run_changes_nothing(fleet_lab, converged):
