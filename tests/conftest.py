@@ -36,7 +36,7 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 # work units, longest first (docs/testing.md: a fresh-clone run's profile); the others follow,
 # e2e before unit tests, which fill the workers at the end
-LONGEST_FIRST = ("lab:env_lab", "lab:fleet_lab", "tests/e2e/test_readme_path.py", "tests/e2e/test_drills.py",
+LONGEST_FIRST = ("lab:fleet_lab", "lab:env_lab", "tests/e2e/test_readme_path.py", "tests/e2e/test_drills.py",
                  "tests/e2e/test_cluster.py", "tests/e2e/test_driver.py", "tests/e2e/test_refusals.py",
                  "tests/unit/test_fsdp2_gather.py", "tests/unit/test_burnin_learning.py", "tests/unit/test_export.py",
                  "tests/unit/test_cluster_two_disks.py", "tests/unit/test_gather_once.py",
