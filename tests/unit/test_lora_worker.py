@@ -30,6 +30,7 @@ import pytest
 
 from tasks.plan import GpuTarget, Workload, load_model_config, make_plan
 from tasks.verl import source as verl_source
+from tests.fixtures.forked_runs import forked_results
 from tests.unit.test_fsdp2_gather import KNOBS, SHRINK, tiny_model
 from tests.unit.test_hf_rollout import _tree
 
@@ -90,11 +91,7 @@ def runs_forked(python, cwd: Path, jobs: list[tuple[Path, Path]]) -> list[tuple[
     and verl once (docs/testing.md "Heavy processes"): its result, or None and the run's log, in the order given."""
     for _, out in jobs:
         out.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run([str(python), str(RUN), "--forked", *[str(p) for job in jobs for p in job]], cwd=cwd,
-                         capture_output=True, text=True, timeout=600 * len(jobs))
-    lines = [json.loads(line[len("RUN "):]) for line in res.stdout.splitlines() if line.startswith("RUN ")]
-    assert res.returncode == 0 and len(lines) == len(jobs), res.stdout[-3000:] + res.stderr[-3000:]
-    return [(line["result"], line["log"]) for line in lines]
+    return forked_results(python, RUN, cwd, jobs)
 
 
 @pytest.fixture(scope="module")
