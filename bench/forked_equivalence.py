@@ -2,17 +2,19 @@
 
     python bench/forked_equivalence.py --base REV [--keep DIR]
 
-REV is a revision whose tests/fixtures/lora_two_ranks.py, lora_worker_run.py and lora_export_run.py start a Python
-for each rank, run and merge (f482004: the adapter's initial A seeded, the ranks' sha256 reported); this checkout's
-fork them from one parent that imported torch, transformers, peft and verl (tests/fixtures/forked_runs.py). On the
-same inputs (the tests' tiny model, their verl trees and plans), run by the unit tests' cached Python:
+REV is a revision whose tests/fixtures/lora_two_ranks.py, lora_worker_run.py, lora_export_run.py and
+offload_worker_run.py start a Python for each rank, run and merge (f482004: the adapter's initial A seeded, the
+ranks' sha256 reported); this checkout's fork them from one parent that imported torch, transformers, peft and verl
+(tests/fixtures/forked_runs.py). On the same inputs (the tests' tiny model, their verl trees and plans), run by the
+unit tests' cached Python with one compute thread (as tests/conftest.py sets it):
 
 * lora_two_ranks.py, the four specs of tests/unit/test_lora_merge_ranks.py: every field of every rank's report,
   the sha256 of its log-probs, responses and shards among them;
 * lora_worker_run.py, the eight variants of tests/unit/test_lora_worker.py and the four checkpoints of
   test_lora_export.py: the RESULT, the run.pt tensors bit for bit, every file save_checkpoint wrote (its bytes, or
   its tensors where the bytes differ between any two processes), a failing variant's exception;
-* lora_export_run.py on the four checkpoints: the RESULT and every file of the export.
+* lora_export_run.py on the four checkpoints: the RESULT and every file of the export;
+* offload_worker_run.py, the six variants of tests/unit/test_fsdp2_gather.py: the RESULT and every tensor saved.
 
 Prints a table with each arm's CPU seconds (its reaped processes') and writes bench/results/forked_equivalence.json.
 What differs between any two processes, spawned ones too, is reported and not counted as a difference: FSDP2's
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -38,6 +41,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FIXTURES = Path("tests") / "fixtures"
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):     # as tests/conftest.py
+    os.environ.setdefault(_var, "1")
 
 
 def _cpu_wall(fn):
@@ -56,6 +61,7 @@ def inputs(tmp: Path) -> dict:
     """The tests' model, trees and specs."""
     from tasks.verl import source as verl_source
     from tests.fixtures.standins import env as standin
+    from tests.unit import test_fsdp2_gather as gather
     from tests.unit.test_fsdp2_gather import KNOBS, tiny_model
     from tests.unit.test_hf_rollout import _tree
     from tests.unit.test_lora_export import CHECKPOINTS, _in_dtype
@@ -67,7 +73,13 @@ def inputs(tmp: Path) -> dict:
     trees = {"patched": _tree(tmp / "patched", patches),
              "release": _tree(tmp / "release", [p for p in patches if p.name < WRAP]),
              "wrap": _tree(tmp / "wrap", [p for p in patches if p.name <= WRAP]),
-             "peft": _tree(tmp / "peft", [p for p in patches if p.name <= PEFT])}
+             "peft": _tree(tmp / "peft", [p for p in patches if p.name <= PEFT]),
+             "before-0007": _tree(tmp / "before-0007", [p for p in patches if p.name < gather.FIRST])}
+    base = gather.plan_overrides(model)
+    offload = {"before": ("before-0007", base), "off": ("patched", base),
+               "gather": ("patched", base + KNOBS["gather"]), "grads": ("patched", base + KNOBS["grads"]),
+               "both": ("patched", base + KNOBS["gather"] + KNOBS["grads"]),
+               "fused": ("patched", base + KNOBS["gather"] + KNOBS["grads"] + KNOBS["fused"])}
     variants = {"fsdp1": ("patched", plan_overrides("fsdp1", model)),
                 "fsdp2": ("patched", plan_overrides("fsdp2", model)),
                 "fsdp2-knobs": ("patched", plan_overrides("fsdp2", model, KNOBS["gather"] + KNOBS["grads"]
@@ -82,6 +94,8 @@ def inputs(tmp: Path) -> dict:
     (tmp / "specs").mkdir()
     for name, (_, overrides) in variants.items():
         (tmp / "specs" / f"{name}.json").write_text(json.dumps({"overrides": overrides}))
+    for name, (_, overrides) in offload.items():
+        (tmp / "specs" / f"offload-{name}.json").write_text(json.dumps({"overrides": overrides}))
     ranks = {}
     for card in ("fsdp1", "fsdp2"):
         overrides = [line if not line.startswith("actor_rollout_ref.actor.ppo_mini_batch_size=")
@@ -91,7 +105,8 @@ def inputs(tmp: Path) -> dict:
             ranks[f"{card}-{case}"].write_text(json.dumps({"overrides": overrides, "meminfo_kib": meminfo,
                                                            "limit_s": LIMIT_S}))
     return {"python": str(standin.test_env()), "model": model, "trees": trees, "ranks": ranks,
-            "variants": {name: tree for name, (tree, _) in variants.items()}, "exports": list(CHECKPOINTS)}
+            "variants": {name: tree for name, (tree, _) in variants.items()}, "exports": list(CHECKPOINTS),
+            "offload": {name: tree for name, (tree, _) in offload.items()}}
 
 
 def two_ranks(setup: dict, checkout: Path, forked: bool) -> list[dict]:
@@ -104,23 +119,27 @@ def two_ranks(setup: dict, checkout: Path, forked: bool) -> list[dict]:
     return out
 
 
-def worker(setup: dict, checkout: Path, dest: Path, forked: bool) -> dict:
-    """Each variant's RESULT (None when it failed) and its log's last line, its outputs under dest/NAME."""
-    script, found = str(checkout / FIXTURES / "lora_worker_run.py"), {}
-    by_tree = defaultdict(list)
-    for name, tree in setup["variants"].items():
-        (dest / name).mkdir(parents=True)
+def worker(setup: dict, checkout: Path, dest: Path, forked: bool, offload: bool = False) -> dict:
+    """Each variant's RESULT (None when it failed) and its log's last line, its outputs under dest/NAME
+    (offload_worker_run.py's: dest/NAME.pt)."""
+    script = str(checkout / FIXTURES / ("offload_worker_run.py" if offload else "lora_worker_run.py"))
+    by_tree, found = defaultdict(list), {}
+    dest.mkdir(parents=True)
+    for name, tree in setup["offload" if offload else "variants"].items():
+        if not offload:
+            (dest / name).mkdir()
         by_tree[tree].append(name)
     for tree, names in by_tree.items():
-        pairs = [[str(dest.parent / "specs" / f"{n}.json"), str(dest / n)] for n in names]
+        pairs = [[str(dest.parent / "specs" / (f"offload-{n}.json" if offload else f"{n}.json")),
+                  str(dest / (f"{n}.pt" if offload else n))] for n in names]
         if forked:
             res = subprocess.run([setup["python"], script, "--forked", *sum(pairs, [])], cwd=setup["trees"][tree],
                                  capture_output=True, text=True)
             found.update({n: (r["result"], r["log"]) for n, r in zip(names, _lines(res, "RUN "), strict=True)})
             continue
         for name, pair in zip(names, pairs, strict=True):
-            res = subprocess.run([setup["python"], script, *pair], cwd=setup["trees"][tree], capture_output=True,
-                                 text=True)
+            res = subprocess.run([setup["python"], script, *(["run"] if offload else []), *pair],
+                                 cwd=setup["trees"][tree], capture_output=True, text=True)
             got = _lines(res, "RESULT ")
             found[name] = (got[-1] if res.returncode == 0 and got else None, res.stderr)
     return {n: {"result": r, "last_line": (log.strip().splitlines() or [""])[-1]} for n, (r, log) in found.items()}
@@ -178,6 +197,13 @@ def tensors_main(before: str, after: str, names: list[str]) -> None:
     out = {"tensors_equal": 0, "files_same_bytes": 0, "files_same_content": [], "differ": []}
     for name in names:
         b_dir, a_dir = Path(before) / name, Path(after) / name
+        if name.endswith(".pt"):          # offload_worker_run.py's saved tensors
+            saved_b, saved_a = torch.load(b_dir), torch.load(a_dir)
+            if same(saved_b, saved_a):
+                out["tensors_equal"] += len(saved_b)
+            else:
+                out["differ"].append(name)
+            continue
         if not (b_dir / "run.pt").is_file():
             continue
         run_b, run_a = torch.load(b_dir / "run.pt"), torch.load(a_dir / "run.pt")
@@ -232,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
             got["ranks"][arm] = _cpu_wall(lambda c=checkout, f=forked: two_ranks(setup, c, f))
             log(f"{arm}: lora_worker_run.py")
             got["worker"][arm] = _cpu_wall(lambda c=checkout, f=forked, a=arm: worker(setup, c, tmp / f"w-{a}", f))
+            log(f"{arm}: offload_worker_run.py")
+            got["offload"][arm] = _cpu_wall(lambda c=checkout, f=forked, a=arm: worker(setup, c, tmp / f"o-{a}", f,
+                                                                                       offload=True))
         for arm, (checkout, _) in arms.items():      # both on the same checkpoints (the after arm's)
             log(f"{arm}: lora_export_run.py")
             got["export"][arm] = _cpu_wall(lambda c=checkout, a=arm: export(setup, c, tmp / "w-after", tmp / f"e-{a}"))
@@ -243,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         checks["worker"]["differ"] += [f"{n} failure" for n in wb if wb[n]["result"] is None
                                        and wb[n]["last_line"] != wa[n]["last_line"]]
         checks["worker"]["failed_alike"] = [f"{n}: {wa[n]['last_line'][:80]}" for n in wb if wb[n]["result"] is None]
+        ob, oa = got["offload"]["before"][0], got["offload"]["after"][0]
+        checks["offload"] = compare_files(setup["python"], tmp / "o-before", tmp / "o-after", [f"{n}.pt" for n in ob])
+        checks["offload"]["differ"] += [f"{n} RESULT" for n in ob if ob[n]["result"] is None
+                                        or ob[n]["result"] != oa[n]["result"]]
         eb, ea = got["export"]["before"][0], got["export"]["after"][0]
         files = {n: sorted(p.relative_to(tmp / "e-before" / n / "hf") for p in (tmp / "e-before" / n / "hf").rglob("*")
                            if p.is_file()) for n in setup["exports"]}
@@ -250,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                             + [f"{n}/{p}" for n, ps in files.items() for p in ps
                                if _sha(tmp / "e-before" / n / "hf" / p) != _sha(tmp / "e-after" / n / "hf" / p)],
                             "files_same_bytes": sum(map(len, files.values()))}
-        for part, runs in (("ranks", len(names)), ("worker", len(wb)), ("export", len(eb))):
+        for part, runs in (("ranks", len(names)), ("worker", len(wb)), ("export", len(eb)), ("offload", len(ob))):
             (_, cpu_b, wall_b), (_, cpu_a, wall_a) = got[part]["before"], got[part]["after"]
             doc["arms"][part] = {"runs": runs, "cpu_s": {"before": cpu_b, "after": cpu_a},
                                  "wall_s": {"before": wall_b, "after": wall_a}, "check": checks[part]}
