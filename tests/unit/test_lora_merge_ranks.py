@@ -20,8 +20,9 @@ into the output): 296,960 bytes, where the model is 461,056. Summoning the whole
 version's way, by hand) measured 593,152 and fails the bound. Nothing is gathered when nothing is merged: 4 bytes
 (the vote).
 
-The four runs took 40 s on this machine (2 cores) otherwise idle, 111 s beside other work; the two-rank check that
-used to live in test_lora_worker.py is the ``roomy`` run's.
+The four runs, one process whose ranks are forked (docs/testing.md "Heavy processes"), took 10-20 s on this machine
+(2 cores) beside other work (a process per rank: 40 s idle, 111 s beside other work); the two-rank check that used
+to live in test_lora_worker.py is the ``roomy`` run's.
 """
 
 from __future__ import annotations
