@@ -26,6 +26,7 @@ import pytest
 
 from tasks.plan import GpuTarget, Workload, load_model_config, make_plan
 from tasks.verl import source as verl_source
+from tests.fixtures.forked_runs import forked_results
 from tests.fixtures.standins.hf_endpoint import tiny_model_files
 from tests.unit.test_hf_rollout import _tree
 
@@ -80,10 +81,14 @@ def runs(verl_python, tmp_path_factory):
                 "both": ("patched", base + KNOBS["gather"] + KNOBS["grads"]),
                 "fused": ("patched", base + KNOBS["gather"] + KNOBS["grads"] + KNOBS["fused"])}
     out = {}
-    for name, (tree, overrides) in variants.items():
-        spec = tmp / f"{name}.json"
-        spec.write_text(json.dumps({"overrides": overrides}))
-        out[name] = _result(verl_python, trees[tree], "run", spec, tmp / f"{name}.pt")
+    for tree in trees:           # one process a tree, a child forked from it a variant (docs/testing.md)
+        names = [name for name, (on, _) in variants.items() if on == tree]
+        for name in names:
+            (tmp / f"{name}.json").write_text(json.dumps({"overrides": variants[name][1]}))
+        jobs = [(tmp / f"{name}.json", tmp / f"{name}.pt") for name in names]
+        for name, (found, log) in zip(names, forked_results(verl_python, RUN, trees[tree], jobs), strict=True):
+            assert found is not None, f"{name}: {log}"
+            out[name] = found
     # every variant against "before", all pairs in one process (one RESULT a pair, in this order)
     diffs = _results(verl_python, trees["patched"], len(variants), "compare", tmp / "before.pt",
                      *(tmp / f"{name}.pt" for name in variants))

@@ -29,7 +29,7 @@ from tasks.catalog import default_catalog
 from tasks.verl import source as verl_source
 from tests.unit.test_fsdp2_gather import tiny_model
 from tests.unit.test_hf_rollout import _tree
-from tests.unit.test_lora_worker import _run, plan_overrides
+from tests.unit.test_lora_worker import plan_overrides, runs_forked
 from verl_lab_box import hf_snapshot, lora_export
 
 EXPORT_RUN = Path(__file__).resolve().parents[1] / "fixtures" / "lora_export_run.py"
@@ -109,9 +109,10 @@ def exports(verl_python, tmp_path_factory):
     stamp = _stamp(model)
     tree = _tree(tmp / "tree", verl_source.patch_files())
     for name, (card, dtype, rollout) in CHECKPOINTS.items():
-        spec = tmp / f"{name}.json"
-        spec.write_text(json.dumps({"overrides": _in_dtype(plan_overrides(card, model), dtype, rollout)}))
-        found, log = _run(verl_python, tree, spec, tmp / name)
+        (tmp / f"{name}.json").write_text(json.dumps({"overrides": _in_dtype(plan_overrides(card, model), dtype,
+                                                                              rollout)}))
+    # the four runs by one process, a forked child each: torch, transformers, peft and verl imported once
+    for found, log in runs_forked(verl_python, tree, [(tmp / f"{name}.json", tmp / name) for name in CHECKPOINTS]):
         assert found is not None, log
     # the four exports by one process (one RESULT each, in this order): torch, transformers and peft imported once
     args = [str(a) for name in CHECKPOINTS

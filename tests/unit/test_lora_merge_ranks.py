@@ -20,8 +20,9 @@ into the output): 296,960 bytes, where the model is 461,056. Summoning the whole
 version's way, by hand) measured 593,152 and fails the bound. Nothing is gathered when nothing is merged: 4 bytes
 (the vote).
 
-The four runs took 40 s on this machine (2 cores) otherwise idle, 111 s beside other work; the two-rank check that
-used to live in test_lora_worker.py is the ``roomy`` run's.
+The four runs, one process whose ranks are forked (docs/testing.md "Heavy processes"), took 10-20 s on this machine
+(2 cores) beside other work (a process per rank: 40 s idle, 111 s beside other work); the two-rank check that used
+to live in test_lora_worker.py is the ``roomy`` run's.
 """
 
 from __future__ import annotations
@@ -48,20 +49,21 @@ def runs(verl_python, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora-ranks")
     model = tiny_model(tmp / "model")
     tree = _tree(tmp / "tree", verl_source.patch_files())
-    out = {}
+    specs = {}
     for card in ("fsdp1", "fsdp2"):
         # a mini-batch of 4 prompts: two ranks each take half (the P40's PPO samples one sequence a prompt)
         overrides = [line if not line.startswith("actor_rollout_ref.actor.ppo_mini_batch_size=")
                      else "actor_rollout_ref.actor.ppo_mini_batch_size=4" for line in plan_overrides(card, model)]
         for case, meminfo in MEMINFO.items():
-            spec = tmp / f"{card}-{case}.json"
-            spec.write_text(json.dumps({"overrides": overrides, "meminfo_kib": meminfo, "limit_s": LIMIT_S}))
-            res = subprocess.run([str(verl_python), str(TWO_RANKS), str(spec)], cwd=tree, capture_output=True,
-                                 text=True, timeout=3 * LIMIT_S)
-            lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
-            assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-3000:]
-            out[card, case] = json.loads(lines[-1][len("RESULT "):])
-    return out
+            specs[card, case] = tmp / f"{card}-{case}.json"
+            specs[card, case].write_text(json.dumps({"overrides": overrides, "meminfo_kib": meminfo,
+                                                     "limit_s": LIMIT_S}))
+    # one process for the four runs (torch, transformers, peft and verl imported once), each run's ranks forked
+    res = subprocess.run([str(verl_python), str(TWO_RANKS), *map(str, specs.values())], cwd=tree, capture_output=True,
+                         text=True, timeout=3 * LIMIT_S * len(specs))
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert res.returncode == 0 and len(lines) == len(specs), res.stdout[-3000:] + res.stderr[-3000:]
+    return {key: json.loads(line[len("RESULT "):]) for key, line in zip(specs, lines, strict=True)}
 
 
 def _ranks(runs, card, case) -> dict:

@@ -30,6 +30,7 @@ import pytest
 
 from tasks.plan import GpuTarget, Workload, load_model_config, make_plan
 from tasks.verl import source as verl_source
+from tests.fixtures.forked_runs import forked_results
 from tests.unit.test_fsdp2_gather import KNOBS, SHRINK, tiny_model
 from tests.unit.test_hf_rollout import _tree
 
@@ -76,12 +77,21 @@ def safetensors_header(path: Path) -> dict:
 
 
 def _run(python, cwd: Path, spec: Path, out: Path, env: dict | None = None) -> tuple[dict | None, str]:
+    """One run in a process of its own (the GPU probe's test: the probe loads at the interpreter's start)."""
     out.mkdir(parents=True, exist_ok=True)
     res = subprocess.run([str(python), str(RUN), str(spec), str(out)], cwd=cwd, capture_output=True, text=True,
                          timeout=600, env=env)
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     found = json.loads(lines[-1][len("RESULT "):]) if res.returncode == 0 and lines else None
     return found, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def runs_forked(python, cwd: Path, jobs: list[tuple[Path, Path]]) -> list[tuple[dict | None, str]]:
+    """Each (SPEC, OUT) run on one tree in a child forked from one process that imported torch, transformers, peft
+    and verl once (docs/testing.md "Heavy processes"): its result, or None and the run's log, in the order given."""
+    for _, out in jobs:
+        out.mkdir(parents=True, exist_ok=True)
+    return forked_results(python, RUN, cwd, jobs)
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +116,12 @@ def runs(verl_python, tmp_path_factory):
         "fsdp2 0012": ("peft", plan_overrides("fsdp2", model)),
     }
     out = {}
-    for name, (tree, overrides) in variants.items():
-        spec = tmp / f"{name}.json"
-        spec.write_text(json.dumps({"overrides": overrides}))
-        out[name] = _run(verl_python, trees[tree], spec, tmp / name.replace(" ", "-"))
+    for tree in trees:           # one process a tree, a forked child a variant
+        names = [name for name, (on, _) in variants.items() if on == tree]
+        for name in names:
+            (tmp / f"{name}.json").write_text(json.dumps({"overrides": variants[name][1]}))
+        jobs = [(tmp / f"{name}.json", tmp / name.replace(" ", "-")) for name in names]
+        out.update(zip(names, runs_forked(verl_python, trees[tree], jobs), strict=True))
     out["model"], out["tree"] = model, trees["patched"]
     return out
 
