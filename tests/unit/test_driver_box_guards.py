@@ -560,3 +560,19 @@ def test_a_second_caller_waits_for_the_first_ones_unit_and_follows_it(monkeypatc
         assert t.is_alive() and fake.calls == []                  # waiting: no check, no status, no systemd-run
     t.join(10)
     assert result["rc"] == 0 and [c[0] for c in fake.calls].count("systemd-run") == 1
+
+
+def test_a_cut_package_whose_version_left_the_archive_is_named_with_its_fix(monkeypatch, tmp_path, plan, capsys):
+    """Found on the lab's real Debian 12 box: a package left reinst-required (hUR) at a version the archive no
+    longer has (a security build superseded) makes apt's simulation fail ("needs to be reinstalled, but I can't
+    find an archive for it"); the message blamed a missing kernel headers package. Mutation: ``gone`` always []
+    (the headers hint comes back)."""
+    pin = write_old_pin(plan)
+    state = held_state().replace("nvidia-driver\tnvidia-graphics-drivers\t535.261.03-1\thi ",
+                                 "nvidia-driver\tnvidia-graphics-drivers\t535.261.03-1\thUR")
+    said = "E: The package nvidia-driver needs to be reinstalled, but I can't find an archive for it.\n"
+    assert run_main(monkeypatch, tmp_path, plan, FakeBox(state, simulate=(100, said)), "install") == 1
+    assert Path(plan["pin"]).read_text() == pin
+    err = capsys.readouterr().err
+    assert "dpkg's unpack of nvidia-driver was cut (reinst-required) at a version this box's archive no longer has" \
+           in err and "`dpkg --remove --force-remove-reinstreq nvidia-driver`" in err and "running kernel" not in err, err
