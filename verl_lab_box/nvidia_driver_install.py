@@ -100,11 +100,11 @@ def _change(plan: dict, log, read, headers_only: bool) -> None:
     sim = simulate(wanted, opts, log)
     if sim.returncode != 0:
         said = sim.stdout + sim.stderr      # apt: "The package X needs to be reinstalled, but I can't find an archive"
-        gone = [n for n in cut if f"package {n} needs to be reinstalled, but I can't find an archive" in said]
-        hint = (f"dpkg's unpack of {', '.join(gone)} was cut (reinst-required) at a version this box's archive no "
+        lost = [n for n in cut if f"package {n} needs to be reinstalled, but I can't find an archive" in said]
+        hint = (f"dpkg's unpack of {', '.join(lost)} was cut (reinst-required) at a version this box's archive no "
                 "longer has, and apt goes on only with that version's file: put the archive that has it back in "
                 "the box's sources, or remove the package as dpkg allows (`dpkg --remove --force-remove-reinstreq "
-                f"{' '.join(gone)}`), then re-run the driver stage") if gone else \
+                f"{' '.join(lost)}`), then re-run the driver stage") if lost else \
             (f"A missing {plan['headers'][0]} means the running kernel is not one of {plan['distro']}'s: boot a "
              "kernel of the distro's archive (its headers let DKMS build the module)")
         raise Failed(f"apt cannot install {' '.join(wanted)} from this box's archive ({errors(sim.stdout + sim.stderr)}); "
