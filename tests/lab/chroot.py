@@ -1,6 +1,7 @@
 """The cached Debian 12 rootfs (tests/lab/rootfs.py) as a chroot on an overlay: real dpkg and apt of a lab box
 without booting one (no systemd, no sshd, no network), for tests of what dpkg and apt themselves do with a
-box's packages. Made in about a second, gone with ``close`` (what ran wrote only to the overlay's upper layer).
+box's packages. Made in about a second (a copy of the rootfs, as a booted box makes, where overlayfs cannot be
+mounted), gone with ``close`` (what ran wrote only to the overlay's upper layer, or the copy).
 
 Its ``ssh`` and ``write_text`` answer as a booted box's do (tests/lab/box.py), so the stand-ins that set up a box
 (tests/fixtures/standins/driver.py: ``serve_from_local_repo``) set up this one too. Nothing runs inside but what a
@@ -28,8 +29,10 @@ class Chroot:
     def __init__(self, work: Path):
         self.dir = work
         self.root = work / "root"
-        if not overlay_root(ensure_rootfs(log=lambda *_: None), work):
-            raise ChrootError(f"overlayfs could not be mounted at {self.root} (the chroot needs one)")
+        rootfs = ensure_rootfs(log=lambda *_: None)
+        work.mkdir(parents=True, exist_ok=True)
+        if not overlay_root(rootfs, work):          # no overlayfs: a copy, as a booted box makes (tests/lab/box.py)
+            subprocess.run(["cp", "-a", "--reflink=auto", str(rootfs), str(self.root)], check=True)
 
     def ssh(self, command: str, *, check: bool = True, timeout: float = 120,
             input: str | bytes | None = None) -> subprocess.CompletedProcess:
