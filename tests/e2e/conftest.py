@@ -38,6 +38,7 @@ from tests.e2e.shared_labs import (  # noqa: E402
     ENV_BOX,
     FLEET_BOXES,
     FLEET_FRESH,
+    FLEET_SETTINGS,
     SHARED_LABS,
     Fleet,
     converge_sampling_argv,
@@ -135,7 +136,7 @@ def lab_factory():
 
 @pytest.fixture(scope="session")
 def fleet_lab(tmp_path_factory):
-    """Three boxes (a P40 and a T4 in relay mode, an RTX 3090 in direct mode) converged once by
+    """Two boxes (a P40 in relay mode, a T4 in direct mode: tests/e2e/shared_labs.py) converged once by
     deploy/full.py with every stage's stand-ins and an HF token the endpoint stand-in requires
     (``hf_token_file``), and a fresh V100 box nothing converges. Users, in this order:
     tests/e2e/test_foundation.py (the converge, verify, the T4's env with vLLM and xformers,
@@ -152,7 +153,8 @@ def fleet_lab(tmp_path_factory):
         lab = make([*FLEET_BOXES, BoxSpec(FLEET_FRESH, gpu="v100")])
         data = stack.enter_context(standins.published(lab, token=token))
         fleet = Fleet(lab, {**data, "hf_token_file": str(token_file)},
-                      {name: {"artifact_mode": mode} for name, mode in FLEET_BOXES.items()}, token, token_file)
+                      {name: {"artifact_mode": mode, **FLEET_SETTINGS.get(name, {})} for name, mode in FLEET_BOXES.items()},
+                      token, token_file)
         converge_sampling_argv(fleet)
         yield fleet
 

@@ -1,6 +1,6 @@
 """Security checks on a full converge (deploy/full.py, every stage, every stand-in via
 tests/fixtures/standins/fleet.py) with an HF token: the converged fleet of tests/e2e/conftest.py
-(``fleet_lab``: two relay boxes and a direct one, converged once per run with ``hf_token_file``;
+(``fleet_lab``: a relay box and a direct one, converged once per run with ``hf_token_file``;
 test_foundation.py verifies the same converge and puts back what it changes):
 
 - the training unit runs as the unprivileged train user, never root (the unit file and what
