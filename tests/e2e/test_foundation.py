@@ -232,8 +232,8 @@ def test_a_box_that_cannot_train_is_refused_alone_and_the_others_go_on(lab, flee
     out = res.output
     assert res.rc != 0 and res.failed_hosts == [FRESH], res.tail()
     header = next(line.strip() for line in out.splitlines() if line.startswith("verl-lab: ") and " in this run " in line)
-    assert header.startswith("verl-lab: 1 problem on 1 host of 4 in this run") and header.endswith(
-        f"1 host refused and left unchanged ({FRESH}), the other 3 go on ({', '.join(BOXES)}):"), header
+    assert header.startswith(f"verl-lab: 1 problem on 1 host of {len(BOXES) + 1} in this run") and header.endswith(
+        f"1 host refused and left unchanged ({FRESH}), the other {len(BOXES)} go on ({', '.join(BOXES)}):"), header
     assert re.search(rf"host {FRESH}: workload\.train_batch_size: .*Train dataloader is empty!", out), res.tail()
     assert all(res.changed_by_host[b] == 0 for b in BOXES) and res.changed_by_host.get(FRESH, 0) == 0, res
     assert re.search(r"verl-lab checks: its 1 problem above \(workload\.train_batch_size\); nothing on this box", out)

@@ -32,7 +32,7 @@ def install_env(boxes, *packages: str) -> None:
         dest.mkdir(parents=True, exist_ok=True)
         for whl in wheels:
             shutil.copy(whl, dest / whl.name)
-        box.ssh(f"python3 -m venv {ENV} && {ENV}/bin/pip install -q --no-index --find-links /var/tmp/env-wheels "
+        box.ssh(f"python3 -m venv {ENV} && {ENV}/bin/pip install -q --compile --no-index --find-links /var/tmp/env-wheels "
                 f"{' '.join(packages)} && rm -rf /var/tmp/env-wheels", timeout=900)
 
     with ThreadPoolExecutor(len(boxes)) as pool:
