@@ -48,7 +48,7 @@ def lab(lab_factory, wheelhouse):
     lab = lab_factory([BoxSpec("relaybox", gpu="t4"), BoxSpec("directbox", gpu="p40")])
     for box in lab.boxes.values():
         shutil.copytree(wheelhouse, box.root / "var/tmp/wheels", dirs_exist_ok=True)
-        box.ssh(f"python3 -m venv {ENV_PREFIX} && {ENV_PREFIX}/bin/pip install -q --no-index "
+        box.ssh(f"python3 -m venv {ENV_PREFIX} && {ENV_PREFIX}/bin/pip install -q --compile --no-index "
                 f"--find-links /var/tmp/wheels pyarrow huggingface_hub", timeout=300)
     return lab
 

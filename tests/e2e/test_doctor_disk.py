@@ -43,7 +43,7 @@ def lab(lab_factory):
     lab = lab_factory([BoxSpec(BOX, gpu="p40")])
     box = lab.box(BOX)
     shutil.copytree(wheels, box.root / "var/tmp/wheels", dirs_exist_ok=True)
-    box.ssh(f"python3 -m venv {ENV_PREFIX} && {ENV_PREFIX}/bin/pip install -q --no-index "
+    box.ssh(f"python3 -m venv {ENV_PREFIX} && {ENV_PREFIX}/bin/pip install -q --compile --no-index "
             "--find-links /var/tmp/wheels pyarrow huggingface_hub", timeout=300)
     box.ssh(f"mkdir -p {MODELS} && mount -t tmpfs -o size=1g,nr_inodes=4,mode=755 verl-lab-test-full {MODELS}")
     yield lab

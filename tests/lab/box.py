@@ -160,7 +160,7 @@ class Box:
         # honours the box's pip config: files/templates/env-build.sh.j2 sets no PIP_CONFIG_FILE). An env build's
         # byte-compiling took ~38 of its ~56 CPU-s (torch and verl's needs, docs/testing.md "CPU time"), about 7
         # builds a CI run; without it the first import as root (the build's own proofs) writes the bytecode of what
-        # it imports, ~8 CPU-s once. The tests' own venvs of Ray or TensorBoard ask for --compile (tests/lab/env_venv.py)
+        # it imports, ~8 CPU-s once. The tests' own venvs (Ray, TensorBoard, the data stage's pyarrow) ask for --compile
         (r / "etc/pip.conf").write_text("# written by tests/lab/box.py (docs/testing.md, \"CPU time\")\n"
                                         "[install]\ncompile = false\n")    # ("no-compile = true" would turn it on)
         ssh_dir = r / "root/.ssh"
