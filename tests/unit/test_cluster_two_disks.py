@@ -60,6 +60,7 @@ def cluster(verl_python, patched_verl_root, tmp_path_factory):
     from types import SimpleNamespace
 
     base, lab, train, disks = layout("vlc")
+    (base / "tmp").mkdir()                      # the nodes' TMPDIR: short (socket paths), removed with base
     tmp = tmp_path_factory.mktemp("two-disks")
     tree = tmp / "verl"
     shutil.copytree(patched_verl_root / "verl", tree / "verl")
@@ -84,7 +85,7 @@ def cluster(verl_python, patched_verl_root, tmp_path_factory):
     (train / "train.env").write_text("")
     place_gather(train, HEAD_IP, port)          # ray.env, cluster-gather and verl_lab_checkpoints.py
     env = {**os.environ, **RAY_ENV, "PATH": f"{Path(verl_python).parent}:{os.environ['PATH']}",
-           "PYTHONPATH": str(tree), "HOME": str(tmp)}
+           "PYTHONPATH": str(tree), "HOME": str(tmp), "TMPDIR": str(base / "tmp")}   # verl's checkpoint locks
     nodes = Nodes(base, env, str(Path(verl_python).parent / "ray"))
     try:
         nodes.start_pair(disks, HEAD_IP, WORKER_IP, port, CPUS, str(verl_python))
