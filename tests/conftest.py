@@ -9,9 +9,8 @@
   these units; it takes over from xdist's default (``--dist load``, one test at a time), which
   would split a module's tests among workers.
 - Order: units are handed out in collection order, and the collection is sorted longest first:
-  the units in ``LONGEST_FIRST``'s order (the e2e labs, the e2e modules that mostly wait beside the
-  unit modules that train on CPU), then the other units, an e2e module and a unit module in turn,
-  then the rest of the unit modules, which fill the workers at the end.
+  the units in ``LONGEST_FIRST``'s order (the e2e labs and the unit modules that train on CPU),
+  then the other e2e modules, then the other unit tests, which fill the workers at the end.
 - Teardown: the controller passes a SIGTERM on to its workers, each of which tears its labs down
   (``tests/e2e/conftest.py``), and at the end stops whatever labs a dead worker left
   (``tests.lab.lab.cleanup_stale``: by recorded PID, only labs whose owner is gone).
@@ -35,16 +34,14 @@ import pytest
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-# work units, longest first (docs/testing.md: a fresh-clone run's profile), the e2e units that mostly wait (boots, apt,
-# Ray's start-up: test_driver.py ran 601 s for 187 CPU-s) beside the ones that keep a core busy, so the two cores stay
-# busy while a box boots; the others follow, an e2e unit and a unit module in turn, then the rest of the unit modules
-LONGEST_FIRST = ("lab:fleet_lab", "lab:env_lab", "tests/e2e/test_driver.py", "tests/e2e/test_readme_path.py",
-                 "tests/e2e/test_drills.py", "tests/unit/test_export.py", "tests/e2e/test_cluster.py",
-                 "tests/unit/test_cluster_two_disks.py", "tests/e2e/test_tracking.py", "tests/unit/test_gather_once.py",
-                 "tests/e2e/test_converge.py", "tests/unit/test_burnin_learning.py", "tests/e2e/test_refusals.py",
-                 "tests/unit/test_gsm8k_score.py", "tests/e2e/test_rollout_setting.py", "tests/unit/test_fsdp2_gather.py",
-                 "tests/e2e/test_cuda.py", "tests/unit/test_hf_rollout.py", "tests/e2e/test_data.py",
-                 "tests/unit/test_gpu_probe.py")
+# work units, longest first (docs/testing.md: a fresh-clone run's profile); the others follow,
+# e2e before unit tests, which fill the workers at the end
+LONGEST_FIRST = ("lab:fleet_lab", "lab:env_lab", "tests/e2e/test_readme_path.py", "tests/e2e/test_drills.py",
+                 "tests/e2e/test_cluster.py", "tests/e2e/test_driver.py", "tests/e2e/test_refusals.py",
+                 "tests/unit/test_fsdp2_gather.py", "tests/unit/test_burnin_learning.py", "tests/unit/test_export.py",
+                 "tests/unit/test_cluster_two_disks.py", "tests/unit/test_gather_once.py",
+                 "tests/unit/test_gsm8k_score.py", "tests/unit/test_hf_rollout.py", "tests/unit/test_gpu_probe.py",
+                 "tests/e2e/test_rollout_setting.py", "tests/e2e/test_cuda.py", "tests/e2e/test_data.py")
 TEARDOWN_GRACE_S = 120
 
 
@@ -55,32 +52,22 @@ def work_unit(nodeid: str) -> str:
     return f"lab:{shared[0]}" if shared else nodeid.partition("::")[0]
 
 
-def _e2e(unit: str) -> bool:
-    return unit.startswith(("lab:", "tests/e2e/"))
+def _rank(unit: str) -> tuple[int, int]:
+    if unit in LONGEST_FIRST:
+        return 0, LONGEST_FIRST.index(unit)
+    return (1 if unit.startswith(("lab:", "tests/e2e/")) else 2), 0
 
 
-def _ranks(units: list[str]) -> dict[str, tuple[int, int]]:
-    """Each unit's place: LONGEST_FIRST's order, then the other units in collection order, an e2e unit and a unit
-    module in turn while both are left."""
-    rest = [u for u in dict.fromkeys(units) if u not in LONGEST_FIRST]
-    e2e, unit = [u for u in rest if _e2e(u)], [u for u in rest if not _e2e(u)]
-    ranks = {u: (0, i) for i, u in enumerate(LONGEST_FIRST)}
-    ranks.update({u: (1, 2 * i) for i, u in enumerate(e2e)})
-    ranks.update({u: (1, 2 * i + 1) for i, u in enumerate(unit)})
-    return ranks
+def _order(item) -> tuple[int, int, int]:
+    from tests.e2e.shared_labs import shared_lab_of
+    shared = shared_lab_of(item.nodeid)
+    return (*_rank(work_unit(item.nodeid)), shared[1] if shared else 0)
 
 
 def pytest_collection_modifyitems(config, items):
     # a stable sort: within a unit, tests keep their order (a module's tests build on each other),
     # and the users of a shared lab run in SHARED_LABS' order
-    from tests.e2e.shared_labs import shared_lab_of
-    ranks = _ranks([work_unit(item.nodeid) for item in items])
-
-    def order(item) -> tuple[int, int, int]:
-        shared = shared_lab_of(item.nodeid)
-        return (*ranks[work_unit(item.nodeid)], shared[1] if shared else 0)
-
-    items.sort(key=order)
+    items.sort(key=_order)
 
 
 def _controller(config) -> bool:
