@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 
 import pytest
 
@@ -46,10 +45,7 @@ def wheelhouse():
 @pytest.fixture(scope="module")
 def lab(lab_factory, wheelhouse):
     lab = lab_factory([BoxSpec("relaybox", gpu="t4"), BoxSpec("directbox", gpu="p40")])
-    for box in lab.boxes.values():
-        shutil.copytree(wheelhouse, box.root / "var/tmp/wheels", dirs_exist_ok=True)
-        box.ssh(f"python3 -m venv {ENV_PREFIX} && {ENV_PREFIX}/bin/pip install -q --compile --no-index "
-                f"--find-links /var/tmp/wheels pyarrow huggingface_hub", timeout=300)
+    fleet.data_env(lab, lab.boxes, ENV_PREFIX, wheelhouse)
     return lab
 
 

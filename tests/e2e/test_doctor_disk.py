@@ -12,7 +12,6 @@ namespace and is unmounted at the end of the module.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,12 +38,9 @@ def endpoint():
 
 @pytest.fixture(scope="module")
 def lab(lab_factory):
-    wheels = fleet.data_wheelhouse()
     lab = lab_factory([BoxSpec(BOX, gpu="p40")])
     box = lab.box(BOX)
-    shutil.copytree(wheels, box.root / "var/tmp/wheels", dirs_exist_ok=True)
-    box.ssh(f"python3 -m venv {ENV_PREFIX} && {ENV_PREFIX}/bin/pip install -q --compile --no-index "
-            "--find-links /var/tmp/wheels pyarrow huggingface_hub", timeout=300)
+    fleet.data_env(lab, [BOX], ENV_PREFIX)
     box.ssh(f"mkdir -p {MODELS} && mount -t tmpfs -o size=1g,nr_inodes=4,mode=755 verl-lab-test-full {MODELS}")
     yield lab
     box.ssh(f"umount {MODELS} 2>/dev/null; true", check=False)
