@@ -36,3 +36,14 @@ def patched_verl_root(tmp_path_factory):
     for patch in verl_source.patch_files():
         subprocess.run(["git", "apply", str(patch)], cwd=root, check=True)
     return root
+
+
+@pytest.fixture(scope="module")
+def served(verl_python):
+    """Programs run as children of a preloaded interpreter (tests/fixtures/zygote.py): ``served.python(env)`` is the
+    ``python`` to run them with under ``env``; one server an environment, ended with the module."""
+    from tests.fixtures.zygote import Served
+
+    pool = Served(verl_python)
+    yield pool
+    pool.stop()

@@ -77,8 +77,9 @@ def _run(python, tree: Path, spec: dict, out: Path, timeout: int = 900) -> tuple
 
 
 @pytest.fixture(scope="module")
-def runs(verl_python, tmp_path_factory):
+def runs(served, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("burnin")
+    verl_python = served.python()            # its runs: children of an interpreter with verl's stack imported
     model = tiny_model(tmp / "model")
     patches = verl_source.patch_files()
     found = {}

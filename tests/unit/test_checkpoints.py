@@ -366,7 +366,7 @@ shutil.copy(src + "/model.safetensors", dest)
 
 
 @pytest.fixture(scope="module")
-def model_dir(verl_python, tmp_path_factory):
+def model_dir(served, tmp_path_factory):
     """The tiny Qwen2 model's folder as a hub repo holds its files: written by transformers'
     ``save_pretrained`` (Qwen2.5's tokenizer.json is indented JSON, as save_pretrained writes it;
     the stand-in endpoint's is compact)."""
@@ -374,8 +374,9 @@ def model_dir(verl_python, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("probe-model")
     raw = write_tiny_model(tmp / "raw")
-    subprocess.run([str(verl_python), "-c", NORMALIZE, str(raw), str(tmp / "model")], check=True, timeout=300,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    subprocess.run([served.python(env), "-c", NORMALIZE, str(raw), str(tmp / "model")], check=True, timeout=300,
+                   env=env)
     return tmp / "model"
 
 
@@ -385,12 +386,12 @@ def model_files(folder) -> dict:
 
 
 @pytest.fixture(scope="module")
-def saved(verl_python, patched_verl_root, model_dir):
+def saved(served, patched_verl_root, model_dir):
     """Each probe run's files: (world, role, layout, param dtype) -> {relative path: bytes}; the
     model's config and tokenizer are ``model_dir``'s."""
-    runs = [subprocess.Popen([str(verl_python), str(PROBE), "sizes", str(w), str(model_dir)], cwd=patched_verl_root,
-                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    runs = [subprocess.Popen([served.python(env), str(PROBE), "sizes", str(w), str(model_dir)], cwd=patched_verl_root,
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
             for w in (1, 2)]
     out = {}
     for run in runs:

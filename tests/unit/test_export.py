@@ -9,6 +9,11 @@ tests' cached env). What stands in: CPU and gloo for the GPUs and NCCL, a tiny Q
 for real (a shard removed, another model's config, no fsdp_config.json) and the doctor must name
 what verl's merger, torch and transformers printed. Not here: checkpoints made on a GPU, and the
 0.5B's size and time (the GPU harness's export profiles, docs/training-runs.md).
+
+The programs run as children of a preloaded interpreter (tests/fixtures/zygote.py; a fresh one's imports cost ~5
+CPU-s a run): the export, the fixtures' checkpoint maker and the library calls. verl's merger, which the export
+starts with ``sys.executable``, starts fresh (the real interpreter): the proof's ``merge_peak_rss_mib`` is its
+peak RSS. The test that reads the first export's PID from the second one's output starts the first fresh.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import pytest
 from tasks.doctor import diagnose
 from tests.fixtures.standins import env as standin
 from tests.fixtures.standins.hf_endpoint import write_tiny_model
+from tests.fixtures.zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[2]
 EXPORT = REPO / "verl_lab_box" / "export.py"
@@ -40,12 +46,13 @@ def lab(verl_python, tmp_path_factory):
     model = write_tiny_model(tmp / "model")
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{REPO / 'verl_lab_box'}", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with Zygote(verl_python, env) as zygote:
 
-    def run(*args, timeout=600):
-        return subprocess.run([str(verl_python), *map(str, args)], cwd=tmp, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        def run(*args, timeout=600):
+            return subprocess.run([zygote.python, *map(str, args)], cwd=tmp, env=env, capture_output=True,
+                                  text=True, timeout=timeout)
 
-    return SimpleNamespace(tmp=tmp, model=model, run=run, python=str(verl_python), env=env)
+        yield SimpleNamespace(tmp=tmp, model=model, run=run, python=str(verl_python), env=env)
 
 
 @pytest.fixture(scope="module")

@@ -69,8 +69,9 @@ def tiny_model(dest: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(verl_python, tmp_path_factory):
+def runs(served, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp2")
+    verl_python = served.python()            # its runs: children of an interpreter with verl's stack imported
     model = tiny_model(tmp / "model")
     patches = verl_source.patch_files()
     assert FIRST in [p.name for p in patches]

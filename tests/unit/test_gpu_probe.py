@@ -35,13 +35,14 @@ PROBE = REPO / "bench" / "gpu" / "probe"
 
 
 @pytest.mark.parametrize("tree", ["before", "patched"])
-def test_probe_measures_the_rollout_actor_gap(verl_python, tmp_path, tree):
+def test_probe_measures_the_rollout_actor_gap(served, tmp_path, tree):
     patches = verl_source.patch_files()
     chosen = [p for p in patches if p.name < PATCH] if tree == "before" else patches
     root = _tree(tmp_path / "tree", chosen)
     probe_dir = tmp_path / "probe"
     env = {**os.environ, "PYTHONPATH": f"{PROBE}{os.pathsep}{root}", "VERL_LAB_PROBE_DIR": str(probe_dir)}
-    res = subprocess.run([str(verl_python), str(CHECK)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([served.python(env), str(CHECK)], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-3000:]
     found = json.loads(lines[-1][len("RESULT "):])
@@ -57,7 +58,7 @@ PROFILED = "generate_sequences@3,update_actor@2,compute_ref_log_prob,compute_log
 
 
 @pytest.fixture(scope="module")
-def profiled_run(verl_python, tmp_path_factory):
+def profiled_run(served, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("probe-profile")
     root = _tree(tmp / "tree", [p for p in verl_source.patch_files()])
     spec = tmp / "spec.json"
@@ -65,7 +66,7 @@ def profiled_run(verl_python, tmp_path_factory):
     probe_dir = tmp / "probe"
     env = {**os.environ, "PYTHONPATH": f"{PROBE}{os.pathsep}{root}", "VERL_LAB_PROBE_DIR": str(probe_dir),
            "VERL_LAB_PROFILE": PROFILED}
-    result = _result(verl_python, root, "run", spec, tmp / "out.pt", env=env)
+    result = _result(served.python(env), root, "run", spec, tmp / "out.pt", env=env)
     records = [json.loads(line) for f in probe_dir.glob("probe-*.jsonl") for line in f.read_text().splitlines()]
     profiles = {p.name.split("-", 1)[1].rsplit("-", 1)[0]: (json.loads(p.read_text()), p.stat().st_size)
                 for p in probe_dir.glob("profile-*.json")}

@@ -13,6 +13,8 @@
   module named ``vllm`` that accepts exactly those and records what the score program asks of it.
   Whether vLLM 0.8.5 then generates the same greedy answers is not tested anywhere.
 * the ``final`` flag of a kept score set when the run has since finished at that step.
+
+The score program runs as a child of a preloaded interpreter (tests/fixtures/zygote.py, the ``served`` fixture).
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def test_batches_hold_the_sized_shape_longest_first():
 
 
 @pytest.fixture(scope="module")
-def lab(verl_python, tmp_path_factory):
+def lab(verl_python, served, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("score")
     root = standin.patched_verl_tree(tmp / "verl")
     model = write_tiny_model(tmp / "model")
@@ -135,8 +137,9 @@ def lab(verl_python, tmp_path_factory):
            "TOKENIZERS_PARALLELISM": "false"}
 
     def run(*args, extra_env=None, timeout=600):
-        return subprocess.run([str(verl_python), *map(str, args)], cwd=tmp, env={**env, **(extra_env or {})},
-                              capture_output=True, text=True, timeout=timeout)
+        full = {**env, **(extra_env or {})}
+        return subprocess.run([served.python(full), *map(str, args)], cwd=tmp, env=full, capture_output=True,
+                              text=True, timeout=timeout)
 
     return SimpleNamespace(tmp=tmp, model=model, test=data / "test.parquet", fake=fake, run=run, pythonpath=pythonpath)
 

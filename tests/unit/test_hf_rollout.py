@@ -37,8 +37,9 @@ def _tree(tmp: Path, patches: list[Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def python(verl_python):
-    return verl_python
+def python(served):
+    """The probes run as children of an interpreter with verl's stack imported (tests/fixtures/zygote.py)."""
+    return served.python()
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,7 @@ def _stamp(model: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def exports(verl_python, tmp_path_factory):
+def exports(verl_python, served, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora-export")
     model = tiny_model(tmp / "model")
     stamp = _stamp(model)
@@ -112,7 +112,9 @@ def exports(verl_python, tmp_path_factory):
         (tmp / f"{name}.json").write_text(json.dumps({"overrides": _in_dtype(plan_overrides(card, model), dtype,
                                                                               rollout)}))
     # the four runs by one process, a forked child each: torch, transformers, peft and verl imported once
-    for found, log in runs_forked(verl_python, tree, [(tmp / f"{name}.json", tmp / name) for name in CHECKPOINTS]):
+    # (the worker's runs served: tests/fixtures/zygote.py; the exports' program not: it sets HF_HUB_CACHE before it
+    # imports huggingface_hub, which the server imported already)
+    for found, log in runs_forked(served.python(), tree, [(tmp / f"{name}.json", tmp / name) for name in CHECKPOINTS]):
         assert found is not None, log
     # the four exports by one process (one RESULT each, in this order): torch, transformers and peft imported once
     args = [str(a) for name in CHECKPOINTS

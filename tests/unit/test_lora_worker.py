@@ -95,8 +95,9 @@ def runs_forked(python, cwd: Path, jobs: list[tuple[Path, Path]]) -> list[tuple[
 
 
 @pytest.fixture(scope="module")
-def runs(verl_python, tmp_path_factory):
+def runs(served, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
+    verl_python = served.python()            # its runs: children of an interpreter with verl's stack imported
     model = tiny_model(tmp / "model")
     patches = verl_source.patch_files()
     names = [p.name for p in patches]
@@ -233,7 +234,7 @@ def test_without_0012_fsdp2_generates_with_the_root_never_gathered(runs):
     assert found is None and "got mixed torch.Tensor and DTensor" in log, log[-1500:]
 
 
-def test_the_gpu_probe_measures_the_actors_gap_not_the_ref_pass(runs, verl_python, tmp_path):
+def test_the_gpu_probe_measures_the_actors_gap_not_the_ref_pass(runs, served, tmp_path):
     """The GPU harness's probe (bench/gpu/probe/sitecustomize.py) records the rollout/actor log-prob gap on each
     compute_log_prob. With LoRA, verl's compute_ref_log_prob is that call with the adapter disabled: the probe
     records the actor's two passes (steps 1 and 2) and not the ref's, whose log-probs are the base model's (at step 2
@@ -242,7 +243,7 @@ def test_the_gpu_probe_measures_the_actors_gap_not_the_ref_pass(runs, verl_pytho
     spec.write_text(json.dumps({"overrides": plan_overrides("fsdp2", runs["model"])}))
     probe_dir = tmp_path / "probe"
     env = {**os.environ, "PYTHONPATH": f"{PROBE}{os.pathsep}{runs['tree']}", "VERL_LAB_PROBE_DIR": str(probe_dir)}
-    found, log = _run(verl_python, runs["tree"], spec, tmp_path / "out", env=env)
+    found, log = _run(served.python(env), runs["tree"], spec, tmp_path / "out", env=env)
     assert found is not None, log
     records = [json.loads(line) for f in probe_dir.glob("*.jsonl") for line in f.read_text().splitlines()]
     gaps = [r for r in records if r["event"].startswith("logprob_gap")]

@@ -87,8 +87,9 @@ def test_patches_refuse_other_verl_sources(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def python(verl_python):
-    return verl_python
+def python(served):
+    """The probes run as children of an interpreter with verl's stack imported (tests/fixtures/zygote.py)."""
+    return served.python()
 
 
 PROBE_SET = {

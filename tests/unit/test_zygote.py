@@ -1,0 +1,210 @@
+"""The preloaded interpreter the unit tests run their programs under (tests/fixtures/zygote.py): a served program
+behaves as a fresh ``python`` would (its output, exit code, traceback, sys.argv, sys.path, environment, signals), and
+whatever it cannot start as a fresh one would (another environment, a module shadowed on its path, an import hook
+over a preloaded module, a descriptor past stderr) runs fresh instead.
+
+The mechanics on this Python with small standard modules preloaded (fast); last, the unit tests' env with verl's
+stack preloaded, a program's output served and fresh compared. Served or fresh is told apart by the program's PID:
+a fresh one is the process the test started (the shim execs the real interpreter), a served one is not."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.zygote import PRELOAD, Served, Zygote
+
+SMALL = ("json", "email.message", "decimal")
+SHOW = ("import json, os, sys\n"
+        "print(json.dumps({'pid': os.getpid(), 'argv': sys.argv, 'path0': sys.path[0], 'cwd': os.getcwd(),\n"
+        "                  'x': os.environ.get('VERL_LAB_X'), 'pp': os.environ.get('PYTHONPATH'),\n"
+        "                  'decimal': 'decimal' in sys.modules}))\n")
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    with Zygote(sys.executable, dict(os.environ), preload=SMALL) as z:
+        yield z
+
+
+def _run(z, argv, env=None, cwd=None, **kw):
+    proc = subprocess.Popen([z.python, *argv], env=z.env if env is None else env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    out, err = proc.communicate(timeout=120)
+    return proc, out, err
+
+
+def _shown(proc, out) -> tuple[dict, bool]:
+    found = json.loads(out.strip().splitlines()[-1])
+    return found, found["pid"] != proc.pid
+
+
+def test_a_served_program_gets_its_argv_path_cwd_and_output(zygote, tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text(SHOW)
+    proc, out, err = _run(zygote, [str(script), "a", "b"], cwd=tmp_path)
+    found, served = _shown(proc, out)
+    assert served and proc.returncode == 0, err
+    assert found["argv"] == [str(script), "a", "b"] and found["path0"] == str(tmp_path) and found["cwd"] == str(tmp_path)
+    assert found["decimal"] is True                     # preloaded: loaded whether the program imports it or not
+    proc, out, err = _run(zygote, ["-c", SHOW, "z"], cwd=tmp_path)
+    found, served = _shown(proc, out)
+    assert served and found["argv"] == ["-c", "z"] and found["path0"] == ""
+    proc, out, err = _run(zygote, ["-m", "json.tool", "--help"], cwd=tmp_path)
+    assert proc.returncode == 0 and "usage:" in out and err == ""
+
+
+def test_exit_codes_and_tracebacks_are_a_fresh_interpreters(zygote, tmp_path):
+    for code, want in (("import sys; sys.exit(3)", 3), ("import sys; sys.exit('bad')", 1), ("pass", 0),
+                       ("raise ValueError('boom')", 1)):
+        proc, out, err = _run(zygote, ["-c", code])
+        fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert proc.returncode == fresh.returncode == want
+        assert err == fresh.stderr, (err, fresh.stderr)
+    assert err.startswith('Traceback (most recent call last):\n  File "<string>", line 1')
+
+
+def test_the_projects_variables_and_pythonpath_are_per_run_and_a_sitecustomize_there_is_imported(zygote, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['VERL_LAB_SITE'] = 'imported'\n")
+    env = {**zygote.env, "VERL_LAB_X": "7", "PYTHONPATH": str(site)}
+    code = "import os, sys; print(os.environ.get('VERL_LAB_SITE'), os.environ['VERL_LAB_X'], sys.path[1], os.getpid())"
+    proc, out, err = _run(zygote, ["-c", code], env=env)
+    site_said, x, path1, pid = out.split()
+    assert (site_said, x, path1) == ("imported", "7", str(site)) and int(pid) != proc.pid, err
+
+
+def test_another_environment_runs_fresh(zygote):
+    env = {**zygote.env, "HF_HUB_OFFLINE": "1" if zygote.env.get("HF_HUB_OFFLINE") != "1" else "0"}
+    proc, out, _ = _run(zygote, ["-c", SHOW], env=env)
+    assert not _shown(proc, out)[1]
+
+
+def test_a_module_shadowed_on_the_path_runs_fresh_and_finds_its_own(zygote, tmp_path):
+    (tmp_path / "decimal.py").write_text("MINE = True\n")
+    proc, out, _ = _run(zygote, ["-c", "import decimal, os; print(getattr(decimal, 'MINE', False), os.getpid())"],
+                        cwd=tmp_path)
+    mine, pid = out.split()
+    assert mine == "True" and int(pid) == proc.pid
+    # a bare folder of the name is no shadow (a regular package later on the path wins), and it is served
+    (tmp_path / "decimal.py").unlink()
+    (tmp_path / "json").mkdir()
+    proc, out, _ = _run(zygote, ["-c", SHOW], cwd=tmp_path)
+    assert _shown(proc, out)[1]
+
+
+def test_an_import_hook_over_a_preloaded_module_runs_fresh(zygote, tmp_path):
+    """A sitecustomize on PYTHONPATH that hooks a module's import (the GPU probe hooks torch when it caps memory)
+    would never see a preloaded one imported: that run is fresh, and its hook fires."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.abc, importlib.machinery, sys\n"
+        "class Hook(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name != 'decimal':\n"
+        "            return None\n"
+        "        spec = importlib.machinery.PathFinder.find_spec(name, path)\n"
+        "        inner = spec.loader\n"
+        "        class Loader(importlib.abc.Loader):\n"
+        "            def create_module(self, s):\n"
+        "                return inner.create_module(s)\n"
+        "            def exec_module(self, module):\n"
+        "                inner.exec_module(module)\n"
+        "                print('hooked', file=sys.stderr)\n"
+        "        spec.loader = Loader()\n"
+        "        return spec\n"
+        "sys.meta_path.insert(0, Hook())\n")
+    env = {**zygote.env, "PYTHONPATH": str(tmp_path)}
+    proc, out, err = _run(zygote, ["-c", "import decimal, os; print(os.getpid())"], env=env)
+    assert int(out) == proc.pid and "hooked" in err
+
+
+def test_a_descriptor_past_stderr_runs_fresh(zygote):
+    r, w = os.pipe()
+    try:
+        proc, out, _ = _run(zygote, ["-c", SHOW], pass_fds=(w,))
+    finally:
+        os.close(r)
+        os.close(w)
+    assert not _shown(proc, out)[1]
+
+
+def test_a_signal_reaches_the_program_and_a_killed_shim_takes_it_along(zygote, tmp_path):
+    code = ("import os, signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (print('term', flush=True), sys.exit(5)))\n"
+            "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+            "time.sleep(60)\n")
+    pid_file = tmp_path / "pid"
+    for how in ("term", "kill"):
+        pid_file.unlink(missing_ok=True)
+        proc = subprocess.Popen([zygote.python, "-c", code, str(pid_file)], stdout=subprocess.PIPE, text=True,
+                                env=zygote.env)
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        program = int(pid_file.read_text())
+        assert program != proc.pid, Path(zygote.log).read_text()
+        if how == "term":
+            proc.terminate()
+            assert proc.wait(30) == 5 and proc.stdout.read() == "term\n"
+        else:
+            proc.kill()
+            assert proc.wait(30) == -signal.SIGKILL
+            deadline = time.monotonic() + 30
+            while Path(f"/proc/{program}").exists() and "Z" not in Path(f"/proc/{program}/stat").read_text().split()[2]:
+                assert time.monotonic() < deadline, "the program outlived its shim"
+                time.sleep(0.05)
+        proc.stdout.close()
+
+
+def test_two_runs_at_once_and_the_server_leaves_nothing(tmp_path):
+    z = Zygote(sys.executable, dict(os.environ), preload=SMALL)
+    code = "import time, os; time.sleep(1); print(os.getpid())"
+    started = time.monotonic()
+    procs = [subprocess.Popen([z.python, "-c", code], stdout=subprocess.PIPE, text=True, env=z.env) for _ in range(2)]
+    pids = [int(p.communicate(timeout=60)[0]) for p in procs]
+    assert time.monotonic() - started < 1.9 and len(set(pids)) == 2
+    server, folder = z.server.pid, z.folder
+    z.stop()
+    assert not os.path.exists(folder) and not Path(f"/proc/{server}").exists()
+
+
+def test_served_keeps_one_server_and_runs_other_environments_fresh():
+    pool = Served(sys.executable, preload=SMALL)
+    try:
+        first = pool.python({**os.environ, "VERL_LAB_A": "1"})
+        assert pool.python({**os.environ, "PYTHONPATH": "/nowhere"}) == first      # per-run variables only
+        assert pool.python({**os.environ, "OTHER_SETTING": "x"}) == sys.executable
+        assert len(pool.servers) == 1
+    finally:
+        pool.stop()
+
+
+def test_verls_stack_served_prints_what_it_prints_fresh(verl_python, tmp_path):
+    """torch and transformers preloaded: a program's output is a fresh interpreter's (threads, versions, its
+    interpreter and path), and its random generators are seeded afresh each run as a fresh one's are (torch's and
+    numpy's from the OS)."""
+    code = ("import os, sys, numpy, torch, transformers\n"
+            "print(torch.get_num_threads(), torch.get_num_interop_threads(), transformers.__version__, sys.executable,\n"
+            "      sys.path[0], torch.utils.data.get_worker_info())\n")
+    seeds = "import numpy, torch; print(torch.initial_seed(), numpy.random.randint(1 << 30))"
+    env = dict(os.environ)
+    fresh = subprocess.run([str(verl_python), "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    fresh_seeds = [subprocess.run([str(verl_python), "-c", seeds], capture_output=True, text=True, env=env).stdout.split()
+                   for _ in range(2)]
+    with Zygote(verl_python, env, preload=PRELOAD) as z:
+        served = subprocess.run([z.python, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        served_seeds = [subprocess.run([z.python, "-c", seeds], capture_output=True, text=True, env=env).stdout.split()
+                        for _ in range(2)]
+    assert fresh.returncode == served.returncode == 0, served.stderr[-2000:]
+    assert served.stdout == fresh.stdout
+    for pair in (fresh_seeds, served_seeds):
+        assert pair[0][0] != pair[1][0] and pair[0][1] != pair[1][1], pair
