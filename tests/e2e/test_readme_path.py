@@ -69,8 +69,9 @@ def newcomer_env() -> dict[str, str]:
            if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "VERL_LAB_DIR")}
     env["PATH"] = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p not in venv_bins)
     env["PYINFRA_PROGRESS"] = "off"
-    # pip byte-compiles nothing it installs (issue 45: ~11 of the install's ~28 CPU-s on CI's 2 cores); Python
-    # compiles what the run imports as it imports it. `compile = false`: `PIP_NO_COMPILE=1` would turn it on
+    # pip byte-compiles nothing it installs (issue 45: the module's CPU 64 -> 46 s, its pip 50 -> 29; its pyinfra runs
+    # and bin/lab compile what they import, each time where PYTHONDONTWRITEBYTECODE is set, as on this machine;
+    # docs/testing.md "Heavy processes"). `PIP_COMPILE=0`: `PIP_NO_COMPILE=1` would turn compiling on
     env["PIP_COMPILE"] = "0"
     return env
 

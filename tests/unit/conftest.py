@@ -39,11 +39,11 @@ def patched_verl_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(verl_python):
+def served(verl_python, tmp_path_factory):
     """Programs run as children of a preloaded interpreter (tests/fixtures/zygote.py): ``served.python(env)`` is the
     ``python`` to run them with under ``env``; one server an environment, ended with the module."""
     from tests.fixtures.zygote import Served
 
-    pool = Served(verl_python)
+    pool = Served(verl_python, parent=str(tmp_path_factory.getbasetemp()))
     yield pool
     pool.stop()

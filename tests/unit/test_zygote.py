@@ -208,3 +208,22 @@ def test_verls_stack_served_prints_what_it_prints_fresh(verl_python, tmp_path):
     assert served.stdout == fresh.stdout
     for pair in (fresh_seeds, served_seeds):
         assert pair[0][0] != pair[1][0] and pair[0][1] != pair[1][1], pair
+
+
+def test_a_killed_starter_takes_its_server_along(tmp_path):
+    """A pytest worker killed before its fixture could stop the server: the server ends too (it is in a session of
+    its own, out of the worker's signals); its folder lies under the given parent (pytest's base folder)."""
+    repo = str(Path(__file__).resolve().parents[2])
+    code = (f"import os, sys, time; sys.path.insert(0, {repo!r}); from tests.fixtures.zygote import Zygote\n"
+            f"z = Zygote(sys.executable, dict(os.environ), preload=('json',), parent={str(tmp_path)!r})\n"
+            "print(z.server.pid, flush=True); time.sleep(120)\n")
+    starter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    server = int(starter.stdout.readline())
+    assert [p.parent for p in tmp_path.glob("zy*/s")] and Path(f"/proc/{server}").exists()
+    starter.kill()
+    starter.wait()
+    starter.stdout.close()
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{server}").exists() and "Z" not in Path(f"/proc/{server}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the server outlived the process that started it"
+        time.sleep(0.05)
