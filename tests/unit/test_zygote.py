@@ -227,3 +227,63 @@ def test_a_killed_starter_takes_its_server_along(tmp_path):
     while Path(f"/proc/{server}").exists() and "Z" not in Path(f"/proc/{server}/stat").read_text().split()[2]:
         assert time.monotonic() < deadline, "the server outlived the process that started it"
         time.sleep(0.05)
+
+
+EDGES = {   # name: (argv after the interpreter, Popen's extra arguments): each served as fresh runs it (attack findings)
+    "__main__ kept for atexit": (["-c", "import atexit\nX = 7\natexit.register(lambda: print(__import__('__main__').X))"], {}),
+    "-c compiled without this file's __future__": (["-c", "def f(x: not_defined): pass"], {}),
+    "an uncaught KeyboardInterrupt ends by SIGINT": (["-c", "raise KeyboardInterrupt"], {}),
+    "an exit code past a C long": (["-c", "import sys; sys.exit(2 ** 70)"], {}),
+    "the caller's umask and limits": (["-c", "import os, resource; print(oct(os.umask(0)),"
+                                       " resource.getrlimit(resource.RLIMIT_NOFILE))"],
+                                      {"preexec_fn": lambda: (os.umask(0o077),
+                                                              __import__("resource").setrlimit(
+                                                                  __import__("resource").RLIMIT_NOFILE, (99, 99)))}),
+    "an ignored SIGHUP stays ignored": (["-c", "import os, signal; os.kill(os.getpid(), signal.SIGHUP); print('alive')"],
+                                       {"preexec_fn": lambda: __import__("signal").signal(
+                                           __import__("signal").SIGHUP, __import__("signal").SIG_IGN)}),
+    "stdin's newlines as they come": (["-c", "import sys; print(repr(sys.stdin.read()), sys.stdout.name,"
+                                       " sys.stdout.errors)"], {"input": "a\r\nb\rc\n"}),
+}
+
+
+@pytest.mark.parametrize("name", EDGES)
+def test_edges_run_as_a_fresh_interpreter_runs_them(zygote, tmp_path, name):
+    argv, extra = EDGES[name]
+    kw = {"capture_output": True, "text": True, "cwd": tmp_path, "env": zygote.env, "timeout": 60, **extra}
+    served = subprocess.run([zygote.python, *argv], **kw)
+    fresh = subprocess.run([sys.executable, *argv], **kw)
+    assert (served.returncode, served.stdout, served.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+
+
+def test_a_relative_script_gets_an_absolute_file_and_its_own_main(zygote, tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "s.py").write_text("import __main__, os, threading\n"
+                                           "def late():\n    print(__file__, __main__.__dict__.get('MARK'), os.getpid())\n"
+                                           "MARK = 'mine'\nthreading.Timer(0.2, late).start()\n")
+    proc, out, err = _run(zygote, ["sub/s.py"], cwd=tmp_path)
+    where, mark, pid = out.split()
+    assert (where, mark) == (str(tmp_path / "sub" / "s.py"), "mine") and int(pid) != proc.pid, err
+
+
+def test_a_caller_that_gives_it_a_group_or_closes_a_stdio_descriptor_gets_a_fresh_one(zygote, tmp_path):
+    proc, out, _ = _run(zygote, ["-c", SHOW], start_new_session=True)       # killpg must reach its children
+    assert not _shown(proc, out)[1]
+    shell = subprocess.run(["sh", "-c", f'exec "{zygote.python}" -c "import os, sys; print(os.getpid(), sys.stdin)" <&-'],
+                           capture_output=True, text=True, env=zygote.env, timeout=60)
+    assert shell.stdout.split()[1:] == ["None"], shell.stderr
+
+
+def test_a_signal_right_after_the_start_is_never_lost(zygote, tmp_path):
+    """Sent as soon as the program says it is ready: it reaches the program's handler every time (a shim that
+    installed its forwarding late lost it, or died of it with the program left running)."""
+    code = ("import os, signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(5))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(30)\n")
+    for _ in range(15):
+        proc = subprocess.Popen([zygote.python, "-c", code], stdout=subprocess.PIPE, text=True, env=zygote.env)
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 5
+        proc.stdout.close()
