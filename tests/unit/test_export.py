@@ -11,9 +11,10 @@ what verl's merger, torch and transformers printed. Not here: checkpoints made o
 0.5B's size and time (the GPU harness's export profiles, docs/training-runs.md).
 
 The programs run as children of a preloaded interpreter (tests/fixtures/zygote.py; a fresh one's imports cost ~5
-CPU-s a run): the export, the fixtures' checkpoint maker and the library calls. verl's merger, which the export
-starts with ``sys.executable``, starts fresh (the real interpreter): the proof's ``merge_peak_rss_mib`` is its
-peak RSS. The test that reads the first export's PID from the second one's output starts the first fresh.
+CPU-s a run): the export, the fixtures' checkpoint maker and the library calls, and verl's merger, which the export
+starts with ``sys.executable``, but in the ``exported`` fixture: there it starts fresh, so the proof's
+``merge_peak_rss_mib`` (which a test reads) is its own peak RSS. The test that reads the first export's PID from the
+second one's output starts the first fresh.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def lab(verl_python, tmp_path_factory):
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with Zygote(verl_python, env) as zygote:
 
-        def run(*args, timeout=600):
-            return subprocess.run([zygote.python, *map(str, args)], cwd=tmp, env=env, capture_output=True,
-                                  text=True, timeout=timeout)
+        def run(*args, timeout=600, merger_fresh=False):
+            python = zygote.python if merger_fresh else zygote.python_serving_children
+            return subprocess.run([python, *map(str, args)], cwd=tmp, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
 
         yield SimpleNamespace(tmp=tmp, model=model, run=run, python=str(verl_python), env=env)
 
@@ -73,7 +75,7 @@ def exported(lab, checkpoints):
     """The export of each checkpoint's last step, made once: {strategy: (folder, proof, output)}."""
     found = {}
     for strategy, (ckpt, _) in checkpoints.items():
-        res = lab.run(EXPORT, "--checkpoint-dir", ckpt, "--final")
+        res = lab.run(EXPORT, "--checkpoint-dir", ckpt, "--final", merger_fresh=True)     # its proof's RSS is read
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         step = ckpt / f"global_step_{STEPS}"
         found[strategy] = (step, json.loads((step / "hf.proof.json").read_text()), res.stdout)

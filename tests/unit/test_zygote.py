@@ -287,3 +287,15 @@ def test_a_signal_right_after_the_start_is_never_lost(zygote, tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 5
         proc.stdout.close()
+
+
+def test_a_programs_own_children_start_fresh_unless_asked(zygote):
+    code = ("import os, subprocess, sys\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import os; print(os.getpid())'], stdout=subprocess.PIPE,"
+            " text=True)\n"
+            "print(os.path.basename(sys.executable), child.pid == int(child.communicate()[0]))\n")
+    fresh = subprocess.run([zygote.python, "-c", code], capture_output=True, text=True, env=zygote.env, timeout=60)
+    served = subprocess.run([zygote.python_serving_children, "-c", code], capture_output=True, text=True,
+                            env=zygote.env, timeout=60)
+    assert fresh.stdout.split() == [os.path.basename(sys.executable), "True"], fresh.stderr
+    assert served.stdout.split() == ["python-serving-children", "False"], served.stderr
