@@ -299,3 +299,13 @@ def test_a_programs_own_children_start_fresh_unless_asked(zygote):
                             env=zygote.env, timeout=60)
     assert fresh.stdout.split() == [os.path.basename(sys.executable), "True"], fresh.stderr
     assert served.stdout.split() == ["python-serving-children", "False"], served.stderr
+
+
+def test_a_server_that_cannot_start_leaves_the_programs_to_run_fresh(tmp_path, capsys):
+    pool = Served(sys.executable, preload=SMALL, timeout_s=0)
+    try:
+        assert pool.python() == sys.executable       # not ready in no time: refused, and every run fresh after
+        assert pool.python({**os.environ, "OTHER": "1"}) == sys.executable and not pool.servers
+    finally:
+        pool.stop()
+    assert "zygote: the zygote did not start" in capsys.readouterr().err
