@@ -186,13 +186,15 @@ CHECKPOINT_PROBE = Path(__file__).resolve().parents[1] / "fixtures" / "verl_chec
 
 
 @pytest.fixture(scope="module")
-def retention(python, trees):
+def retention(verl_python, trees):
     """verl's FSDPCheckpointManager on CPU, two ranks as two boxes with their own disks (a mount
     namespace each: root only), max_ckpt_to_keep=2: saves 1-3, then a new manager (a restarted
     process) saves 4. Per tree, per box: the steps whose actor save remains after each save."""
     if os.geteuid() != 0:
         pytest.skip("the two boxes' disks are mount namespaces: root only")
-    runs = {tree: subprocess.Popen([str(python), str(CHECKPOINT_PROBE), "retention"], cwd=trees[tree], text=True,
+    # fresh, not served (tests/fixtures/zygote.py): two of its served runs under load lost one rank's PROBE line
+    # (a KeyError in the test below; not diagnosed), none of its fresh runs did
+    runs = {tree: subprocess.Popen([str(verl_python), str(CHECKPOINT_PROBE), "retention"], cwd=trees[tree], text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for tree in ("pristine", "patched")}
     found = {}
     for tree, run in runs.items():
