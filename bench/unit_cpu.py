@@ -8,6 +8,9 @@ end). A run's CPU is its user + system time with every subprocess it reaped (``o
 verl runs, exports and ranks the tests start); the wall beside it ranks the two only roughly on a shared machine.
 Prints the medians and the ratios against ``before``; writes bench/results/unit_cpu.json. No root needed but where
 a module needs it (test_gather_once.py, test_verl_patches.py's retention). docs/testing.md "Heavy processes".
+Not for a module whose programs the zygote serves (tests/fixtures/zygote.py, the ``served`` fixture): those are
+the server's grandchildren, reaped by the kernel, and their CPU is not in pytest's rusage; measure the machine's
+CPU instead (docs/testing.md, the third round).
 """
 
 from __future__ import annotations
