@@ -402,9 +402,10 @@ def test_docs_table_is_what_the_runs_printed():
         DOC.write_text(f"{head}{TABLE_START}\n{render_table(ROWS)}\n{TABLE_END}{tail}")
         return
     # the seconds (the fifth column) change from run to run; everything else must be what these runs printed, but
-    # for the digits of the rows that print this machine's RAM and disk
+    # for the numbers in the rows that print this machine's RAM and disk (each number one N: 68.3 GiB free on one
+    # day, 75.3 and so 4.2 to free on another)
     def drop_seconds(table: str) -> list[str]:
         rows = ["|".join(cell for i, cell in enumerate(line.split("|")) if i != 5) for line in table.strip().splitlines()]
-        return [re.sub(r"\d", "N", r) if any(f"| {m} |" in r for m in MACHINE_ROWS) else r for r in rows]
+        return [re.sub(r"\d+", "N", r) if any(f"| {m} |" in r for m in MACHINE_ROWS) else r for r in rows]
     assert drop_seconds(written) == drop_seconds(render_table(ROWS)), \
         "docs/refusals.md differs from the runs: VERL_LAB_WRITE_DOCS=1 rewrites it"
