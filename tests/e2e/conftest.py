@@ -46,6 +46,7 @@ from tests.e2e.shared_labs import (  # noqa: E402
 )
 from tests.fixtures.standins import env as env_standins  # noqa: E402
 from tests.fixtures.standins import fleet as standins  # noqa: E402
+from tests.fixtures.zygote import PYINFRA_PRELOAD, Served  # noqa: E402
 from tests.lab import BoxSpec, Lab, requirements_missing  # noqa: E402
 
 
@@ -88,6 +89,25 @@ def _shared(name: str):
             _OPEN.pop(name, None)
 
 
+# pyinfra's runs (``Lab.deploy``) served by a preloaded interpreter (tests/fixtures/zygote.py; docs/testing.md
+# "Heavy processes"): a fresh `python -m pyinfra` spent ~0.5 CPU-s importing pyinfra, paramiko and gevent, in each
+# of some 250 deploys a run. One pool a worker, for every lab it makes; a run whose environment is not the pool's
+# (a test's own ``env``, past two) starts fresh. The drills that stop or kill pyinfra by its PID run it themselves.
+_PYINFRA: Served | None = None
+
+
+def _pyinfra_pool() -> Served:
+    global _PYINFRA
+    if _PYINFRA is None:
+        _PYINFRA = Served(sys.executable, max_servers=2, preload=PYINFRA_PRELOAD, timeout_s=60)
+    return _PYINFRA
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _PYINFRA is not None:
+        _PYINFRA.stop()
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -109,6 +129,10 @@ def labs():
         lab = Lab(**lab_kwargs)
         made.append(lab)
         lab.start()
+        lab.served = _pyinfra_pool()
+        # its server started here, in the main thread: a deploy may run in a thread, and a server ends with the
+        # thread that started it
+        lab.served.python(lab.pyinfra_env())
         if boxes:
             lab.boot([BoxSpec.of(b) for b in boxes])
         return lab

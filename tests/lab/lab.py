@@ -86,6 +86,9 @@ class Lab:
         self._started = False
         self._mirror_urls: dict[str, str] | None = None
         self._deleting: list[subprocess.Popen] = []     # folders of boxes stopped before close, being deleted
+        # what runs pyinfra: None, this interpreter; the e2e tests give a pool of preloaded interpreters
+        # (tests/fixtures/zygote.py ``Served``: ``.python(env)`` is the interpreter to run under ``env``)
+        self.served = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Lab:
@@ -284,13 +287,12 @@ class Lab:
         inv = self.write_inventory(data, per_host, names, path=self.dir / f"inventory-{self._deploys}.py")
         inv_main = self.inventory_path
         inv_main.write_text(inv.read_text())
-        cmd = [sys.executable, "-m", "pyinfra", "-y"]
+        run_env = self.pyinfra_env(env)
+        python = sys.executable if self.served is None else self.served.python(run_env)
+        cmd = [python, "-m", "pyinfra", "-y"]
         if mode == "json":
             cmd.append("--json")
         cmd += [*extra_args, str(inv), str(deploy_file)]
-        run_env = {**os.environ, "PYINFRA_PROGRESS": "off", "PYTHONUNBUFFERED": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(self.repo), os.environ.get("PYTHONPATH")])),
-                   **(env or {})}
         started = time.monotonic()
         try:
             proc = subprocess.run(cmd, cwd=self.repo, capture_output=True, text=True, timeout=timeout, env=run_env)
@@ -307,6 +309,12 @@ class Lab:
         self.log(f"lab: deploy {deploy_file} -> rc {rc}, changed {res.changed} {res.changed_by_host}, "
                  f"failed {res.failed_hosts} in {time.monotonic() - started:.1f}s (log {logf})")
         return res
+
+    def pyinfra_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment ``deploy`` runs pyinfra in: this process's, the repo on PYTHONPATH, ``env`` over it."""
+        return {**os.environ, "PYINFRA_PROGRESS": "off", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(self.repo), os.environ.get("PYTHONPATH")])),
+                **(env or {})}
 
     # ------------------------------------------------------------------ state
     def _save(self) -> None:

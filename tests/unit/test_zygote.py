@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.zygote import PRELOAD, Served, Zygote
+from tests.fixtures.zygote import PRELOAD, PYINFRA_PRELOAD, Served, Zygote
 
 SMALL = ("json", "email.message", "decimal")
 SHOW = ("import json, os, sys\n"
@@ -186,6 +186,65 @@ def test_served_keeps_one_server_and_runs_other_environments_fresh():
         assert len(pool.servers) == 1
     finally:
         pool.stop()
+
+
+def test_a_pool_starts_servers_in_the_main_thread_only():
+    """A server ends with the thread that started it (PR_SET_PDEATHSIG is the thread's): a pool asked from another
+    thread for an environment it has no server for runs that one fresh; one started in the main thread serves there."""
+    import threading
+
+    pool = Served(sys.executable, preload=SMALL)
+    got: list[str] = []
+    try:
+        worker = threading.Thread(target=lambda: got.append(pool.python({**os.environ, "VERL_LAB_A": "1"})))
+        worker.start()
+        worker.join()
+        assert got == [sys.executable] and not pool.servers
+        shim = pool.python()
+        worker = threading.Thread(target=lambda: got.append(pool.python({**os.environ, "VERL_LAB_B": "2"})))
+        worker.start()
+        worker.join()
+        assert got[1] == shim != sys.executable
+        proc, out, err = _run(pool.servers[next(iter(pool.servers))], ["-c", SHOW])
+        assert _shown(proc, out)[1], err                # served after its starting call returned
+    finally:
+        pool.stop()
+
+
+def test_pyinfra_served_patches_and_deploys_as_fresh(tmp_path):
+    """pyinfra's runs (tests/lab/lab.py): the server imported the ``pyinfra`` package and gevent's modules, not
+    pyinfra_cli, so the program's own start does gevent's monkey-patching as a fresh ``python -m pyinfra`` does: a
+    deploy sees the same patched socket, threading and subprocess, runs its operation and prints the same."""
+    deploy = tmp_path / "deploy.py"
+    deploy.write_text(
+        "import os, socket, subprocess, threading, gevent.monkey\n"
+        "from pyinfra.operations import server\n"
+        "print('PROBE', os.getpid(), gevent.monkey.is_module_patched('socket'), type(socket.socket).__module__,\n"
+        "      socket.socket.__module__, threading.Lock.__module__, subprocess.Popen.__module__, flush=True)\n"
+        "server.shell(name='say hi', commands=[f'echo hi > {os.getcwd()}/{os.getpid()}.done'])\n")
+    env = {**os.environ, "PYINFRA_PROGRESS": "off", "PYTHONUNBUFFERED": "1"}
+    argv = ["-m", "pyinfra", "-y", "@local", str(deploy)]
+
+    def probe(proc):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("PROBE"))
+        pid = int(line.split()[1])
+        assert (tmp_path / f"{pid}.done").read_text() == "hi\n"     # the operation ran
+        return pid, line.split()[2:], [x for x in (proc.stdout + proc.stderr).splitlines() if "say hi" in x]
+
+    fresh = subprocess.Popen([sys.executable, *argv], env=env, cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    fresh.stdout_, fresh.stderr_ = fresh.communicate(timeout=120)
+    with Zygote(sys.executable, env, preload=PYINFRA_PRELOAD, timeout_s=120) as z:
+        served = subprocess.Popen([z.python, *argv], env=env, cwd=tmp_path, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = served.communicate(timeout=120)
+    pid, patched, ok = probe(subprocess.CompletedProcess(argv, served.returncode, out, err))
+    fresh_pid, fresh_patched, fresh_ok = probe(subprocess.CompletedProcess(argv, fresh.returncode, fresh.stdout_,
+                                                                           fresh.stderr_))
+    assert fresh_pid == fresh.pid and pid != served.pid           # the first ran fresh, the second served
+    assert patched == fresh_patched and patched[0] == "True" and patched[2].startswith("gevent"), patched
+    assert ok == fresh_ok and ok
 
 
 def test_verls_stack_served_prints_what_it_prints_fresh(verl_python, tmp_path):
