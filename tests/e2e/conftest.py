@@ -90,22 +90,22 @@ def _shared(name: str):
 
 
 # pyinfra's runs (``Lab.deploy``) served by a preloaded interpreter (tests/fixtures/zygote.py; docs/testing.md
-# "Heavy processes"): a fresh `python -m pyinfra` spent ~0.5 CPU-s importing pyinfra, paramiko and gevent, in each
-# of some 250 deploys a run. One pool a worker, for every lab it makes; a run whose environment is not the pool's
+# "Heavy processes"): a fresh `python -m pyinfra` spent ~0.4 CPU-s importing pyinfra, paramiko and gevent, in each
+# of some 200 deploys a run. One pool a worker, for every lab it makes; a run whose environment is not the pool's
 # (a test's own ``env``, past two) starts fresh. The drills that stop or kill pyinfra by its PID run it themselves.
 _PYINFRA: Served | None = None
 
 
-def _pyinfra_pool() -> Served:
+@pytest.fixture(scope="session", autouse=True)
+def _pyinfra_served(tmp_path_factory):
+    """The worker's pool (its servers started by the labs, none before); its folders under pytest's base folder, which
+    pytest's own rotation removes where a killed worker could not."""
     global _PYINFRA
-    if _PYINFRA is None:
-        _PYINFRA = Served(sys.executable, max_servers=2, preload=PYINFRA_PRELOAD, timeout_s=60)
-    return _PYINFRA
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if _PYINFRA is not None:
-        _PYINFRA.stop()
+    _PYINFRA = Served(sys.executable, max_servers=2, preload=PYINFRA_PRELOAD, timeout_s=60,
+                      parent=str(tmp_path_factory.getbasetemp()))
+    yield _PYINFRA
+    _PYINFRA.stop()
+    _PYINFRA = None
 
 
 def _interrupt(signum, frame):
@@ -129,10 +129,11 @@ def labs():
         lab = Lab(**lab_kwargs)
         made.append(lab)
         lab.start()
-        lab.served = _pyinfra_pool()
-        # its server started here, in the main thread: a deploy may run in a thread, and a server ends with the
-        # thread that started it
-        lab.served.python(lab.pyinfra_env())
+        lab.served = _PYINFRA
+        if lab.served is not None:
+            # its server started here, in the main thread: a deploy may run in a thread, and a server ends with
+            # the thread that started it
+            lab.served.python(lab.pyinfra_env())
         if boxes:
             lab.boot([BoxSpec.of(b) for b in boxes])
         return lab
