@@ -107,11 +107,6 @@ print(" | ".join(procs[pid][1][:80] for pid in sorted(doomed)))
 """
 
 
-def pyinfra_env() -> dict:
-    return {**os.environ, "PYINFRA_PROGRESS": "off", "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-
-
 _RUNS = itertools.count(1)
 
 
@@ -125,7 +120,7 @@ def operation_list(lab, files, hosts, data, per_host=None) -> list[str]:
     """The operations a run would execute now, in order (pyinfra --debug-operations)."""
     inv = inventory(lab, hosts, data, per_host)
     proc = subprocess.run([sys.executable, "-m", "pyinfra", "-y", "--json", "--debug-operations", str(inv), *files],
-                          cwd=REPO, env=pyinfra_env(), capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=lab.pyinfra_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout[proc.stdout.find("{"):])
     return [" / ".join(sorted(op["names"])) for op in doc["op_order"]]
@@ -160,7 +155,7 @@ def run(lab, files, hosts, data, per_host=None, trigger=None, timeout=900) -> De
     number = next(_RUNS)
     inv = inventory(lab, hosts, data, per_host, number)
     cmd = [sys.executable, "-m", "pyinfra", "-y", "--json", str(inv), *files]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=pyinfra_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=lab.pyinfra_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     lines: queue.Queue = queue.Queue()
     err_lines: list[str] = []
